@@ -1,0 +1,104 @@
+"""Paged attention in plain torch: write new K/V into their slots, read each sequence's context
+back through its block table, and attend with scaled_dot_product_attention.
+
+A step's tokens are laid out decode-first: the first `num_decode_tokens` are single-token
+queries (one per sequence), the rest are prefill chunks of any length. Each group is one
+batched SDPA call over [B, heads, q_len, context] with a boolean mask, so mixed batches never
+pad a decode query up to a prefill's length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttendGroup:
+    slots: torch.Tensor  # [B, Lk] slot of each context position (padding reads slot 0, masked)
+    mask: torch.Tensor  # [B, 1, Lq, Lk] True where the query may attend the key
+    q_index: torch.Tensor | None  # [Tg] packed query -> row in [B * Lq]; None when Lq == 1
+    q_len: int
+
+
+@dataclass
+class AttentionMetadata:
+    positions: torch.Tensor  # [T] position of each token in its sequence
+    slot_mapping: torch.Tensor  # [T] where each new token's K/V is written
+    num_decode_tokens: int
+    decode: AttendGroup | None
+    prefill: AttendGroup | None
+
+
+def build_metadata(starts: list[int], lens: list[int], block_tables: list[list[int]], num_decode: int,
+                   block_size: int, sliding_window: int | None, device: torch.device) -> AttentionMetadata:
+    """starts[i]: KV positions sequence i already has; lens[i]: positions computed this step.
+    The first `num_decode` sequences have lens == 1."""
+    num_seqs = len(starts)
+    width = max(len(bt) for bt in block_tables)
+    block_table = torch.tensor([bt + [0] * (width - len(bt)) for bt in block_tables], dtype=torch.long)
+    start = torch.tensor(starts, dtype=torch.long)
+    length = torch.tensor(lens, dtype=torch.long)
+    # [B, width * block_size]: the slot of every position each sequence could hold.
+    all_slots = (block_table[:, :, None] * block_size + torch.arange(block_size)).view(num_seqs, -1)
+
+    seq_of_token = torch.repeat_interleave(torch.arange(num_seqs), length)
+    first_token = torch.cumsum(length, 0) - length
+    pos = start[seq_of_token] + torch.arange(int(length.sum())) - first_token[seq_of_token]
+    slot_mapping = all_slots[seq_of_token, pos]
+
+    def group(sl: slice) -> AttendGroup | None:
+        if sl.start == sl.stop:
+            return None
+        g_start, g_len = start[sl], length[sl]
+        q_len = int(g_len.max())
+        ctx = int((g_start + g_len).max())
+        # Query i of a sequence sits at position start + i; padded rows repeat the last one.
+        i = torch.arange(q_len)
+        q_pos = g_start[:, None] + torch.minimum(i[None, :], g_len[:, None] - 1)  # [B, Lq]
+        k_pos = torch.arange(ctx)
+        mask = k_pos[None, None, :] <= q_pos[:, :, None]  # [B, Lq, Lk]
+        if sliding_window is not None:
+            mask &= k_pos[None, None, :] > q_pos[:, :, None] - sliding_window
+        q_index = None
+        if q_len > 1:
+            first = int(first_token[sl.start])
+            tok = torch.arange(first, first + int(g_len.sum()))
+            seq = seq_of_token[tok]
+            q_index = ((seq - sl.start) * q_len + tok - first_token[seq]).to(device)
+        return AttendGroup(all_slots[sl, :ctx].contiguous().to(device), mask[:, None].to(device), q_index, q_len)
+
+    return AttentionMetadata(pos.to(device), slot_mapping.to(device), num_decode,
+                             group(slice(0, num_decode)), group(slice(num_decode, num_seqs)))
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    """q: [T, Hq, D]; k, v: [T, Hkv, D]; k_cache, v_cache: [num_slots, Hkv, D]. Returns [T, Hq, D]."""
+    k_cache.index_copy_(0, meta.slot_mapping, k)
+    v_cache.index_copy_(0, meta.slot_mapping, v)
+    nd = meta.num_decode_tokens
+    if meta.prefill is None:
+        return _attend(q.unsqueeze(1), k_cache, v_cache, meta.decode).squeeze(1)
+    out = torch.empty_like(q)
+    if meta.decode is not None:
+        out[:nd] = _attend(q[:nd].unsqueeze(1), k_cache, v_cache, meta.decode).squeeze(1)
+    g = meta.prefill
+    batch = g.slots.shape[0]
+    q_pad = q.new_zeros(batch * g.q_len, *q.shape[1:]).index_copy_(0, g.q_index, q[nd:])
+    o = _attend(q_pad.view(batch, g.q_len, *q.shape[1:]), k_cache, v_cache, g)
+    out[nd:] = o.reshape(batch * g.q_len, *q.shape[1:]).index_select(0, g.q_index)
+    return out
+
+
+def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: AttendGroup) -> torch.Tensor:
+    """q: [B, Lq, Hq, D] -> [B, Lq, Hq, D], attending over the group's context slots."""
+    batch, ctx = g.slots.shape
+    flat = g.slots.view(-1)
+    k = k_cache.index_select(0, flat).view(batch, ctx, *k_cache.shape[1:]).transpose(1, 2)  # [B, Hkv, Lk, D]
+    v = v_cache.index_select(0, flat).view(batch, ctx, *v_cache.shape[1:]).transpose(1, 2)
+    o = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=g.mask,
+                                       enable_gqa=q.shape[2] != k.shape[1])
+    return o.transpose(1, 2)

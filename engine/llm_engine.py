@@ -1,0 +1,223 @@
+"""The engine: add requests, step, read outputs. One step is schedule -> execute -> postprocess.
+
+It also keeps a finished prefill's KV under a kv_lease (the prefill side of a disaggregated
+request) and admits a sequence whose prompt KV was computed elsewhere (the decode side).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.model_config import ModelConfig
+from engine.model_runner import ModelRunner
+from engine.model_source import resolve_model
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.sequence import FinishReason, Sequence, SequenceStatus
+from engine.tokenizer import load_tokenizer
+
+
+@dataclass
+class KVLease:
+    """A finished prefill's blocks, held until the decode side has read them."""
+    block_table: list[int]
+    num_tokens: int
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} requested but CUDA is not available")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, checkpoint_dtype: str, device: torch.device) -> torch.dtype:
+    name = checkpoint_dtype if dtype == "auto" else dtype
+    resolved = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(name, torch.float32)
+    if dtype == "auto" and resolved == torch.float16 and device.type == "cpu":
+        resolved = torch.bfloat16  # fp16 matmuls are slow on CPUs; bf16 has AMX/AVX-512 support
+    return resolved
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, kv_buffer: torch.Tensor | None = None):
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.model_dir = resolve_model(config.model)
+        self.model_config = cfg = ModelConfig.from_dir(self.model_dir)
+        self.tokenizer = load_tokenizer(self.model_dir)
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, cfg.checkpoint_dtype, self.device)
+        max_model_len = config.max_model_len or cfg.max_position_embeddings
+        if max_model_len > cfg.max_position_embeddings:
+            raise ValueError(f"max_model_len must be <= the model's max_position_embeddings "
+                             f"({cfg.max_position_embeddings}), got {max_model_len}")
+        self.runner = ModelRunner(cfg, self.model_dir, config, self.dtype, self.device, max_model_len, kv_buffer)
+        self.kv_cache = self.runner.kv_cache
+        self.block_manager = BlockManager(self.kv_cache.num_blocks, config.block_size)
+        # A sequence can never outgrow the whole KV pool.
+        self.max_model_len = min(max_model_len, self.kv_cache.num_blocks * config.block_size)
+        self.scheduler = Scheduler(config, self.block_manager, self.max_model_len, cfg.eos_token_ids)
+        self.requests: dict[str, tuple[Sequence, IncrementalDetokenizer | None]] = {}
+        self.kv_leases: dict[str, KVLease] = {}
+
+    # ---- requests in -------------------------------------------------------------------
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        """Validates a prompt and returns its token ids."""
+        if isinstance(prompt, str):
+            if prompt == "":
+                raise ValueError("prompt must not be empty")
+            if self.tokenizer is None:
+                raise ValueError(f"prompt: model {self.config.model!r} has no tokenizer; pass token ids")
+            return self.tokenizer.encode(prompt, add_special_tokens=False)
+        ids = list(prompt)
+        if not ids:
+            raise ValueError("prompt must not be empty")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab}), got {bad[:5]}")
+        return ids
+
+    def _check_length(self, num_tokens: int) -> None:
+        if num_tokens >= self.max_model_len:
+            raise ValueError(f"prompt has {num_tokens} tokens; it must be shorter than max_model_len "
+                             f"({self.max_model_len}) to leave room for one generated token")
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    keep_kv: bool = False) -> None:
+        """Queues a request. Raises ValueError, naming what is wrong, and changes nothing else.
+        With keep_kv the prompt's KV outlives the request under a kv_lease (see export_kv)."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if request_id in self.requests or request_id in self.kv_leases:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        ids = self.tokenize(prompt)
+        self._check_length(len(ids))
+        seq = Sequence(request_id, ids, params, keep_kv=keep_kv)
+        self._track(seq)
+        self.scheduler.add(seq)
+
+    def _track(self, seq: Sequence) -> None:
+        detok = None
+        if self.tokenizer is not None:
+            detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, seq.params.stop)
+            for token_id in seq.output_token_ids:  # sampled elsewhere and already streamed there
+                detok.add(token_id)
+            detok.num_emitted = len(detok.text)
+        self.requests[seq.request_id] = (seq, detok)
+
+    def abort_request(self, request_id: str) -> bool:
+        """Cancels a request and frees its blocks. Returns whether it was still running."""
+        entry = self.requests.pop(request_id, None)
+        if entry is None:
+            return False
+        self.scheduler.finish(entry[0], FinishReason.ABORT)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the step ------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        sampled = self.runner.execute(batch)
+        self.scheduler.update(batch, sampled.token_ids)
+        outputs = []
+        for seq, token_id, logprobs in zip(batch.seqs, sampled.token_ids, sampled.logprobs):
+            if token_id is None or seq.request_id not in self.requests:
+                continue
+            if logprobs is not None:
+                seq.output_logprobs.append(logprobs)
+            outputs.append(self._postprocess(seq, token_id))
+        return outputs
+
+    def _postprocess(self, seq: Sequence, token_id: int) -> RequestOutput:
+        detok = self.requests[seq.request_id][1]
+        new_text = ""
+        if detok is not None:
+            new_text, stopped = detok.add(token_id, final=seq.is_finished)
+            if stopped and not seq.is_finished:
+                self._finish(seq, FinishReason.STOP)
+        if seq.is_finished:
+            del self.requests[seq.request_id]
+            if seq.keep_kv and seq.block_table:
+                self.kv_leases[seq.request_id] = KVLease(seq.block_table, seq.num_computed_tokens)
+                seq.block_table = []
+        return RequestOutput(
+            request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids,
+            token_ids=list(seq.output_token_ids), text=detok.text if detok else "",
+            new_token_ids=[token_id], new_text=new_text, finished=seq.is_finished,
+            finish_reason=seq.finish_reason.value if seq.finish_reason else None,
+            logprobs=seq.output_logprobs if seq.params.logprobs is not None else None,
+            num_preemptions=seq.num_preemptions)
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        self.scheduler.finish(seq, reason)
+
+    # ---- KV out (prefill side) -----------------------------------------------------------
+    def export_kv(self, request_id: str) -> torch.Tensor:
+        """The leased KV of a finished keep_kv request: [layers, 2, tokens, kv_heads, head_dim]."""
+        lease = self._lease(request_id)
+        return self.kv_cache.export_kv(lease.block_table, lease.num_tokens)
+
+    def release_kv(self, request_id: str) -> None:
+        """Ends a kv_lease; its blocks return to the free list once nothing else holds them."""
+        lease = self.kv_leases.pop(request_id, None)
+        if lease is not None:
+            self.block_manager.decref(lease.block_table)
+
+    def _lease(self, request_id: str) -> KVLease:
+        if request_id not in self.kv_leases:
+            raise KeyError(f"no kv_lease for request {request_id!r}")
+        return self.kv_leases[request_id]
+
+    # ---- KV in (decode side) -------------------------------------------------------------
+    def can_reserve_kv(self, num_tokens: int) -> bool:
+        return self.block_manager.blocks_for(num_tokens) <= self.block_manager.num_free_blocks
+
+    def reserve_kv(self, num_tokens: int) -> list[int]:
+        """Blocks for KV computed elsewhere; fill them (kv_cache.import_kv or a transport), then
+        add_prefilled_request, or give them back with free_kv."""
+        if num_tokens >= self.max_model_len:
+            self._check_length(num_tokens)
+        return self.block_manager.allocate_blocks(self.block_manager.blocks_for(num_tokens))
+
+    def free_kv(self, block_table: list[int]) -> None:
+        self.block_manager.decref(block_table)
+
+    def add_prefilled_request(self, request_id: str, prompt_token_ids: list[int], output_token_ids: list[int],
+                              params: SamplingParams, block_table: list[int]) -> None:
+        """Admits a sequence whose prompt KV already sits in `block_table` (reserved with
+        reserve_kv) and whose first tokens were sampled elsewhere; decoding continues from there.
+        The sequence owns the blocks from now on, also if this raises."""
+        seq = Sequence(request_id, list(prompt_token_ids), params, output_token_ids=list(output_token_ids),
+                       num_computed_tokens=len(prompt_token_ids) + len(output_token_ids) - 1,
+                       block_table=list(block_table))
+        try:
+            if not isinstance(params, SamplingParams):
+                raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+            if request_id in self.requests:
+                raise ValueError(f"request_id {request_id!r} is already in use")
+            if not output_token_ids:
+                raise ValueError("output_token_ids must hold the token sampled by the prefill")
+            self.tokenize(seq.prompt_token_ids + seq.output_token_ids)
+            self._check_length(seq.num_computed_tokens)
+            if self.block_manager.blocks_for(seq.num_computed_tokens) > len(block_table):
+                raise ValueError(f"block_table has {len(block_table)} blocks, too few for "
+                                 f"{seq.num_computed_tokens} tokens")
+        except ValueError:
+            self.block_manager.free(seq)
+            raise
+        self._track(seq)
+        self.scheduler.add(seq)

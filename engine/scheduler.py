@@ -1,0 +1,132 @@
+"""Decides what runs in the next step; returns plain data and never touches tensors.
+
+Lifecycle of a sequence: waiting -> running (prefill, possibly in chunks; then decode one token
+per step) -> finished. When blocks run out, the newest running sequence is preempted: its blocks
+are freed and it returns to the front of the queue to be recomputed (prompt + output so far).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.sequence import FinishReason, Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: list[Sequence]
+    num_scheduled_tokens: list[int]  # per sequence: KV positions to compute this step
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, max_model_len: int,
+                 eos_token_ids: tuple[int, ...]):
+        self.config = config
+        self.block_manager = block_manager
+        self.max_model_len = max_model_len
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        # Admissions keep a few blocks back so that running sequences can still grow.
+        self.watermark_blocks = block_manager.num_blocks // 100
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        cfg, bm = self.config, self.block_manager
+        budget = cfg.max_num_batched_tokens
+        batch = ScheduledBatch([], [])
+        preempted = False
+        # 1. Running sequences, oldest first (mostly one decode token each).
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not bm.can_allocate(seq, seq.num_computed_tokens + n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            if seq.status is not SequenceStatus.RUNNING:
+                break
+            bm.allocate(seq, seq.num_computed_tokens + n)
+            batch.seqs.append(seq)
+            batch.num_scheduled_tokens.append(n)
+            budget -= n
+            i += 1
+        # 2. Waiting sequences, while tokens, slots and blocks allow (none after a preemption:
+        #    memory is short). Static batching admits only into an empty batch.
+        if preempted or (cfg.scheduling == "static" and self.running):
+            return batch
+        while self.waiting and len(self.running) < cfg.max_num_seqs and budget > 0:
+            seq = self.waiting[0]
+            n = seq.num_tokens - seq.num_computed_tokens
+            if n > budget:
+                if not cfg.enable_chunked_prefill:
+                    break
+                n = budget
+            if not bm.can_allocate(seq, seq.num_computed_tokens + n, reserve=self.watermark_blocks):
+                break
+            self.waiting.popleft()
+            bm.allocate(seq, seq.num_computed_tokens + n)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            batch.seqs.append(seq)
+            batch.num_scheduled_tokens.append(n)
+            budget -= n
+        return batch
+
+    def update(self, batch: ScheduledBatch, sampled: list[int | None]) -> list[Sequence]:
+        """Records a step's results; returns the sequences that finished in it."""
+        finished = []
+        for seq, n, token_id in zip(batch.seqs, batch.num_scheduled_tokens, sampled):
+            seq.num_computed_tokens += n
+            if token_id is None or seq.is_finished:  # a prefill chunk, or aborted meanwhile
+                continue
+            seq.output_token_ids.append(token_id)
+            reason = self._stop_reason(seq, token_id)
+            if reason is not None:
+                self.finish(seq, reason)
+                finished.append(seq)
+        return finished
+
+    def _stop_reason(self, seq: Sequence, token_id: int) -> FinishReason | None:
+        params = seq.params
+        if (token_id in self.eos_token_ids and not params.ignore_eos) or token_id in params.stop_token_ids:
+            return FinishReason.STOP
+        if len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """Ends a sequence wherever it is and frees its blocks. Idempotent."""
+        if seq.is_finished:
+            return
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        if not seq.keep_kv or reason is FinishReason.ABORT:
+            self.block_manager.free(seq)  # else the engine moves seq.block_table into a kv_lease
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1

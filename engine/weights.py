@@ -1,0 +1,75 @@
+"""Reads a Hugging Face checkpoint's safetensors into the engine's fused layout.
+
+q/k/v projections are concatenated into one matrix and gate/up into another, so each layer
+runs four matmuls instead of seven.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from engine.model_config import ModelConfig
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor  # [H]
+    qkv: torch.Tensor  # [(Hq + 2 Hkv) * D, H]
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor  # [H, Hq * D]
+    post_norm: torch.Tensor  # [H]
+    gate_up: torch.Tensor  # [2 I, H]
+    down: torch.Tensor  # [H, I]
+
+
+@dataclass
+class ModelWeights:
+    embed: torch.Tensor  # [V, H]
+    layers: list[LayerWeights]
+    final_norm: torch.Tensor  # [H]
+    lm_head: torch.Tensor  # [V, H]; the embedding itself when tied
+
+
+def _read_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"model: no *.safetensors files in {model_dir}")
+    tensors = {}
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                tensors[name] = f.get_tensor(name)
+    return tensors
+
+
+def load_weights(model_dir: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> ModelWeights:
+    raw = _read_tensors(model_dir)
+
+    def take(name: str) -> torch.Tensor:
+        if name not in raw:
+            raise ValueError(f"model: checkpoint in {model_dir} lacks tensor {name!r}")
+        return raw.pop(name).to(device=device, dtype=dtype)
+
+    layers = []
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        attn = p + "self_attn."
+        qkv_bias = None
+        if cfg.qkv_bias:
+            qkv_bias = torch.cat([take(attn + f"{n}_proj.bias") for n in "qkv"])
+        layers.append(LayerWeights(
+            input_norm=take(p + "input_layernorm.weight"),
+            qkv=torch.cat([take(attn + f"{n}_proj.weight") for n in "qkv"]),
+            qkv_bias=qkv_bias,
+            o=take(attn + "o_proj.weight"),
+            post_norm=take(p + "post_attention_layernorm.weight"),
+            gate_up=torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]),
+            down=take(p + "mlp.down_proj.weight"),
+        ))
+    embed = take("model.embed_tokens.weight")
+    lm_head = embed if cfg.tie_word_embeddings else take("lm_head.weight")
+    return ModelWeights(embed=embed, layers=layers, final_norm=take("model.norm.weight"), lm_head=lm_head)
