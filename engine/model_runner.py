@@ -34,9 +34,10 @@ class ModelRunner:
                                 cfg.head_dim, dtype, device, kv_buffer)
         self.sampler = Sampler(config.seed, device)
 
-    def execute(self, batch: ScheduledBatch) -> SamplerOutput:
-        """Runs one step. Returns, per sequence in batch order, the sampled token id (None for a
-        prefill chunk that does not reach the end of its sequence yet) and logprobs if asked."""
+    def forward(self, batch: ScheduledBatch) -> tuple[list[int], torch.Tensor]:
+        """One forward over the batch's tokens. Returns the batch indices of the sequences whose KV
+        catches up with their tokens this step (prefill chunks before the end do not), and their
+        next-token logits [N, V] in fp32."""
         order = sorted(range(len(batch)), key=lambda i: batch.num_scheduled_tokens[i] != 1)  # decodes first
         seqs = [batch.seqs[i] for i in order]
         lens = [batch.num_scheduled_tokens[i] for i in order]
@@ -49,20 +50,26 @@ class ModelRunner:
         ids = torch.tensor(input_ids, dtype=torch.long).to(self.device)
         hidden = self.model.forward(ids, meta.positions, meta, self.kv_cache)  # [T, H]
 
-        # Only sequences whose KV catches up with their tokens produce a next token.
-        ends, last_index, pos = [], [], 0
+        rows, last_index, pos = [], [], 0
         for j, (seq, start, n) in enumerate(zip(seqs, starts, lens)):
             pos += n
             if start + n == seq.num_tokens:
-                ends.append(j)
+                rows.append(order[j])
                 last_index.append(pos - 1)
+        if not rows:
+            return [], hidden.new_empty(0, self.cfg.vocab_size, dtype=torch.float32)
+        return rows, self.model.compute_logits(hidden[torch.tensor(last_index, device=self.device)])
+
+    def execute(self, batch: ScheduledBatch) -> SamplerOutput:
+        """forward + sample. Per sequence in batch order: the sampled token id (None for a prefill
+        chunk short of the end) and its logprobs when asked."""
+        rows, logits = self.forward(batch)
         result = SamplerOutput([None] * len(batch), [None] * len(batch))
-        if not ends:
+        if not rows:
             return result
-        logits = self.model.compute_logits(hidden[torch.tensor(last_index, device=self.device)])
-        sampling = [seqs[j] for j in ends]
+        sampling = [batch.seqs[i] for i in rows]
         out = self.sampler(logits, [s.params for s in sampling], [len(s.output_token_ids) for s in sampling])
-        for j, token_id, logprobs in zip(ends, out.token_ids, out.logprobs):
-            result.token_ids[order[j]] = token_id
-            result.logprobs[order[j]] = logprobs
+        for i, token_id, logprobs in zip(rows, out.token_ids, out.logprobs):
+            result.token_ids[i] = token_id
+            result.logprobs[i] = logprobs
         return result

@@ -1,1 +1,1 @@
-
+"""The pdserve command line."""

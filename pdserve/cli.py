@@ -1,0 +1,83 @@
+"""The `pdserve` command."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2-135m",
+                   help="short name (smollm2-135m), a Hugging Face directory, or a .gguf file")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    p.add_argument("--kv-cache-gb", type=float, default=1.0, help="memory for the KV cache")
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=4096)
+
+
+def engine_config(args):
+    from engine import EngineConfig
+
+    return EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
+                        kv_cache_bytes=int(args.kv_cache_gb * (1 << 30)), max_num_seqs=args.max_num_seqs,
+                        max_num_batched_tokens=args.max_num_batched_tokens)
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def sampling_params(args):
+    from engine import SamplingParams
+
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                          top_p=args.top_p, seed=args.seed, stop=args.stop)
+
+
+def cmd_generate_offline(args) -> int:
+    from engine import LLM
+    from engine.tokenizer import apply_chat_template
+
+    started = time.perf_counter()
+    llm = LLM(**vars(engine_config(args)))
+    loaded = time.perf_counter()
+    prompt = args.prompt
+    if not args.raw and llm.tokenizer is not None and getattr(llm.tokenizer, "chat_template", None):
+        prompt = apply_chat_template(llm.tokenizer, [{"role": "user", "content": prompt}])
+    out = llm.generate(prompt, sampling_params(args))[0]
+    done = time.perf_counter()
+    print(out.text)
+    n = len(out.token_ids)
+    print(f"[{llm.engine.model_dir.name} on {llm.engine.device} {str(llm.engine.dtype).replace('torch.', '')}: "
+          f"load {loaded - started:.1f} s, {len(out.prompt_token_ids)} prompt + {n} generated tokens "
+          f"in {done - loaded:.2f} s ({n / (done - loaded):.1f} tokens/s), finish: {out.finish_reason}]",
+          file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode LLM serving.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("generate-offline", help="run the engine in this process on one prompt")
+    p.add_argument("prompt")
+    p.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    add_engine_args(p)
+    add_sampling_args(p)
+    p.set_defaults(func=cmd_generate_offline)
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as e:
+        print(f"pdserve: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,106 @@
+"""Our forward against transformers' on tiny random checkpoints, in fp32."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_engine
+from tiny_models import make_tiny_model
+from transformers import AutoModelForCausalLM
+
+from engine.attention import build_metadata
+from engine.scheduler import ScheduledBatch
+from engine.sequence import Sequence
+from engine.sampling_params import SamplingParams
+
+ATOL = 1e-4
+PROMPTS = [[5, 17, 33, 8, 90, 41, 7], [200, 3], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23], [64]]
+
+ROPE_VARIANTS = {
+    "linear": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
+    "llama3": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+    "yarn": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 256},
+}
+
+
+def hf_last_logits(hf, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0, -1].float()
+
+
+def check_prefill_then_decode(model_dir, steps: int = 6):
+    """A prefill of mixed-length prompts in one forward, then decode steps of the mixed batch, with
+    a new prompt joining mid-way so one step mixes decode and prefill."""
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    engine = make_engine(model_dir)
+    runner, bm = engine.runner, engine.block_manager
+    seqs = [Sequence(f"r{i}", list(p), SamplingParams(temperature=0)) for i, p in enumerate(PROMPTS[:3])]
+    late = Sequence("late", list(PROMPTS[2][:9]), SamplingParams(temperature=0))
+    for step in range(steps):
+        if step == 2:
+            seqs.append(late)
+        counts = [s.num_tokens - s.num_computed_tokens for s in seqs]
+        for s, n in zip(seqs, counts):
+            bm.allocate(s, s.num_computed_tokens + n)
+        rows, logits = runner.forward(ScheduledBatch(seqs, counts))
+        assert rows == list(range(len(seqs)))
+        for s, row in zip(seqs, logits):
+            ref = hf_last_logits(hf, s.prompt_token_ids + s.output_token_ids)
+            torch.testing.assert_close(row, ref, atol=ATOL, rtol=0)
+        for s, n, row in zip(seqs, counts, logits):
+            s.num_computed_tokens += n
+            s.output_token_ids.append(int(row.argmax()))
+
+
+def test_llama_prefill_and_decode_match_transformers(tiny_llama):
+    check_prefill_then_decode(tiny_llama)
+
+
+def test_qwen2_with_qkv_bias_matches_transformers(tiny_qwen2):
+    check_prefill_then_decode(tiny_qwen2)
+
+
+def test_tied_embeddings_match_transformers(tmp_path):
+    check_prefill_then_decode(make_tiny_model(tmp_path, "llama", seed=3, tie=True), steps=3)
+
+
+@pytest.mark.parametrize("variant", sorted(ROPE_VARIANTS))
+def test_rope_scaling_variants_match_transformers(tmp_path, variant):
+    check_prefill_then_decode(make_tiny_model(tmp_path, "llama", seed=4, rope_parameters=ROPE_VARIANTS[variant]),
+                              steps=3)
+
+
+def test_prefill_logits_at_every_position(tiny_llama):
+    """The packed prefill (no padding between prompts) is right at every position, not only the last."""
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    engine = make_engine(tiny_llama)
+    seqs = [Sequence(f"r{i}", p, SamplingParams()) for i, p in enumerate(PROMPTS)]
+    for s in seqs:
+        engine.block_manager.allocate(s, s.num_tokens)
+    lens = [s.num_tokens for s in seqs]
+    meta = build_metadata([0] * len(seqs), lens, [s.block_table for s in seqs], 0,
+                          engine.config.block_size, None, engine.device)
+    ids = torch.tensor([t for p in PROMPTS for t in p])
+    logits = engine.runner.model.compute_logits(engine.runner.model.forward(ids, meta.positions, meta,
+                                                                             engine.kv_cache))
+    start = 0
+    for p in PROMPTS:
+        with torch.no_grad():
+            ref = hf(torch.tensor([p])).logits[0]
+        torch.testing.assert_close(logits[start:start + len(p)], ref, atol=ATOL, rtol=0)
+        start += len(p)
+
+
+def test_greedy_generate_equals_transformers_generate(tiny_qwen2):
+    hf = AutoModelForCausalLM.from_pretrained(tiny_qwen2, dtype=torch.float32).eval()
+    engine = make_engine(tiny_qwen2)
+    from conftest import run_to_completion
+
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(str(i), p, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    outs = run_to_completion(engine)
+    for i, p in enumerate(PROMPTS):
+        ref = hf.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, eos_token_id=hf.config.vocab_size,
+                          pad_token_id=0)
+        assert outs[str(i)].token_ids == ref[0, len(p):].tolist()

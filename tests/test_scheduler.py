@@ -1,0 +1,107 @@
+"""The scheduler and block manager driven with faked runner outputs: no model, milliseconds."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.sequence import FinishReason, Sequence, SequenceStatus
+
+
+def make(num_blocks=16, block_size=4, max_model_len=1000, **cfg) -> Scheduler:
+    return Scheduler(EngineConfig(block_size=block_size, **cfg), BlockManager(num_blocks, block_size),
+                     max_model_len, eos_token_ids=(0,))
+
+
+def seq(rid, n_prompt, max_tokens=5) -> Sequence:
+    return Sequence(rid, list(range(1, n_prompt + 1)), SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+
+
+def fake_step(s: Scheduler, token=7):
+    batch = s.schedule()
+    sampled = [token if q.num_computed_tokens + n == q.num_tokens else None
+               for q, n in zip(batch.seqs, batch.num_scheduled_tokens)]
+    return batch, s.update(batch, sampled)
+
+
+def test_block_manager_refcounts_and_free_list():
+    bm = BlockManager(4, 2)
+    a = seq("a", 3)
+    assert bm.can_allocate(a, 3)
+    bm.allocate(a, 3)
+    assert a.block_table == [0, 1] and bm.num_free_blocks == 2
+    bm.allocate(a, 4)  # still fits in two blocks
+    assert bm.num_free_blocks == 2
+    bm.incref(a.block_table)  # a kv_lease
+    bm.free(a)
+    assert bm.num_free_blocks == 2  # the lease still holds them
+    bm.decref([0, 1])
+    assert bm.num_free_blocks == 4
+    with pytest.raises(RuntimeError, match="double free"):
+        bm.decref([0])
+    assert not bm.can_allocate(seq("b", 9), 9)
+
+
+def test_prefill_then_one_token_per_step():
+    s = make()
+    s.add(seq("a", 6))
+    batch, _ = fake_step(s)
+    assert batch.num_scheduled_tokens == [6]
+    batch, _ = fake_step(s)
+    assert batch.num_scheduled_tokens == [1]
+
+
+def test_token_budget_chunks_a_long_prompt():
+    s = make(max_num_batched_tokens=4)
+    s.add(seq("a", 10))
+    counts = [fake_step(s)[0].num_scheduled_tokens for _ in range(4)]
+    assert counts == [[4], [4], [2], [1]]
+
+
+def test_running_decodes_go_before_new_prefills():
+    s = make(max_num_batched_tokens=8)
+    s.add(seq("a", 3))
+    fake_step(s)
+    s.add(seq("b", 20))
+    batch, _ = fake_step(s)
+    assert [q.request_id for q in batch.seqs] == ["a", "b"]
+    assert batch.num_scheduled_tokens == [1, 7]
+
+
+def test_preemption_takes_the_newest_and_requeues_it_first():
+    s = make(num_blocks=4, block_size=2)
+    a, b = seq("a", 3, max_tokens=10), seq("b", 3, max_tokens=10)
+    s.add(a)
+    s.add(b)
+    fake_step(s)  # both prefilled (positions 0-2): 2 blocks each, pool full
+    fake_step(s)  # position 3 still fits
+    batch, _ = fake_step(s)  # position 4 needs a third block each -> b, the newest, is preempted
+    assert b.status is SequenceStatus.WAITING and b.num_computed_tokens == 0 and b.block_table == []
+    assert s.waiting[0] is b and [q.request_id for q in batch.seqs] == ["a"]
+    assert s.num_preemptions == 1
+
+
+def test_random_workload_never_leaks_blocks():
+    rng = random.Random(0)
+    s = make(num_blocks=24, block_size=4, max_num_seqs=6, max_num_batched_tokens=16)
+    live = []
+    for step in range(400):
+        if rng.random() < 0.3:
+            q = seq(f"r{step}", rng.randint(1, 30), max_tokens=rng.randint(1, 20))
+            s.add(q)
+            live.append(q)
+        if rng.random() < 0.05 and live:
+            s.finish(rng.choice(live), FinishReason.ABORT)
+        if s.has_unfinished():
+            fake_step(s)
+        used = sum(len(q.block_table) for q in live)
+        assert used == s.block_manager.num_used_blocks
+    while s.has_unfinished():
+        fake_step(s)
+    assert s.block_manager.num_used_blocks == 0
+    assert all(q.is_finished for q in live)

@@ -1,0 +1,65 @@
+"""Tiny random checkpoints built from a config with a fixed seed, saved like real ones."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Paged attention stores the KV cache in fixed-size blocks.",
+    "Prefill is compute-bound; decode is memory-bound.",
+    "Hello world! Disaggregated serving moves KV from prefill to decode nodes.",
+    "0123456789 abcdefghijklmnopqrstuvwxyz ABCDEFGHIJKLMNOPQRSTUVWXYZ .,;:!?'\"-()",
+]
+EOS = "<|eos|>"
+
+
+def save_tokenizer(path: Path, vocab_size: int = 320) -> int:
+    """A byte-level BPE trained on a few sentences; returns the EOS id."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS)
+    fast.chat_template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+                          "{% if add_generation_prompt %}<assistant>{% endif %}")
+    fast.save_pretrained(path)
+    return fast.convert_tokens_to_ids(EOS)
+
+
+def make_tiny_model(path: Path, arch: str = "llama", seed: int = 0, rope_parameters: dict | None = None,
+                    vocab_size: int = 320, tie: bool = False, max_position_embeddings: int = 1024) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    eos_id = save_tokenizer(path, vocab_size)
+    common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_position_embeddings,
+                  tie_word_embeddings=tie, eos_token_id=eos_id, bos_token_id=eos_id,
+                  initializer_range=0.1,  # peakier than the default so greedy has clear winners
+                  rope_parameters=rope_parameters or {"rope_type": "default", "rope_theta": 10000.0})
+    torch.manual_seed(seed)
+    if arch == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**common))
+    elif arch == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**common))
+        with torch.no_grad():  # transformers zero-initializes biases; make them matter
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.5)
+    else:
+        raise ValueError(arch)
+    with torch.no_grad():  # non-trivial norm weights, so a missing norm would show
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    model.to(torch.float32).save_pretrained(path)
+    return path
