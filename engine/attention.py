@@ -24,18 +24,29 @@ class AttendGroup:
 
 
 @dataclass
+class DecodeGroup:
+    """For the C++ CPU kernel, which reads K/V in place through the block table."""
+    block_table: torch.Tensor  # [B, max_blocks] int64
+    context_lens: torch.Tensor  # [B] int64, the new token included
+
+
+@dataclass
 class AttentionMetadata:
     positions: torch.Tensor  # [T] position of each token in its sequence
     slot_mapping: torch.Tensor  # [T] where each new token's K/V is written
     num_decode_tokens: int
-    decode: AttendGroup | None
+    decode: AttendGroup | DecodeGroup | None
     prefill: AttendGroup | None
+    block_size: int
+    sliding_window: int | None
 
 
 def build_metadata(starts: list[int], lens: list[int], block_tables: list[list[int]], num_decode: int,
-                   block_size: int, sliding_window: int | None, device: torch.device) -> AttentionMetadata:
+                   block_size: int, sliding_window: int | None, device: torch.device,
+                   decode_kernel: bool = False) -> AttentionMetadata:
     """starts[i]: KV positions sequence i already has; lens[i]: positions computed this step.
-    The first `num_decode` sequences have lens == 1."""
+    The first `num_decode` sequences have lens == 1. With decode_kernel, their attention runs in
+    the C++ kernel (see cpu_kernels.py)."""
     num_seqs = len(starts)
     width = max(len(bt) for bt in block_tables)
     block_table = torch.tensor([bt + [0] * (width - len(bt)) for bt in block_tables], dtype=torch.long)
@@ -70,8 +81,12 @@ def build_metadata(starts: list[int], lens: list[int], block_tables: list[list[i
             q_index = ((seq - sl.start) * q_len + tok - first_token[seq]).to(device)
         return AttendGroup(all_slots[sl, :ctx].contiguous().to(device), mask[:, None].to(device), q_index, q_len)
 
-    return AttentionMetadata(pos.to(device), slot_mapping.to(device), num_decode,
-                             group(slice(0, num_decode)), group(slice(num_decode, num_seqs)))
+    if decode_kernel and num_decode:
+        decode = DecodeGroup(block_table[:num_decode].to(device), (start + length)[:num_decode].to(device))
+    else:
+        decode = group(slice(0, num_decode))
+    return AttentionMetadata(pos.to(device), slot_mapping.to(device), num_decode, decode,
+                             group(slice(num_decode, num_seqs)), block_size, sliding_window)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -80,11 +95,15 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     k_cache.index_copy_(0, meta.slot_mapping, k)
     v_cache.index_copy_(0, meta.slot_mapping, v)
     nd = meta.num_decode_tokens
-    if meta.prefill is None:
-        return _attend(q.unsqueeze(1), k_cache, v_cache, meta.decode).squeeze(1)
-    out = torch.empty_like(q)
-    if meta.decode is not None:
+    out = q.new_empty(q.shape)  # q may be a strided view into the fused qkv output
+    if isinstance(meta.decode, DecodeGroup):
+        torch.ops.pdserve.paged_decode_attention(out[:nd], q[:nd], k_cache, v_cache, meta.decode.block_table,
+                                                 meta.decode.context_lens, meta.block_size, q.shape[-1] ** -0.5,
+                                                 meta.sliding_window or 0)
+    elif meta.decode is not None:
         out[:nd] = _attend(q[:nd].unsqueeze(1), k_cache, v_cache, meta.decode).squeeze(1)
+    if meta.prefill is None:
+        return out
     g = meta.prefill
     batch = g.slots.shape[0]
     q_pad = q.new_zeros(batch * g.q_len, *q.shape[1:]).index_copy_(0, g.q_index, q[nd:])

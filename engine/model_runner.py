@@ -7,11 +7,13 @@ from pathlib import Path
 
 import torch
 
+from engine import cpu_kernels
 from engine.attention import build_metadata
 from engine.config import EngineConfig
 from engine.kv_cache import KVCache
 from engine.model import LlamaModel
 from engine.model_config import ModelConfig
+from engine.ops import Ops
 from engine.sampler import Sampler, SamplerOutput
 from engine.scheduler import ScheduledBatch
 from engine.weights import load_weights
@@ -23,7 +25,10 @@ class ModelRunner:
         self.cfg = cfg
         self.device = device
         self.block_size = config.block_size
-        self.model = LlamaModel(cfg, load_weights(model_dir, cfg, dtype, device), max_model_len)
+        # The C++ kernels (decode attention, fused elementwise ops) on CPUs where they build.
+        self.use_cpu_kernels = config.cpu_kernels and device.type == "cpu" and cpu_kernels.load()
+        self.model = LlamaModel(cfg, load_weights(model_dir, cfg, dtype, device), max_model_len,
+                                Ops(fused=self.use_cpu_kernels))
         bytes_per_block = cfg.kv_bytes_per_token(dtype.itemsize) * config.block_size
         num_blocks = config.num_kv_blocks or config.kv_cache_bytes // bytes_per_block
         if num_blocks < 1:
@@ -46,7 +51,7 @@ class ModelRunner:
         for seq, start, n in zip(seqs, starts, lens):
             input_ids.extend(seq.token_ids(start, start + n))
         meta = build_metadata(starts, lens, [seq.block_table for seq in seqs], lens.count(1),
-                              self.block_size, self.cfg.sliding_window, self.device)
+                              self.block_size, self.cfg.sliding_window, self.device, self.use_cpu_kernels)
         ids = torch.tensor(input_ids, dtype=torch.long).to(self.device)
         hidden = self.model.forward(ids, meta.positions, meta, self.kv_cache)  # [T, H]
 

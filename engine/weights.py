@@ -12,18 +12,18 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from engine.linear import Linear
 from engine.model_config import ModelConfig
 
 
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor  # [H]
-    qkv: torch.Tensor  # [(Hq + 2 Hkv) * D, H]
-    qkv_bias: torch.Tensor | None
-    o: torch.Tensor  # [H, Hq * D]
+    qkv: Linear  # [(Hq + 2 Hkv) * D, H] (+ bias for Qwen2)
+    o: Linear  # [H, Hq * D]
     post_norm: torch.Tensor  # [H]
-    gate_up: torch.Tensor  # [2 I, H]
-    down: torch.Tensor  # [H, I]
+    gate_up: Linear  # [2 I, H]
+    down: Linear  # [H, I]
 
 
 @dataclass
@@ -31,7 +31,7 @@ class ModelWeights:
     embed: torch.Tensor  # [V, H]
     layers: list[LayerWeights]
     final_norm: torch.Tensor  # [H]
-    lm_head: torch.Tensor  # [V, H]; the embedding itself when tied
+    lm_head: Linear  # [V, H]; the embedding itself when tied
 
 
 def _read_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
@@ -63,13 +63,12 @@ def load_weights(model_dir: Path, cfg: ModelConfig, dtype: torch.dtype, device: 
             qkv_bias = torch.cat([take(attn + f"{n}_proj.bias") for n in "qkv"])
         layers.append(LayerWeights(
             input_norm=take(p + "input_layernorm.weight"),
-            qkv=torch.cat([take(attn + f"{n}_proj.weight") for n in "qkv"]),
-            qkv_bias=qkv_bias,
-            o=take(attn + "o_proj.weight"),
+            qkv=Linear(torch.cat([take(attn + f"{n}_proj.weight") for n in "qkv"]), qkv_bias),
+            o=Linear(take(attn + "o_proj.weight")),
             post_norm=take(p + "post_attention_layernorm.weight"),
-            gate_up=torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]),
-            down=take(p + "mlp.down_proj.weight"),
+            gate_up=Linear(torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])),
+            down=Linear(take(p + "mlp.down_proj.weight")),
         ))
     embed = take("model.embed_tokens.weight")
-    lm_head = embed if cfg.tie_word_embeddings else take("lm_head.weight")
+    lm_head = Linear(embed if cfg.tie_word_embeddings else take("lm_head.weight"))
     return ModelWeights(embed=embed, layers=layers, final_norm=take("model.norm.weight"), lm_head=lm_head)

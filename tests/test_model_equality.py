@@ -29,11 +29,12 @@ def hf_last_logits(hf, ids: list[int]) -> torch.Tensor:
         return hf(torch.tensor([ids])).logits[0, -1].float()
 
 
-def check_prefill_then_decode(model_dir, steps: int = 6):
+def check_prefill_then_decode(model_dir, steps: int = 6, cpu_kernels: bool = True):
     """A prefill of mixed-length prompts in one forward, then decode steps of the mixed batch, with
     a new prompt joining mid-way so one step mixes decode and prefill."""
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    engine = make_engine(model_dir)
+    engine = make_engine(model_dir, cpu_kernels=cpu_kernels)
+    assert engine.runner.use_cpu_kernels == cpu_kernels
     runner, bm = engine.runner, engine.block_manager
     seqs = [Sequence(f"r{i}", list(p), SamplingParams(temperature=0)) for i, p in enumerate(PROMPTS[:3])]
     late = Sequence("late", list(PROMPTS[2][:9]), SamplingParams(temperature=0))
@@ -53,16 +54,44 @@ def check_prefill_then_decode(model_dir, steps: int = 6):
             s.output_token_ids.append(int(row.argmax()))
 
 
-def test_llama_prefill_and_decode_match_transformers(tiny_llama):
-    check_prefill_then_decode(tiny_llama)
+@pytest.mark.parametrize("cpu_kernels", [True, False], ids=["cpu-kernels", "plain-torch"])
+def test_llama_prefill_and_decode_match_transformers(tiny_llama, cpu_kernels):
+    check_prefill_then_decode(tiny_llama, cpu_kernels=cpu_kernels)
 
 
-def test_qwen2_with_qkv_bias_matches_transformers(tiny_qwen2):
-    check_prefill_then_decode(tiny_qwen2)
+@pytest.mark.parametrize("cpu_kernels", [True, False], ids=["cpu-kernels", "plain-torch"])
+def test_qwen2_with_qkv_bias_matches_transformers(tiny_qwen2, cpu_kernels):
+    check_prefill_then_decode(tiny_qwen2, cpu_kernels=cpu_kernels)
 
 
 def test_tied_embeddings_match_transformers(tmp_path):
     check_prefill_then_decode(make_tiny_model(tmp_path, "llama", seed=3, tie=True), steps=3)
+
+
+@pytest.mark.parametrize("cpu_kernels", [True, False], ids=["cpu-kernels", "plain-torch"])
+def test_mistral_sliding_window_matches_transformers(tmp_path, cpu_kernels):
+    # A window of 5 tokens, shorter than the prompts, so the window really cuts attention.
+    model = make_tiny_model(tmp_path, "mistral", seed=5, sliding_window=5)
+    check_prefill_then_decode(model, cpu_kernels=cpu_kernels)
+
+
+def test_bf16_kernels_agree_with_plain_torch(tiny_llama):
+    """In bf16 the fused kernels round differently from the op-by-op torch path; the two must still
+    pick the same greedy tokens and nearly the same distributions."""
+    from conftest import run_to_completion
+
+    results = {}
+    for cpu_kernels in (True, False):
+        engine = make_engine(tiny_llama, dtype="bfloat16", cpu_kernels=cpu_kernels)
+        for i, p in enumerate(PROMPTS):
+            engine.add_request(str(i), p, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=5))
+        results[cpu_kernels] = run_to_completion(engine)
+    for i in range(len(PROMPTS)):
+        fused, plain = results[True][str(i)], results[False][str(i)]
+        assert fused.token_ids == plain.token_ids
+        for a, b in zip(fused.logprobs, plain.logprobs):
+            for t in set(a) & set(b):
+                assert abs(a[t] - b[t]) < 0.05
 
 
 @pytest.mark.parametrize("variant", sorted(ROPE_VARIANTS))

@@ -35,8 +35,10 @@ def save_tokenizer(path: Path, vocab_size: int = 320) -> int:
 
 
 def make_tiny_model(path: Path, arch: str = "llama", seed: int = 0, rope_parameters: dict | None = None,
-                    vocab_size: int = 320, tie: bool = False, max_position_embeddings: int = 1024) -> Path:
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+                    vocab_size: int = 320, tie: bool = False, max_position_embeddings: int = 1024,
+                    sliding_window: int | None = None) -> Path:
+    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
+                              Qwen2ForCausalLM)
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -55,6 +57,8 @@ def make_tiny_model(path: Path, arch: str = "llama", seed: int = 0, rope_paramet
             for layer in model.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     proj.bias.normal_(0, 0.5)
+    elif arch == "mistral":
+        model = MistralForCausalLM(MistralConfig(**common, sliding_window=sliding_window))
     else:
         raise ValueError(arch)
     with torch.no_grad():  # non-trivial norm weights, so a missing norm would show

@@ -1,0 +1,155 @@
+"""Offline engine throughput: N requests x M generated tokens (ignore_eos) on the default model,
+measured in one run for pdserve's engine, transformers' static-batch generate, and vLLM's CPU
+build (when its venv exists).
+
+    python benchmarks/engine_throughput.py                 # all three, 64 x 128, bf16
+    python benchmarks/engine_throughput.py --only pdserve  # one of them
+
+Each system runs in its own subprocess, one after the other, with the same prompts; each first
+does a short warm-up. Reported: generated tokens/s = N * M / wall time of the timed generate.
+vLLM runs from a separate venv (default .venv-vllm, see docs/benchmarks.md for its setup).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+TOPICS = ["the ocean", "volcanoes", "the moon", "honey bees", "the Roman Empire", "black holes", "jazz music",
+          "photosynthesis", "the printing press", "glaciers", "chess", "the internet", "rainforests",
+          "electric cars", "ancient Egypt", "coffee"]
+TASKS = ["Write a short paragraph about {}.", "Explain {} to a ten-year-old.",
+         "List five interesting facts about {}.", "Write a short poem about {}."]
+
+
+def make_prompts(n: int) -> list[str]:
+    return [TASKS[i % len(TASKS)].format(TOPICS[(i // len(TASKS)) % len(TOPICS)]) for i in range(n)]
+
+
+def chat_prompts(tokenizer, n: int) -> list[list[int]]:
+    return [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=True,
+                                          add_generation_prompt=True, return_dict=True)["input_ids"]
+            for p in make_prompts(n)]
+
+
+def run_pdserve(prompts: list[list[int]], max_tokens: int, args) -> dict:
+    from engine import LLM, SamplingParams
+
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, kv_cache_bytes=2 << 30,
+              scheduling=args.scheduling)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    llm.generate(prompts[:8], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))  # warm-up
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    elapsed = time.perf_counter() - start
+    assert all(len(o.token_ids) == max_tokens for o in outs)
+    return {"elapsed_s": elapsed, "generated": sum(len(o.token_ids) for o in outs),
+            "preemptions": llm.engine.scheduler.num_preemptions}
+
+
+def run_transformers(prompts: list[list[int]], max_tokens: int, args) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from engine.model_source import resolve_model
+
+    model_dir = resolve_model(args.model)
+    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}[args.dtype]
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    pad = model.config.pad_token_id or 0
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])  # left padding: one static batch
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    eos = model.config.vocab_size  # an id it never produces: all max_tokens steps, like ignore_eos
+    with torch.inference_mode():
+        model.generate(ids[:8], attention_mask=mask[:8], max_new_tokens=8, do_sample=False, eos_token_id=eos,
+                       pad_token_id=pad)
+        start = time.perf_counter()
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=max_tokens, do_sample=False,
+                             eos_token_id=eos, pad_token_id=pad)
+        elapsed = time.perf_counter() - start
+    return {"elapsed_s": elapsed, "generated": int((out.shape[1] - width) * len(prompts))}
+
+
+def run_vllm(prompts_file: str, max_tokens: int, args) -> dict:
+    python = Path(args.vllm_venv) / "bin" / "python"
+    if not python.exists():
+        return {"skipped": f"{python} not found"}
+    cmd = [str(python), str(ROOT / "benchmarks" / "vllm_throughput.py"), prompts_file, str(max_tokens),
+           str(args.model_dir)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, cwd="/tmp")
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
+    if r.returncode != 0 or not lines:
+        return {"error": r.stderr[-2000:]}
+    return json.loads(lines[-1])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--num-requests", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--scheduling", default="continuous")
+    ap.add_argument("--only", choices=["pdserve", "transformers", "vllm"])
+    ap.add_argument("--vllm-venv", default=str(ROOT / ".venv-vllm"))
+    ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--prompts-file", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+
+    if args.child:  # one system, in its own process
+        prompts = json.loads(Path(args.prompts_file).read_text())
+        runner = {"pdserve": run_pdserve, "transformers": run_transformers}[args.child]
+        print(json.dumps(runner(prompts, args.max_tokens, args)))
+        return 0
+
+    from transformers import AutoTokenizer
+
+    from engine.model_source import resolve_model
+
+    args.model_dir = resolve_model(args.model)
+    prompts = chat_prompts(AutoTokenizer.from_pretrained(args.model_dir), args.num_requests)
+    lens = sorted(len(p) for p in prompts)
+    prompts_file = Path(tempfile.mkdtemp()) / "prompts.json"
+    prompts_file.write_text(json.dumps(prompts))
+    print(f"{args.num_requests} requests x {args.max_tokens} tokens, prompt tokens min/median/max "
+          f"{lens[0]}/{lens[len(lens) // 2]}/{lens[-1]}, {args.dtype}, torch threads {os.cpu_count()}")
+    results = {}
+    for system in ["pdserve", "transformers", "vllm"]:
+        if args.only and system != args.only:
+            continue
+        if system == "vllm":
+            res = run_vllm(str(prompts_file), args.max_tokens, args)
+        else:
+            cmd = [sys.executable, __file__, "--child", system, "--prompts-file", str(prompts_file),
+                   "--max-tokens", str(args.max_tokens), "--model", args.model, "--dtype", args.dtype,
+                   "--device", args.device, "--scheduling", args.scheduling]
+            r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+            lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
+            res = json.loads(lines[-1]) if r.returncode == 0 and lines else {"error": r.stderr[-2000:]}
+        if "elapsed_s" in res:
+            res["tokens_per_s"] = res["generated"] / res["elapsed_s"]
+            print(f"{system:>13}: {res['tokens_per_s']:8.1f} generated tokens/s  ({res['elapsed_s']:.2f} s)")
+        else:
+            print(f"{system:>13}: {res}")
+        results[system] = res
+    base = results.get("pdserve", {}).get("tokens_per_s")
+    for other in ["transformers", "vllm"]:
+        if base and results.get(other, {}).get("tokens_per_s"):
+            print(f"pdserve / {other}: {base / results[other]['tokens_per_s']:.2f}x")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
