@@ -4,21 +4,14 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "to_float.h"
+
 #include <cmath>
 #include <cstring>
 
 namespace {
 
-template <typename T>
-inline float to_float(T x) { return static_cast<float>(x); }
-
-template <>
-inline float to_float<c10::BFloat16>(c10::BFloat16 x) {
-  uint32_t bits = uint32_t(x.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
+using pdserve::to_float;
 
 // residual += x (rounded to the model dtype, as an unfused add would), then
 // x = rms_norm(residual) * weight. x, residual: [T, H]; weight: [H].

@@ -5,6 +5,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "to_float.h"
+
 #include <algorithm>
 #include <cstring>
 #include <cmath>
@@ -13,17 +15,7 @@
 
 namespace {
 
-template <typename T>
-inline float to_float(T x) { return static_cast<float>(x); }
-
-// bf16 -> fp32 is a 16-bit shift; spelled out so the compiler vectorizes it.
-template <>
-inline float to_float<c10::BFloat16>(c10::BFloat16 x) {
-  uint32_t bits = uint32_t(x.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
+using pdserve::to_float;
 
 // HEAD_DIM > 0 fixes the head size at compile time (fully unrolled inner loops); 0 reads it at run time.
 template <typename scalar_t, int HEAD_DIM>
