@@ -2,11 +2,12 @@
 measured in one run for pdserve's engine, transformers' static-batch generate, and vLLM's CPU
 build (when its venv exists).
 
-    python benchmarks/engine_throughput.py                 # all three, 64 x 128, bf16
+    python benchmarks/engine_throughput.py                 # all three, 64 x 128, bf16, 3 runs each
     python benchmarks/engine_throughput.py --only pdserve  # one of them
 
-Each system runs in its own subprocess, one after the other, with the same prompts; each first
-does a short warm-up. Reported: generated tokens/s = N * M / wall time of the timed generate.
+Each run of a system is its own subprocess, the systems interleaved, with the same prompts; each
+first does a short warm-up. Reported: generated tokens/s = N * M / wall time of the timed
+generate, its median over the runs, and the median of the per-run ratios.
 vLLM runs from a separate venv (default .venv-vllm, see docs/benchmarks.md for its setup).
 """
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -91,6 +93,17 @@ def run_vllm(prompts_file: str, max_tokens: int, args) -> dict:
     return json.loads(lines[-1])
 
 
+def run_system(system: str, prompts_file: Path, args) -> dict:
+    if system == "vllm":
+        return run_vllm(str(prompts_file), args.max_tokens, args)
+    cmd = [sys.executable, __file__, "--child", system, "--prompts-file", str(prompts_file),
+           "--max-tokens", str(args.max_tokens), "--model", args.model, "--dtype", args.dtype,
+           "--device", args.device, "--scheduling", args.scheduling]
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
+    return json.loads(lines[-1]) if r.returncode == 0 and lines else {"error": r.stderr[-2000:]}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--num-requests", type=int, default=64)
@@ -101,6 +114,7 @@ def main() -> int:
     ap.add_argument("--scheduling", default="continuous")
     ap.add_argument("--only", choices=["pdserve", "transformers", "vllm"])
     ap.add_argument("--vllm-venv", default=str(ROOT / ".venv-vllm"))
+    ap.add_argument("--repeat", type=int, default=3, help="runs per system, interleaved; medians reported")
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--prompts-file", help=argparse.SUPPRESS)
@@ -123,29 +137,33 @@ def main() -> int:
     prompts_file.write_text(json.dumps(prompts))
     print(f"{args.num_requests} requests x {args.max_tokens} tokens, prompt tokens min/median/max "
           f"{lens[0]}/{lens[len(lens) // 2]}/{lens[-1]}, {args.dtype}, torch threads {os.cpu_count()}")
-    results = {}
-    for system in ["pdserve", "transformers", "vllm"]:
-        if args.only and system != args.only:
-            continue
-        if system == "vllm":
-            res = run_vllm(str(prompts_file), args.max_tokens, args)
-        else:
-            cmd = [sys.executable, __file__, "--child", system, "--prompts-file", str(prompts_file),
-                   "--max-tokens", str(args.max_tokens), "--model", args.model, "--dtype", args.dtype,
-                   "--device", args.device, "--scheduling", args.scheduling]
-            r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
-            lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
-            res = json.loads(lines[-1]) if r.returncode == 0 and lines else {"error": r.stderr[-2000:]}
-        if "elapsed_s" in res:
-            res["tokens_per_s"] = res["generated"] / res["elapsed_s"]
-            print(f"{system:>13}: {res['tokens_per_s']:8.1f} generated tokens/s  ({res['elapsed_s']:.2f} s)")
-        else:
-            print(f"{system:>13}: {res}")
-        results[system] = res
-    base = results.get("pdserve", {}).get("tokens_per_s")
+    systems = [s for s in ["pdserve", "transformers", "vllm"] if not args.only or s == args.only]
+    runs: dict[str, list[dict]] = {s: [] for s in systems}
+    for rep in range(args.repeat):  # interleaved, so that a noisy minute hits all systems alike
+        for system in systems:
+            res = run_system(system, prompts_file, args)
+            if "elapsed_s" in res:
+                res["tokens_per_s"] = res["generated"] / res["elapsed_s"]
+                print(f"run {rep + 1} {system:>13}: {res['tokens_per_s']:8.1f} generated tokens/s "
+                      f"({res['elapsed_s']:.2f} s)", flush=True)
+            else:
+                print(f"run {rep + 1} {system:>13}: {res}", flush=True)
+            runs[system].append(res)
+    results = {"workload": {"num_requests": args.num_requests, "max_tokens": args.max_tokens, "dtype": args.dtype,
+                            "prompt_tokens_median": lens[len(lens) // 2]}, "runs": runs, "median_tokens_per_s": {}}
+    for system, rs in runs.items():
+        tps = [r["tokens_per_s"] for r in rs if "tokens_per_s" in r]
+        if tps:
+            results["median_tokens_per_s"][system] = statistics.median(tps)
+    med = results["median_tokens_per_s"]
+    print("median generated tokens/s: " + ", ".join(f"{s} {v:.1f}" for s, v in med.items()))
     for other in ["transformers", "vllm"]:
-        if base and results.get(other, {}).get("tokens_per_s"):
-            print(f"pdserve / {other}: {base / results[other]['tokens_per_s']:.2f}x")
+        pairs = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(runs.get("pdserve", []), runs.get(other, []))
+                 if "tokens_per_s" in a and "tokens_per_s" in b]
+        if pairs:
+            results[f"pdserve_over_{other}"] = {"per_run": pairs, "median": statistics.median(pairs)}
+            print(f"pdserve / {other}: median {statistics.median(pairs):.2f}x "
+                  f"(runs: {', '.join(f'{p:.2f}' for p in pairs)})")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     return 0
