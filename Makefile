@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/pdserve generate-offline "What is the capital of France? Answer in one sentence."
+	$(VENV)/bin/pdserve up --prefill 1 --decode 1 --ask "What is the capital of France? Answer in one sentence."
 
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest -q

@@ -6,6 +6,7 @@ request) and admits a sequence whose prompt KV was computed elsewhere (the decod
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -20,7 +21,7 @@ from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import FinishReason, Sequence, SequenceStatus
-from engine.tokenizer import load_tokenizer
+from engine.tokenizer import check_prompt_length, load_tokenizer, prompt_token_ids
 
 
 @dataclass
@@ -47,7 +48,9 @@ def resolve_dtype(dtype: str, checkpoint_dtype: str, device: torch.device) -> to
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, kv_buffer: torch.Tensor | None = None):
+    def __init__(self, config: EngineConfig, kv_allocator: Callable[[int], torch.Tensor] | None = None):
+        """kv_allocator(nbytes) -> a uint8 tensor to hold the KV cache (e.g. in shared memory);
+        None allocates it on the device."""
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
@@ -60,7 +63,8 @@ class LLMEngine:
         if max_model_len > cfg.max_position_embeddings:
             raise ValueError(f"max_model_len must be <= the model's max_position_embeddings "
                              f"({cfg.max_position_embeddings}), got {max_model_len}")
-        self.runner = ModelRunner(cfg, self.model_dir, config, self.dtype, self.device, max_model_len, kv_buffer)
+        self.runner = ModelRunner(cfg, self.model_dir, config, self.dtype, self.device, max_model_len,
+                                  kv_allocator)
         self.kv_cache = self.runner.kv_cache
         self.block_manager = BlockManager(self.kv_cache.num_blocks, config.block_size)
         # A sequence can never outgrow the whole KV pool.
@@ -72,25 +76,10 @@ class LLMEngine:
     # ---- requests in -------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         """Validates a prompt and returns its token ids."""
-        if isinstance(prompt, str):
-            if prompt == "":
-                raise ValueError("prompt must not be empty")
-            if self.tokenizer is None:
-                raise ValueError(f"prompt: model {self.config.model!r} has no tokenizer; pass token ids")
-            return self.tokenizer.encode(prompt, add_special_tokens=False)
-        ids = list(prompt)
-        if not ids:
-            raise ValueError("prompt must not be empty")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab}), got {bad[:5]}")
-        return ids
+        return prompt_token_ids(self.tokenizer, prompt, self.model_config.vocab_size)
 
     def _check_length(self, num_tokens: int) -> None:
-        if num_tokens >= self.max_model_len:
-            raise ValueError(f"prompt has {num_tokens} tokens; it must be shorter than max_model_len "
-                             f"({self.max_model_len}) to leave room for one generated token")
+        check_prompt_length(num_tokens, self.max_model_len)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                     keep_kv: bool = False) -> None:
@@ -106,13 +95,14 @@ class LLMEngine:
         self._track(seq)
         self.scheduler.add(seq)
 
-    def _track(self, seq: Sequence) -> None:
+    def _track(self, seq: Sequence, num_emitted_chars: int | None = None) -> None:
         detok = None
         if self.tokenizer is not None:
             detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, seq.params.stop)
-            for token_id in seq.output_token_ids:  # sampled elsewhere and already streamed there
-                detok.add(token_id)
-            detok.num_emitted = len(detok.text)
+            for token_id in seq.output_token_ids:  # sampled elsewhere, and streamed there up to
+                detok.add(token_id)                 # num_emitted_chars characters
+            emitted = len(detok.text) if num_emitted_chars is None else min(num_emitted_chars, len(detok.text))
+            detok.num_emitted = emitted
         self.requests[seq.request_id] = (seq, detok)
 
     def abort_request(self, request_id: str) -> bool:
@@ -125,6 +115,12 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def load(self) -> dict[str, int]:
+        """What a router or autoscaler looks at."""
+        return {"num_waiting": len(self.scheduler.waiting), "num_running": len(self.scheduler.running),
+                "num_free_blocks": self.block_manager.num_free_blocks,
+                "num_total_blocks": self.block_manager.num_blocks, "num_kv_leases": len(self.kv_leases)}
 
     # ---- the step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -146,7 +142,9 @@ class LLMEngine:
         detok = self.requests[seq.request_id][1]
         new_text = ""
         if detok is not None:
-            new_text, stopped = detok.add(token_id, final=seq.is_finished)
+            # A keep_kv request (a prefill) ends here but its text goes on elsewhere: hold back
+            # an incomplete character rather than flush it.
+            new_text, stopped = detok.add(token_id, final=seq.is_finished and not seq.keep_kv)
             if stopped and not seq.is_finished:
                 self._finish(seq, FinishReason.STOP)
         if seq.is_finished:
@@ -197,7 +195,8 @@ class LLMEngine:
         self.block_manager.decref(block_table)
 
     def add_prefilled_request(self, request_id: str, prompt_token_ids: list[int], output_token_ids: list[int],
-                              params: SamplingParams, block_table: list[int]) -> None:
+                              params: SamplingParams, block_table: list[int],
+                              num_emitted_chars: int | None = None) -> None:
         """Admits a sequence whose prompt KV already sits in `block_table` (reserved with
         reserve_kv) and whose first tokens were sampled elsewhere; decoding continues from there.
         The sequence owns the blocks from now on, also if this raises."""
@@ -219,5 +218,5 @@ class LLMEngine:
         except ValueError:
             self.block_manager.free(seq)
             raise
-        self._track(seq)
+        self._track(seq, num_emitted_chars)
         self.scheduler.add(seq)

@@ -3,6 +3,7 @@ queues or requests beyond what the batch says."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -21,7 +22,8 @@ from engine.weights import load_weights
 
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, model_dir: Path, config: EngineConfig, dtype: torch.dtype,
-                 device: torch.device, max_model_len: int, kv_buffer: torch.Tensor | None = None):
+                 device: torch.device, max_model_len: int,
+                 kv_allocator: Callable[[int], torch.Tensor] | None = None):
         self.cfg = cfg
         self.device = device
         self.block_size = config.block_size
@@ -35,8 +37,9 @@ class ModelRunner:
             raise ValueError(f"kv_cache_bytes must hold at least one block of {bytes_per_block} bytes, "
                              f"got {config.kv_cache_bytes}")
         # kv: [layers, 2, blocks, block_size, kv_heads, head_dim]
+        buffer = kv_allocator(num_blocks * bytes_per_block) if kv_allocator else None
         self.kv_cache = KVCache(cfg.num_layers, num_blocks, config.block_size, cfg.num_kv_heads,
-                                cfg.head_dim, dtype, device, kv_buffer)
+                                cfg.head_dim, dtype, device, buffer)
         self.sampler = Sampler(config.seed, device)
 
     def forward(self, batch: ScheduledBatch) -> tuple[list[int], torch.Tensor]:

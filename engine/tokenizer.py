@@ -27,3 +27,26 @@ def apply_chat_template(tokenizer, messages: list[dict], add_generation_prompt: 
         if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
             raise ValueError(f"messages[{i}] must have a role in {ROLES} and a string content, got {m!r}")
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+
+def prompt_token_ids(tokenizer, prompt: str | list[int], vocab_size: int) -> list[int]:
+    """Validates a prompt (text or token ids) and returns its token ids."""
+    if isinstance(prompt, str):
+        if prompt == "":
+            raise ValueError("prompt must not be empty")
+        if tokenizer is None:
+            raise ValueError("prompt: this model has no tokenizer; pass token ids")
+        return tokenizer.encode(prompt, add_special_tokens=False)
+    ids = list(prompt)
+    if not ids:
+        raise ValueError("prompt must not be empty")
+    bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"prompt token ids must be integers in [0, {vocab_size}), got {bad[:5]}")
+    return ids
+
+
+def check_prompt_length(num_tokens: int, max_model_len: int) -> None:
+    if num_tokens >= max_model_len:
+        raise ValueError(f"prompt has {num_tokens} tokens; it must be shorter than max_model_len "
+                         f"({max_model_len}) to leave room for one generated token")

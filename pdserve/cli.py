@@ -15,6 +15,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-gb", type=float, default=1.0, help="memory for the KV cache")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-threads", type=int, default=None, help="torch threads (default: torch's choice)")
 
 
 def engine_config(args):
@@ -22,7 +25,8 @@ def engine_config(args):
 
     return EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
                         kv_cache_bytes=int(args.kv_cache_gb * (1 << 30)), max_num_seqs=args.max_num_seqs,
-                        max_num_batched_tokens=args.max_num_batched_tokens)
+                        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+                        block_size=args.block_size, num_threads=args.num_threads)
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -62,9 +66,57 @@ def cmd_generate_offline(args) -> int:
     return 0
 
 
+def cmd_up(args) -> int:
+    import asyncio
+
+    from pdserve.process import setup_logging
+    from pdserve.up import up
+
+    setup_logging("WARNING")
+    return asyncio.run(up(args))
+
+
+def cmd_generate(args) -> int:
+    import grpc
+
+    from pdserve.generate import stream_answer
+
+    sampling = {"max_tokens": args.max_tokens, "temperature": args.temperature, "top_k": args.top_k,
+                "top_p": args.top_p, "stop": args.stop}
+    if args.seed is not None:
+        sampling["seed"] = args.seed
+    try:
+        stream_answer(args.addr, args.prompt, chat=not args.raw, as_json=args.json, timeout=args.timeout, **sampling)
+    except grpc.RpcError as e:
+        print(f"pdserve: error: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode LLM serving.")
     sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("up", help="start a router + prefill and decode node processes on this host")
+    p.add_argument("--prefill", type=int, default=1, help="prefill node processes")
+    p.add_argument("--decode", type=int, default=1, help="decode node processes")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=50051, help="the router's gRPC port")
+    p.add_argument("--kv-transport", default="auto", choices=["auto", "shm", "grpc"])
+    p.add_argument("--ask", help="ask this question once the cluster is up, stream the answer, then stop")
+    p.add_argument("--max-tokens", type=int, default=256, help="with --ask")
+    add_engine_args(p)
+    p.set_defaults(func=cmd_up)
+
+    p = sub.add_parser("generate", help="ask a running pdserve router; streams the answer")
+    p.add_argument("prompt")
+    p.add_argument("--addr", default="127.0.0.1:50051", help="the router's HOST:PORT")
+    p.add_argument("--json", action="store_true", help="print one JSON object (text, token_ids, usage) at the end")
+    p.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    add_sampling_args(p)
+    p.set_defaults(func=cmd_generate)
+
     p = sub.add_parser("generate-offline", help="run the engine in this process on one prompt")
     p.add_argument("prompt")
     p.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")

@@ -1,0 +1,25 @@
+"""python -m decode_node --port PORT --model NAME: one decode node process."""
+
+import argparse
+import asyncio
+
+from pdserve.cli import add_engine_args, engine_config
+from pdserve.process import run_until_signalled, setup_logging
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(prog="decode_node")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=0, help="0 picks a free port (printed in the READY line)")
+    ap.add_argument("--kv-transport", default="auto", choices=["auto", "shm", "grpc"],
+                    help="auto: shared memory when the prefill node is on this host, else gRPC")
+    add_engine_args(ap)
+    args = ap.parse_args()
+    setup_logging()
+    from decode_node.server import DecodeNode
+
+    asyncio.run(run_until_signalled(lambda: DecodeNode(engine_config(args), args.host, args.port, args.kv_transport)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,144 @@
+"""The decode node: pulls each sequence's KV from its prefill node, then decodes it in the
+continuous batch and streams the tokens.
+
+Lifecycle of a request here:
+  1. prealloc - blocks reserved for the prompt's KV (waits while the pool is full)
+  2. transfer - the KV is read from the prefill node straight into those blocks (shared memory
+                on one host, gRPC stream otherwise), digest-checked; the prefill node is told
+                it may free its copy
+  3. running  - the sequence joins the decode batch between two steps
+  4. finished - EOS, stop, length, or cancelled: its blocks are freed
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import grpc
+
+from engine import EngineConfig, LLMEngine
+from engine.async_engine import AsyncEngine
+from kvtransfer.base import KVCorrupt, KVTransferError
+from kvtransfer.layout import KVLayout, KVLayoutMismatch, model_fingerprint
+from kvtransfer.receiver import KVReceiver
+from pdserve.grpc_server import GrpcServer
+from pdserve.protocol import logprobs_to_proto, sampling_from_proto
+from pdserve_api import common_pb2, nodes_pb2, nodes_pb2_grpc
+
+log = logging.getLogger(__name__)
+BLOCK_WAIT_S = 30.0  # how long a request may wait for free blocks without a deadline
+
+
+class DecodeNode(nodes_pb2_grpc.DecodeNodeServicer):
+    def __init__(self, config: EngineConfig, host: str = "127.0.0.1", port: int = 0, kv_transport: str = "auto"):
+        engine = LLMEngine(config)
+        self.engine = AsyncEngine(engine)
+        self.layout = KVLayout.of(engine.kv_cache, model_fingerprint(engine.model_dir))
+        self.receiver = KVReceiver(engine.kv_cache, self.layout, kv_transport)
+        self._tasks: set[asyncio.Task] = set()
+        self.server = GrpcServer(host, port)
+        self.server.add(nodes_pb2_grpc.add_DecodeNodeServicer_to_server, self,
+                        nodes_pb2.DESCRIPTOR.services_by_name["DecodeNode"])
+
+    @property
+    def address(self) -> str:
+        return self.server.address
+
+    async def start(self) -> None:
+        await self.server.start()
+
+    async def stop(self, grace: float = 1.0) -> None:
+        await self.server.stop(grace)
+        await self.receiver.close()
+        self.engine.stop()
+
+    async def Decode(self, request: nodes_pb2.DecodeRequest, context):
+        engine = self.engine.engine
+        try:
+            params = sampling_from_proto(request.sampling)
+            if not request.output_token_ids:
+                raise ValueError("output_token_ids must hold the token sampled by the prefill")
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        source = request.kv
+        # 1. prealloc
+        blocks = await self._reserve(source.num_tokens, request.deadline, context)
+        owned = True  # until add_prefilled_request takes the blocks over
+        transfer = None
+        try:
+            # 2. transfer
+            try:
+                transfer = self.receiver.start(source, blocks)
+                await transfer.wait()
+            except KVLayoutMismatch as e:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+            except KVCorrupt as e:
+                await context.abort(grpc.StatusCode.DATA_LOSS, str(e))
+            except KVTransferError as e:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+            self._background(self._confirm_read(source))
+
+            # 3. running
+            def admit():
+                nonlocal owned
+                owned = False
+                engine.add_prefilled_request(request.request_id, list(request.prompt_token_ids),
+                                             list(request.output_token_ids), params, blocks,
+                                             num_emitted_chars=request.num_emitted_chars)
+
+            first = True
+            async for out in self.engine.stream(request.request_id, admit):
+                msg = nodes_pb2.DecodeResponse(token_ids=out.new_token_ids, text=out.new_text, finished=out.finished,
+                                               finish_reason=out.finish_reason or "")
+                if out.logprobs:
+                    msg.logprobs.append(logprobs_to_proto(out.logprobs[-1]))
+                if first:
+                    msg.transfer_start, msg.transfer_end = transfer.started, transfer.ended
+                    msg.decode_admitted, msg.kv_transport, msg.kv_bytes = time.time(), transfer.transport, transfer.num_bytes
+                    first = False
+                yield msg
+        except ValueError as e:  # refused at admission (e.g. the request id is in use)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        finally:
+            if owned:  # 4. (never admitted) the reserved blocks go back, once nothing writes them
+                if transfer is not None:
+                    await asyncio.shield(transfer.settle())
+                await asyncio.shield(self.engine.call(engine.free_kv, blocks))
+
+    def _background(self, coro) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)  # held until done: the loop keeps only weak references
+        task.add_done_callback(self._tasks.discard)
+
+    async def _reserve(self, num_tokens: int, deadline: float, context) -> list[int]:
+        engine = self.engine.engine
+        give_up = deadline or time.time() + BLOCK_WAIT_S
+        while True:
+            try:
+                blocks = await self.engine.call(self._try_reserve, num_tokens)
+            except ValueError as e:  # longer than this node can ever hold
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            if blocks is not None:
+                return blocks
+            if time.time() >= give_up:
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                    f"decode node out of KV blocks for {num_tokens} tokens "
+                                    f"({engine.block_manager.num_free_blocks} free)")
+            await asyncio.sleep(0.01)
+
+    def _try_reserve(self, num_tokens: int) -> list[int] | None:
+        engine = self.engine.engine
+        return engine.reserve_kv(num_tokens) if engine.can_reserve_kv(num_tokens) else None
+
+    async def _confirm_read(self, source: nodes_pb2.KVSource) -> None:
+        """Tells the prefill node it may free its copy of the KV."""
+        try:
+            stub = nodes_pb2_grpc.KVPlaneStub(self.receiver.grpc.channel(source.kv_address))
+            await stub.ReleaseKV(nodes_pb2.ReleaseKVRequest(lease_id=source.lease_id), timeout=5)
+        except grpc.aio.AioRpcError as e:  # the lease will expire on its own
+            log.warning("ReleaseKV of %s at %s failed: %s", source.lease_id, source.kv_address, e.code().name)
+
+    async def GetLoad(self, request, context) -> common_pb2.NodeLoad:
+        return common_pb2.NodeLoad(**await self.engine.call(self.engine.engine.load))

@@ -1,0 +1,149 @@
+"""An LLMEngine stepping in its own thread, for asyncio servers.
+
+The engine is single-threaded by design. Its thread runs commands (add, abort, reserve blocks,
+release a lease...) between steps and then steps; asyncio callers submit commands and await
+their results, and stream a request's outputs from a queue the thread fills. Nothing here knows
+about gRPC.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+
+log = logging.getLogger(__name__)
+
+
+class EngineDead(RuntimeError):
+    pass
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stopped = False
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    # ---- asyncio side -------------------------------------------------------------------
+    async def call(self, fn: Callable[..., Any], *args, **kwargs) -> Any:
+        """Runs fn(*args) in the engine thread between two steps; returns or raises its result."""
+        if self.error is not None:
+            raise EngineDead(f"engine stopped: {self.error}")
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._commands.put((fn, args, kwargs, loop, future))
+        self._wake.set()
+        return await future
+
+    async def stream(self, request_id: str, add: Callable[[], None]) -> AsyncIterator[RequestOutput]:
+        """Runs `add` (which adds request_id to the engine) and yields the request's outputs until it
+        finishes. Leaving early (cancellation, a closed stream) aborts the request."""
+        loop = asyncio.get_running_loop()
+        outputs: asyncio.Queue = asyncio.Queue()
+
+        def register_and_add():
+            self._streams[request_id] = (loop, outputs)
+            try:
+                add()
+            except BaseException:
+                del self._streams[request_id]
+                raise
+
+        await self.call(register_and_add)
+        finished = False
+        try:
+            while True:
+                out = await outputs.get()
+                if isinstance(out, BaseException):
+                    raise EngineDead(f"engine stopped: {out}") from out
+                if out.finished:
+                    finished = True
+                yield out
+                if finished:
+                    return
+        finally:
+            if not finished and self.error is None:
+                # Shielded: this runs while the caller is being cancelled.
+                await asyncio.shield(self.call(self._abort, request_id))
+
+    def _abort(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+        self.engine.abort_request(request_id)
+
+    def stop(self) -> None:
+        self._stopped = True
+        self._wake.set()
+        self._thread.join(timeout=10)
+
+    # ---- engine thread ------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._stopped:
+                self._run_commands()
+                if self.engine.has_unfinished():
+                    for out in self.engine.step():
+                        self._deliver(out.request_id, out)
+                else:
+                    self._wake.wait(0.1)
+                    self._wake.clear()
+        except BaseException as e:  # a bug or a device failure: fail every caller, loudly
+            log.exception("engine loop died")
+            self.error = e
+            for request_id in list(self._streams):
+                self._deliver(request_id, e)
+            self._fail_commands(e)
+
+    def _run_commands(self) -> None:
+        while True:
+            try:
+                fn, args, kwargs, loop, future = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                result = fn(*args, **kwargs)
+            except BaseException as e:
+                loop.call_soon_threadsafe(_set_exception, future, e)
+            else:
+                loop.call_soon_threadsafe(_set_result, future, result)
+
+    def _fail_commands(self, error: BaseException) -> None:
+        while True:
+            try:
+                *_, loop, future = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            loop.call_soon_threadsafe(_set_exception, future, EngineDead(str(error)))
+
+    def _deliver(self, request_id: str, item) -> None:
+        entry = self._streams.get(request_id)
+        if entry is None:
+            return
+        loop, outputs = entry
+        if isinstance(item, BaseException) or item.finished:
+            del self._streams[request_id]
+        try:
+            loop.call_soon_threadsafe(outputs.put_nowait, item)
+        except RuntimeError:  # the caller's event loop is gone
+            pass
+
+
+def _set_result(future: asyncio.Future, result) -> None:
+    if not future.done():
+        future.set_result(result)
+
+
+def _set_exception(future: asyncio.Future, error: BaseException) -> None:
+    if not future.done():
+        future.set_exception(error)

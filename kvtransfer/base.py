@@ -1,0 +1,81 @@
+"""The transfer interface: a reader moves one leased KV into local blocks; a KVTransfer is the
+pollable, awaitable status of one such move.
+
+Status ladder (as in SGLang's disaggregation backends):
+    WAITING -> TRANSFERRING -> SUCCESS
+                            -> FAILED (error says why; the destination blocks hold garbage)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import time
+from typing import Protocol
+
+from engine.kv_cache import KVCache
+from kvtransfer.layout import KVLayout
+from pdserve_api import nodes_pb2
+
+
+class KVTransferError(RuntimeError):
+    """The KV could not be read: the lease is gone, a peer failed, or the bytes were corrupt."""
+
+
+class KVCorrupt(KVTransferError):
+    """A digest did not match: never decode from these bytes."""
+
+
+class TransferStatus(enum.Enum):
+    WAITING = "waiting"
+    TRANSFERRING = "transferring"
+    SUCCESS = "success"
+    FAILED = "failed"
+
+
+class KVReader(Protocol):
+    """Decode side of a transport. Adding a transport is adding one such class."""
+
+    name: str
+
+    def can_read(self, source: nodes_pb2.KVSource, layout: KVLayout) -> bool: ...
+
+    async def read(self, source: nodes_pb2.KVSource, kv_cache: KVCache, layout: KVLayout,
+                   block_ids: list[int]) -> None:
+        """Fills block_ids with the source's KV, verified against source.digest, or raises."""
+
+
+class KVTransfer:
+    def __init__(self, reader: KVReader, source: nodes_pb2.KVSource, kv_cache: KVCache, layout: KVLayout,
+                 block_ids: list[int]):
+        self.transport = reader.name
+        self.num_bytes = source.num_bytes
+        self.status = TransferStatus.WAITING
+        self.error: BaseException | None = None
+        self.started = self.ended = 0.0
+        self._task = asyncio.ensure_future(self._run(reader, source, kv_cache, layout, block_ids))
+
+    async def _run(self, reader, source, kv_cache, layout, block_ids) -> None:
+        self.status = TransferStatus.TRANSFERRING
+        self.started = time.time()
+        try:
+            await reader.read(source, kv_cache, layout, block_ids)
+        except BaseException as e:
+            self.status, self.error = TransferStatus.FAILED, e
+            raise
+        finally:
+            self.ended = time.time()
+        self.status = TransferStatus.SUCCESS
+
+    async def wait(self) -> None:
+        """Returns once the KV is in place; raises what made it fail."""
+        await asyncio.shield(self._task)
+
+    async def settle(self) -> None:
+        """Waits until the transfer has stopped touching the destination blocks, however it ended.
+        A transfer is never cancelled half-way: its blocks may only be freed after this."""
+        await asyncio.wait([self._task])
+
+    @property
+    def seconds(self) -> float:
+        return self.ended - self.started

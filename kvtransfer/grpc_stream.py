@@ -1,0 +1,139 @@
+"""The gRPC stream transport (works across hosts).
+
+Sender (the prefill node's KVPlane service): gathers a leased KV's layer-ordered stream into a
+staging buffer and streams it as ~1 MiB raw-bytes chunks, each with its xxh3_64; the first chunk
+carries a header (layout, model fingerprint, token count, size, digest of the whole stream).
+Receiver (the decode node): checks the header against its own layout before any byte is
+written, checks every chunk's digest and offset, stages the bytes in a preallocated buffer, then
+writes them into its blocks and checks the whole-stream digest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+import grpc
+import numpy as np
+import torch
+import xxhash
+
+from engine.kv_cache import KVCache
+from kvtransfer.base import KVCorrupt, KVTransferError
+from kvtransfer.buffers import BufferPool
+from kvtransfer.layout import KVLayout, KVLayoutMismatch, gather, kv_digest, scatter
+from kvtransfer.lease import LeaseTable
+from pdserve_api import nodes_pb2, nodes_pb2_grpc
+
+CHUNK_BYTES = 1 << 20  # measured best here: 4 MiB chunks were 20-30% slower, unary 2.5-3x
+MAX_MESSAGE_BYTES = 8 << 20  # set explicitly on both ends: a chunk plus headroom
+CHANNEL_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                   ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
+
+
+class KVPlaneServicer(nodes_pb2_grpc.KVPlaneServicer):
+    def __init__(self, kv_cache: KVCache, layout: KVLayout, leases: LeaseTable,
+                 release: Callable[[str], Awaitable[bool]]):
+        self.kv_cache = kv_cache
+        self.layout = layout
+        self.leases = leases
+        self.release = release  # ends a lease and frees its blocks; returns whether it existed
+        self.buffers = BufferPool()
+
+    async def PullKV(self, request: nodes_pb2.PullKVRequest, context: grpc.aio.ServicerContext):
+        lease = self.leases.get(request.lease_id)
+        if lease is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no kv_lease {request.lease_id!r} (released or expired)")
+        try:
+            self.layout.check(KVLayout.from_proto(request.expect), sides=("prefill", "decode"))
+        except KVLayoutMismatch as e:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        chunk = request.chunk_bytes or CHUNK_BYTES
+        if not 0 < chunk <= MAX_MESSAGE_BYTES - 4096:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"chunk_bytes must be in (0, {MAX_MESSAGE_BYTES - 4096}]")
+        nbytes = self.layout.num_bytes(lease.num_tokens)
+        buf = self.buffers.acquire(nbytes)
+        try:
+            data = await asyncio.to_thread(gather, self.kv_cache.kv, lease.block_ids, lease.num_tokens, buf)
+            view = data.numpy()
+            header = nodes_pb2.KVHeader(layout=self.layout.to_proto(), num_tokens=lease.num_tokens,
+                                        num_bytes=nbytes, digest=lease.digest)
+            for offset in range(0, nbytes, chunk):
+                piece = view[offset:offset + chunk].tobytes()
+                yield nodes_pb2.KVChunk(header=header if offset == 0 else None, offset=offset, data=piece,
+                                        digest=xxhash.xxh3_64_intdigest(piece))
+        finally:
+            self.buffers.release(buf)
+
+    async def ReleaseKV(self, request: nodes_pb2.ReleaseKVRequest, context) -> nodes_pb2.ReleaseKVResponse:
+        return nodes_pb2.ReleaseKVResponse(released=await self.release(request.lease_id))
+
+
+class GrpcStreamReader:
+    name = "grpc"
+
+    def __init__(self, chunk_bytes: int = CHUNK_BYTES, channel_options: list | None = None):
+        self.chunk_bytes = chunk_bytes
+        self.buffers = BufferPool()
+        self.channels: dict[str, grpc.aio.Channel] = {}
+        self.channel_options = channel_options or []
+
+    def can_read(self, source: nodes_pb2.KVSource, layout: KVLayout) -> bool:
+        return bool(source.kv_address)
+
+    def channel(self, address: str) -> grpc.aio.Channel:
+        if address not in self.channels:
+            self.channels[address] = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS + self.channel_options)
+        return self.channels[address]
+
+    async def read(self, source: nodes_pb2.KVSource, kv_cache: KVCache, layout: KVLayout,
+                   block_ids: list[int]) -> None:
+        stub = nodes_pb2_grpc.KVPlaneStub(self.channel(source.kv_address))
+        nbytes = layout.num_bytes(source.num_tokens)
+        buf = self.buffers.acquire(nbytes)
+        try:
+            await self._receive(stub, source, layout, buf, nbytes)
+            data = buf[:nbytes]
+            digest = await asyncio.to_thread(self._write, data, kv_cache, block_ids, source.num_tokens)
+        finally:
+            self.buffers.release(buf)
+        if digest != source.digest:
+            raise KVCorrupt(f"KV digest mismatch after the gRPC stream (lease {source.lease_id})")
+
+    async def _receive(self, stub, source, layout: KVLayout, buf: torch.Tensor, nbytes: int) -> None:
+        view = buf.numpy()
+        received = 0
+        request = nodes_pb2.PullKVRequest(lease_id=source.lease_id, expect=layout.to_proto(),
+                                          chunk_bytes=self.chunk_bytes)
+        try:
+            async for chunk in stub.PullKV(request):
+                if chunk.HasField("header"):
+                    # The header is checked before any byte is written.
+                    layout.check(KVLayout.from_proto(chunk.header.layout))
+                    if chunk.header.num_tokens != source.num_tokens or chunk.header.num_bytes != nbytes:
+                        raise KVTransferError(f"KV header says {chunk.header.num_tokens} tokens / "
+                                              f"{chunk.header.num_bytes} bytes, expected {source.num_tokens} / {nbytes}")
+                elif received == 0:
+                    raise KVTransferError("KV stream did not start with a header")
+                end = chunk.offset + len(chunk.data)
+                if chunk.offset != received or end > nbytes:
+                    raise KVTransferError(f"KV chunk at offset {chunk.offset} ({len(chunk.data)} bytes) out of order "
+                                          f"or past {nbytes} bytes")
+                if xxhash.xxh3_64_intdigest(chunk.data) != chunk.digest:
+                    raise KVCorrupt(f"KV chunk at offset {chunk.offset} failed its digest")
+                view[chunk.offset:end] = np.frombuffer(chunk.data, dtype=np.uint8)
+                received = end
+        except grpc.aio.AioRpcError as e:
+            raise KVTransferError(f"KV pull from {source.kv_address} failed: {e.code().name}: {e.details()}") from e
+        if received != nbytes:
+            raise KVTransferError(f"KV stream ended after {received} of {nbytes} bytes")
+
+    @staticmethod
+    def _write(data: torch.Tensor, kv_cache: KVCache, block_ids: list[int], num_tokens: int) -> int:
+        scatter(data, kv_cache.kv, block_ids, num_tokens)
+        return kv_digest(kv_cache.kv, block_ids, num_tokens)
+
+    async def close(self) -> None:
+        for channel in self.channels.values():
+            await channel.close()
+        self.channels.clear()

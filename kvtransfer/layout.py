@@ -1,0 +1,157 @@
+"""What both sides of a transfer must agree on, and the layer-ordered byte stream of a sequence.
+
+The stream of a sequence's KV is [layers, K/V, tokens, kv_heads, head_dim]: for each layer and
+K/V, its tokens in order. Within the engine's cache that is a run of contiguous pieces (one per
+run of consecutive blocks), so the stream is read and written piece by piece, without gathers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import xxhash
+
+from engine.kv_cache import KVCache
+from pdserve_api import nodes_pb2
+
+
+class KVLayoutMismatch(ValueError):
+    """The two sides' KV caches are not interchangeable; nothing was copied."""
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str  # "bfloat16", "float16", "float32"
+    block_size: int
+    model_fingerprint: str
+
+    @classmethod
+    def of(cls, kv_cache: KVCache, model_fingerprint: str) -> "KVLayout":
+        layers, _, _, block_size, kv_heads, head_dim = kv_cache.kv.shape
+        return cls(layers, kv_heads, head_dim, str(kv_cache.kv.dtype).removeprefix("torch."), block_size,
+                   model_fingerprint)
+
+    @property
+    def itemsize(self) -> int:
+        return getattr(torch, self.dtype).itemsize
+
+    def num_bytes(self, num_tokens: int) -> int:
+        return 2 * self.num_layers * num_tokens * self.num_kv_heads * self.head_dim * self.itemsize
+
+    def check(self, other: "KVLayout", same_block_size: bool = False,
+              sides: tuple[str, str] = ("decode", "prefill")) -> None:
+        """Raises KVLayoutMismatch naming every field that differs (self is sides[0])."""
+        fields = ["model_fingerprint", "num_layers", "num_kv_heads", "head_dim", "dtype"]
+        if same_block_size:
+            fields.append("block_size")
+        diffs = [f"{f}: {sides[0]} {getattr(self, f)!r}, {sides[1]} {getattr(other, f)!r}" for f in fields
+                 if getattr(self, f) != getattr(other, f)]
+        if diffs:
+            raise KVLayoutMismatch("KV layout mismatch between prefill and decode, nothing copied: "
+                                   + "; ".join(diffs))
+
+    def to_proto(self) -> nodes_pb2.KVLayout:
+        return nodes_pb2.KVLayout(num_layers=self.num_layers, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+                                  dtype=self.dtype, block_size=self.block_size,
+                                  model_fingerprint=self.model_fingerprint)
+
+    @classmethod
+    def from_proto(cls, m: nodes_pb2.KVLayout) -> "KVLayout":
+        return cls(m.num_layers, m.num_kv_heads, m.head_dim, m.dtype, m.block_size, m.model_fingerprint)
+
+
+def model_fingerprint(model_dir: Path) -> str:
+    """Same checkpoint on both sides, as far as a cheap check can tell, whatever dtype each side
+    loads it in: config.json, and each weight file's size, safetensors header (tensor names,
+    shapes, offsets) and first MiB of data."""
+    model_dir = Path(model_dir)
+    h = xxhash.xxh3_64((model_dir / "config.json").read_bytes())
+    for path in sorted(model_dir.glob("*.safetensors")):
+        with open(path, "rb") as f:
+            header_len = int.from_bytes(f.read(8), "little")
+            h.update(path.stat().st_size.to_bytes(8, "little"))
+            h.update(f.read(header_len))
+            h.update(f.read(1 << 20))
+    return h.hexdigest()
+
+
+def as_bytes(t: torch.Tensor) -> memoryview:
+    """A contiguous CPU tensor's bytes, without a copy."""
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def block_runs(block_ids: list[int]) -> list[tuple[int, int]]:
+    """(first block, count) for each run of consecutive block ids."""
+    runs: list[tuple[int, int]] = []
+    for b in block_ids:
+        if runs and runs[-1][0] + runs[-1][1] == b:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((b, 1))
+    return runs
+
+
+def pieces(kv: torch.Tensor, block_ids: list[int], num_tokens: int) -> Iterator[torch.Tensor]:
+    """The layer-ordered stream of a sequence as contiguous views into kv [L, 2, NB, bs, H, D]."""
+    num_layers, _, _, block_size, kv_heads, head_dim = kv.shape
+    runs = block_runs(block_ids)
+    for layer in range(num_layers):
+        for k_or_v in (0, 1):
+            remaining = num_tokens
+            for first, count in runs:
+                if remaining <= 0:
+                    break
+                n = min(count * block_size, remaining)
+                yield kv[layer, k_or_v, first:first + count].view(-1, kv_heads, head_dim)[:n]
+                remaining -= n
+
+
+def kv_digest(kv: torch.Tensor, block_ids: list[int], num_tokens: int) -> int:
+    """xxh3_64 of the layer-ordered stream (equal on both sides whatever their block ids)."""
+    h = xxhash.xxh3_64()
+    for piece in pieces(kv, block_ids, num_tokens):
+        h.update(as_bytes(piece.cpu()))
+    return h.intdigest()
+
+
+def gather(kv: torch.Tensor, block_ids: list[int], num_tokens: int, out: torch.Tensor) -> torch.Tensor:
+    """Copies the layer-ordered stream into `out` (uint8, at least that many bytes); returns the
+    used prefix."""
+    offset = 0
+    for piece in pieces(kv, block_ids, num_tokens):
+        flat = piece.reshape(-1).view(torch.uint8)
+        out[offset:offset + flat.numel()].copy_(flat)
+        offset += flat.numel()
+    return out[:offset]
+
+
+def scatter(data: torch.Tensor, kv: torch.Tensor, block_ids: list[int], num_tokens: int) -> None:
+    """Writes a layer-ordered stream (uint8) into the given blocks of kv, in place."""
+    offset = 0
+    for piece in pieces(kv, block_ids, num_tokens):
+        flat = piece.view(-1).view(torch.uint8)  # a view: the copy lands in the cache
+        flat.copy_(data[offset:offset + flat.numel()])
+        offset += flat.numel()
+    if offset != data.numel():
+        raise ValueError(f"kv stream has {data.numel()} bytes, the blocks take {offset}")
+
+
+def copy_blocks(src: torch.Tensor, src_ids: list[int], dst: torch.Tensor, dst_ids: list[int]) -> None:
+    """Block-for-block copy between two caches of one layout: one strided copy per run of blocks
+    that are consecutive on both sides."""
+    if len(src_ids) != len(dst_ids):
+        raise ValueError(f"{len(src_ids)} source blocks for {len(dst_ids)} destination blocks")
+    i = 0
+    while i < len(src_ids):
+        j = i + 1
+        while j < len(src_ids) and src_ids[j] == src_ids[j - 1] + 1 and dst_ids[j] == dst_ids[j - 1] + 1:
+            j += 1
+        n = j - i
+        dst[:, :, dst_ids[i]:dst_ids[i] + n].copy_(src[:, :, src_ids[i]:src_ids[i] + n])
+        i = j

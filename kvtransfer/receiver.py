@@ -1,0 +1,40 @@
+"""The decode side: picks a transport for each KV source and starts the transfer."""
+
+from __future__ import annotations
+
+from engine.kv_cache import KVCache
+from kvtransfer.base import KVReader, KVTransfer, KVTransferError
+from kvtransfer.fake import FakeReader
+from kvtransfer.grpc_stream import GrpcStreamReader
+from kvtransfer.layout import KVLayout
+from kvtransfer.shm import ShmReader
+from pdserve_api import nodes_pb2
+
+TRANSPORTS = ("auto", "shm", "grpc")
+
+
+class KVReceiver:
+    def __init__(self, kv_cache: KVCache, layout: KVLayout, transport: str = "auto"):
+        if transport not in TRANSPORTS:
+            raise ValueError(f"kv transport must be one of {TRANSPORTS}, got {transport!r}")
+        self.kv_cache = kv_cache
+        self.layout = layout
+        self.transport = transport
+        self.grpc = GrpcStreamReader()
+        # Preference order for "auto": the one-sided read when the source is on this host.
+        self.readers: list[KVReader] = [FakeReader(), ShmReader(), self.grpc]
+
+    def choose(self, source: nodes_pb2.KVSource) -> KVReader:
+        for reader in self.readers:
+            if self.transport in ("auto", reader.name) or reader.name == "fake":
+                if reader.can_read(source, self.layout):
+                    return reader
+        raise KVTransferError(f"no {self.transport} transport can read the KV of lease {source.lease_id} "
+                              f"(host {source.host_id!r}, region {source.shm_region!r}, address {source.kv_address!r})")
+
+    def start(self, source: nodes_pb2.KVSource, block_ids: list[int]) -> KVTransfer:
+        """Begins moving the source's KV into block_ids; await .wait() or poll .status."""
+        return KVTransfer(self.choose(source), source, self.kv_cache, self.layout, block_ids)
+
+    async def close(self) -> None:
+        await self.grpc.close()

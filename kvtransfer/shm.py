@@ -1,0 +1,111 @@
+"""RDMA-style one-sided reads through shared memory, for a prefill and a decode node on one host.
+
+Verbs, as in RDMA/NIXL:
+- register: the prefill node allocates its whole KV tensor in a /dev/shm region (pages touched
+  once at start), so the KV it computes is already "registered memory";
+- describe: a lease becomes a small descriptor (region, block ids, token count, digest);
+- read: the decode node maps the region and copies the blocks itself, straight into its own KV
+  blocks; the prefill side's CPU copies nothing;
+- release: the decode node confirms over the KV plane (ReleaseKV) and the blocks are freed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import uuid
+from pathlib import Path
+
+import torch
+
+from engine.kv_cache import KVCache
+from kvtransfer.base import KVCorrupt, KVTransferError
+from kvtransfer.layout import KVLayout, copy_blocks, kv_digest
+from pdserve_api import nodes_pb2
+
+SHM_DIR = Path("/dev/shm")
+PREFIX = "pdserve-kv-"
+
+
+def host_id() -> str:
+    """Equal for two processes that can share /dev/shm files on one machine (boot)."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+class SharedKVRegion:
+    """register: a named /dev/shm file holding a node's whole KV tensor."""
+
+    def __init__(self, nbytes: int):
+        sweep_stale_regions()
+        self.name = f"{PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.path = SHM_DIR / self.name
+        with open(self.path, "wb") as f:
+            f.truncate(nbytes)
+        self.nbytes = nbytes
+        self.tensor = torch.from_file(str(self.path), shared=True, size=nbytes, dtype=torch.uint8)
+        self.tensor.zero_()  # touch every page now, not during a timed prefill
+
+    def close(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+
+def sweep_stale_regions() -> None:
+    """Removes regions whose owning process is gone (a node that crashed)."""
+    for path in SHM_DIR.glob(f"{PREFIX}*"):
+        try:
+            pid = int(path.name[len(PREFIX):].split("-")[0])
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            path.unlink(missing_ok=True)
+        except (ValueError, PermissionError):
+            continue
+
+
+class ShmReader:
+    """read: maps the prefill node's region once and copies leased blocks out of it."""
+
+    name = "shm"
+
+    def __init__(self):
+        self.host_id = host_id()
+        self._regions: dict[str, torch.Tensor] = {}
+
+    def can_read(self, source: nodes_pb2.KVSource, layout: KVLayout) -> bool:
+        return (source.host_id == self.host_id and bool(source.shm_region)
+                and source.layout.block_size == layout.block_size and (SHM_DIR / source.shm_region).exists())
+
+    def _attach(self, source: nodes_pb2.KVSource, layout: KVLayout) -> torch.Tensor:
+        region = self._regions.get(source.shm_region)
+        if region is None:
+            path = SHM_DIR / source.shm_region
+            if not path.exists():
+                raise KVTransferError(f"shared-memory region {source.shm_region} is gone")
+            raw = torch.from_file(str(path), shared=True, size=source.region_bytes, dtype=torch.uint8)
+            block_bytes = layout.num_bytes(layout.block_size)
+            region = raw.view(getattr(torch, layout.dtype)).view(
+                layout.num_layers, 2, source.region_bytes // block_bytes, layout.block_size, layout.num_kv_heads,
+                layout.head_dim)
+            self._regions[source.shm_region] = region
+        return region
+
+    async def read(self, source: nodes_pb2.KVSource, kv_cache: KVCache, layout: KVLayout,
+                   block_ids: list[int]) -> None:
+        layout.check(KVLayout.from_proto(source.layout), same_block_size=True)
+        src = self._attach(source, layout)
+        src_ids = list(source.block_ids)
+        if max(src_ids, default=0) >= src.shape[2]:
+            raise KVTransferError(f"block ids beyond the region {source.shm_region}")
+
+        def copy_and_verify() -> int:
+            copy_blocks(src, src_ids, kv_cache.kv, block_ids[:len(src_ids)])
+            return kv_digest(kv_cache.kv, block_ids, source.num_tokens)
+
+        digest = await asyncio.to_thread(copy_and_verify)
+        if digest != source.digest:
+            raise KVCorrupt(f"KV digest mismatch after the shared-memory read (lease {source.lease_id}): "
+                            "the blocks changed under the read")

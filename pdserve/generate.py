@@ -1,0 +1,26 @@
+"""`pdserve generate`: ask a pdserve router, streaming the answer as it arrives."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from router.client import Client, Completion
+
+
+def stream_answer(address: str, prompt: str, chat: bool = True, as_json: bool = False, timeout: float | None = None,
+                  out=sys.stdout, **sampling) -> Completion:
+    result = Completion()
+    request = {"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt}
+    with Client(address, timeout=timeout) as client:
+        for part in client.stream(**request, **sampling):
+            result.add(part)
+            if not as_json:
+                out.write(part.text)
+                out.flush()
+    if as_json:
+        out.write(json.dumps({"text": result.text, "token_ids": result.token_ids, "finish_reason": result.finish_reason,
+                              "usage": result.usage, "timings": result.timings}) + "\n")
+    else:
+        out.write("\n")
+    return result

@@ -1,0 +1,49 @@
+"""A grpc.aio server with what every pdserve server carries: the standard health service,
+server reflection, explicit message size limits."""
+
+from __future__ import annotations
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+MAX_MESSAGE_BYTES = 8 << 20
+SERVER_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                  ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                  ("grpc.so_reuseport", 0)]
+
+
+class GrpcServer:
+    def __init__(self, host: str = "127.0.0.1", port: int = 0):
+        self.server = grpc.aio.server(options=SERVER_OPTIONS)
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.service_names = [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                              reflection.SERVICE_NAME]
+        self.host = host
+        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        if self.port == 0:
+            raise OSError(f"could not bind {host}:{port}")
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def add(self, add_to_server, servicer, descriptor) -> None:
+        """Registers a servicer (add_FooServicer_to_server, instance, file DESCRIPTOR's service)."""
+        add_to_server(servicer, self.server)
+        self.service_names.append(descriptor.full_name)
+
+    async def start(self) -> None:
+        reflection.enable_server_reflection(self.service_names, self.server)
+        await self.server.start()
+        for name in self.service_names + [""]:
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+    async def set_serving(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in self.service_names + [""]:
+            await self.health.set(name, status)
+
+    async def stop(self, grace: float | None = 1.0) -> None:
+        await self.server.stop(grace)

@@ -1,0 +1,26 @@
+"""Running a server process until SIGTERM/SIGINT, announcing readiness on stdout."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+
+
+async def run_until_signalled(make_node, grace_s: float = 5.0) -> None:
+    """Builds a node with make_node() (inside the event loop, which grpc.aio servers need), starts it
+    (anything with start/stop/address), prints 'READY <address>' once it serves, and stops it
+    gracefully on SIGTERM or SIGINT."""
+    node = make_node()
+    await node.start()
+    print(f"READY {node.address}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await node.stop(grace_s)
+
+
+def setup_logging(level: str = "INFO") -> None:
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

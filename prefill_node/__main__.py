@@ -1,0 +1,26 @@
+"""python -m prefill_node --port PORT --model NAME: one prefill node process."""
+
+import argparse
+import asyncio
+
+from pdserve.cli import add_engine_args, engine_config
+from pdserve.process import run_until_signalled, setup_logging
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(prog="prefill_node")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=0, help="0 picks a free port (printed in the READY line)")
+    ap.add_argument("--lease-ttl-s", type=float, default=30.0, help="free a prefill's KV if unread this long")
+    ap.add_argument("--no-shm", action="store_true", help="keep the KV out of shared memory (gRPC transfers only)")
+    add_engine_args(ap)
+    args = ap.parse_args()
+    setup_logging()
+    from prefill_node.server import PrefillNode
+
+    asyncio.run(run_until_signalled(
+        lambda: PrefillNode(engine_config(args), args.host, args.port, args.lease_ttl_s, shm=not args.no_shm)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,139 @@
+"""The prefill node: computes prompts' KV and first tokens, and serves the KV to decode nodes.
+
+Lifecycle of a request here:
+  1. waiting  - queued in the engine; all prompts waiting at a step go into one packed forward
+  2. prefilled - first token sampled; the prompt's KV stays in its blocks under a kv_lease
+  3. read     - a decode node pulls the KV (gRPC stream) or reads it itself (shared memory)
+  4. released - the decode node confirms (ReleaseKV), or the lease expires: blocks freed
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+import uuid
+
+import grpc
+
+from engine import EngineConfig, LLMEngine
+from engine.async_engine import AsyncEngine
+from engine.llm_engine import resolve_device
+from kvtransfer.grpc_stream import KVPlaneServicer
+from kvtransfer.layout import KVLayout, kv_digest, model_fingerprint
+from kvtransfer.lease import LeaseTable
+from kvtransfer.shm import SharedKVRegion, host_id
+from pdserve.grpc_server import GrpcServer
+from pdserve.protocol import logprobs_to_proto, sampling_from_proto
+from pdserve_api import common_pb2, nodes_pb2, nodes_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+class PrefillNode(nodes_pb2_grpc.PrefillNodeServicer):
+    def __init__(self, config: EngineConfig, host: str = "127.0.0.1", port: int = 0, lease_ttl_s: float = 30.0,
+                 shm: bool = True):
+        self.region: SharedKVRegion | None = None
+
+        def allocator(nbytes: int):  # register: the whole KV tensor lives in a /dev/shm region
+            self.region = SharedKVRegion(nbytes)
+            return self.region.tensor
+
+        # A KV cache on a GPU is not in host shared memory; decode nodes pull it over gRPC.
+        use_shm = shm and resolve_device(config.device).type == "cpu"
+        engine = LLMEngine(config, kv_allocator=allocator if use_shm else None)
+        self.engine = AsyncEngine(engine)
+        self.layout = KVLayout.of(engine.kv_cache, model_fingerprint(engine.model_dir))
+        self.leases = LeaseTable(lease_ttl_s)
+        self.host_id = host_id()
+        self.server = GrpcServer(host, port)
+        self.server.add(nodes_pb2_grpc.add_PrefillNodeServicer_to_server, self,
+                        nodes_pb2.DESCRIPTOR.services_by_name["PrefillNode"])
+        self.kv_plane = KVPlaneServicer(engine.kv_cache, self.layout, self.leases, self.release)
+        self.server.add(nodes_pb2_grpc.add_KVPlaneServicer_to_server, self.kv_plane,
+                        nodes_pb2.DESCRIPTOR.services_by_name["KVPlane"])
+        self._expiry: asyncio.Task | None = None
+
+    @property
+    def address(self) -> str:
+        return self.server.address
+
+    async def start(self) -> None:
+        await self.server.start()
+        self._expiry = asyncio.create_task(self._expire_leases())
+
+    async def stop(self, grace: float = 1.0) -> None:
+        await self.server.stop(grace)
+        if self._expiry:
+            self._expiry.cancel()
+        self.engine.stop()
+        if self.region is not None:
+            self.region.close()
+
+    # ---- PrefillNode service --------------------------------------------------------------
+    async def Prefill(self, request: nodes_pb2.PrefillRequest, context) -> nodes_pb2.PrefillResponse:
+        if request.deadline and request.deadline < time.time():
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed before prefill")
+        try:
+            params = sampling_from_proto(request.sampling)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        engine = self.engine.engine
+        # Internal id: a retried request id must not collide with a lease still held.
+        rid = f"{request.request_id}#{uuid.uuid4().hex[:8]}"
+        prompt = list(request.prompt_token_ids)
+        once = dataclasses.replace(params, max_tokens=1)
+        start = time.time()
+        out = None
+        try:
+            async for out in self.engine.stream(rid, lambda: engine.add_request(rid, prompt, once, keep_kv=True)):
+                pass
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        end = time.time()
+        response = nodes_pb2.PrefillResponse(first_token_id=out.token_ids[0], text=out.text,
+                                             finished=False, prefill_start=start, prefill_end=end)
+        if out.logprobs:
+            response.logprobs.CopyFrom(logprobs_to_proto(out.logprobs[0]))
+        if out.finish_reason == "stop" or params.max_tokens == 1 or len(prompt) + 1 >= engine.max_model_len:
+            await self.engine.call(engine.release_kv, rid)
+            response.finished = True
+            response.finish_reason = "stop" if out.finish_reason == "stop" else "length"
+            return response
+        try:
+            response.kv.CopyFrom(await self._lease(rid))
+        except BaseException:
+            await asyncio.shield(self.engine.call(engine.release_kv, rid))
+            raise
+        return response
+
+    async def _lease(self, rid: str) -> nodes_pb2.KVSource:
+        engine = self.engine.engine
+        held = await self.engine.call(lambda: engine.kv_leases[rid])
+        digest = await asyncio.to_thread(kv_digest, engine.kv_cache.kv, held.block_table, held.num_tokens)
+        lease = self.leases.add(rid, held.block_table, held.num_tokens, digest)
+        return nodes_pb2.KVSource(
+            lease_id=lease.lease_id, kv_address=self.address, host_id=self.host_id,
+            shm_region=self.region.name if self.region else "", region_bytes=self.region.nbytes if self.region else 0,
+            layout=self.layout.to_proto(), block_ids=lease.block_ids, num_tokens=lease.num_tokens, digest=digest,
+            num_bytes=self.layout.num_bytes(lease.num_tokens), lease_expires=lease.expires_at)
+
+    async def release(self, lease_id: str) -> bool:
+        """Ends a kv_lease (the decode side confirmed its read, or gave up): frees its blocks."""
+        lease = self.leases.pop(lease_id)
+        if lease is None:
+            return False
+        await self.engine.call(self.engine.engine.release_kv, lease.request_id)
+        return True
+
+    async def _expire_leases(self) -> None:
+        while True:
+            await asyncio.sleep(min(1.0, self.leases.ttl_s / 4))
+            for lease in self.leases.pop_expired():
+                log.warning("kv_lease %s of %s expired unread; freeing %d blocks", lease.lease_id,
+                            lease.request_id, len(lease.block_ids))
+                await self.engine.call(self.engine.engine.release_kv, lease.request_id)
+
+    async def GetLoad(self, request, context) -> common_pb2.NodeLoad:
+        return common_pb2.NodeLoad(**await self.engine.call(self.engine.engine.load))

@@ -1,0 +1,26 @@
+"""python -m router --prefill ADDR[,ADDR] --decode ADDR[,ADDR]: the router as its own process."""
+
+import argparse
+import asyncio
+
+from pdserve.process import run_until_signalled, setup_logging
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(prog="router")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=50051)
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--prefill", required=True, help="comma-separated prefill node addresses")
+    ap.add_argument("--decode", required=True, help="comma-separated decode node addresses")
+    ap.add_argument("--max-model-len", type=int, default=None)
+    args = ap.parse_args()
+    setup_logging()
+    from router.server import Router
+
+    asyncio.run(run_until_signalled(lambda: Router(args.model, args.prefill.split(","), args.decode.split(","),
+                                                   args.host, args.port, args.max_model_len)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,106 @@
+"""A pool of node endpoints (prefill or decode): least-outstanding choice and health checks.
+
+A node is chosen by the fewest requests this router has in flight on it, then by the load it
+last reported (waiting + running sequences), then round robin. A node that fails
+`failure_threshold` health checks in a row (or answers NOT_SERVING) gets no new requests until
+a check passes again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from pdserve_api import common_pb2, nodes_pb2_grpc
+
+log = logging.getLogger(__name__)
+CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 8 << 20), ("grpc.max_send_message_length", 8 << 20)]
+
+
+class NoHealthyNode(RuntimeError):
+    pass
+
+
+@dataclass
+class Endpoint:
+    address: str
+    channel: grpc.aio.Channel
+    stub: object  # PrefillNodeStub or DecodeNodeStub
+    healthy: bool = False
+    outstanding: int = 0
+    failures: int = 0
+    load: common_pb2.NodeLoad = field(default_factory=common_pb2.NodeLoad)
+
+    @contextlib.contextmanager
+    def track(self):
+        self.outstanding += 1
+        try:
+            yield self
+        finally:
+            self.outstanding -= 1
+
+
+class EndpointPool:
+    def __init__(self, role: str, addresses: list[str], check_interval_s: float = 1.0, failure_threshold: int = 2):
+        stub_cls = {"prefill": nodes_pb2_grpc.PrefillNodeStub, "decode": nodes_pb2_grpc.DecodeNodeStub}[role]
+        self.role = role
+        self.endpoints: list[Endpoint] = []
+        for address in addresses:
+            channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            self.endpoints.append(Endpoint(address, channel, stub_cls(channel)))
+        self.check_interval_s = check_interval_s
+        self.failure_threshold = failure_threshold
+        self._turn = itertools.count()
+        self._task: asyncio.Task | None = None
+
+    def pick(self) -> Endpoint:
+        healthy = [e for e in self.endpoints if e.healthy]
+        if not healthy:
+            raise NoHealthyNode(f"no healthy {self.role} node (of {len(self.endpoints)}: "
+                                f"{', '.join(e.address for e in self.endpoints) or 'none configured'})")
+        turn = next(self._turn)
+        return min(healthy, key=lambda e: (e.outstanding, e.load.num_waiting + e.load.num_running,
+                                           (self.endpoints.index(e) - turn) % len(self.endpoints)))
+
+    async def start(self) -> None:
+        await self.check_all()
+        self._task = asyncio.create_task(self._loop())
+
+    async def close(self) -> None:
+        if self._task:
+            self._task.cancel()
+        for e in self.endpoints:
+            await e.channel.close()
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.check_interval_s)
+            await self.check_all()
+
+    async def check_all(self) -> None:
+        await asyncio.gather(*(self._check(e) for e in self.endpoints))
+
+    async def _check(self, e: Endpoint) -> None:
+        timeout = max(0.2, min(1.0, self.check_interval_s))
+        try:
+            reply = await health_pb2_grpc.HealthStub(e.channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+            ok = reply.status == health_pb2.HealthCheckResponse.SERVING
+            if ok:
+                e.load = await e.stub.GetLoad(common_pb2.LoadRequest(), timeout=timeout)
+        except grpc.aio.AioRpcError:
+            ok = False
+        if ok:
+            if not e.healthy:
+                log.info("%s node %s is healthy", self.role, e.address)
+            e.healthy, e.failures = True, 0
+        else:
+            e.failures += 1
+            if e.healthy and e.failures >= self.failure_threshold:
+                log.warning("%s node %s failed %d health checks: no new requests", self.role, e.address, e.failures)
+                e.healthy = False

@@ -1,0 +1,53 @@
+"""A router, prefill nodes and decode nodes as real gRPC servers on localhost sockets, in this
+process (each node with its own engine thread)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+from decode_node.server import DecodeNode
+from engine import EngineConfig
+from prefill_node.server import PrefillNode
+from router.server import Router
+
+
+def engine_config(model, **kwargs) -> EngineConfig:
+    kwargs.setdefault("dtype", "float32")
+    kwargs.setdefault("device", "cpu")
+    kwargs.setdefault("num_kv_blocks", 256)
+    kwargs.setdefault("block_size", 4)
+    return EngineConfig(model=str(model), **kwargs)
+
+
+@contextlib.asynccontextmanager
+async def local_cluster(model, num_prefill=1, num_decode=1, prefill_engine=None, decode_engine=None,
+                        lease_ttl_s=30.0, shm=True, kv_transport="auto", check_interval_s=0.2):
+    prefills = [PrefillNode(engine_config(model, **(prefill_engine or {})), lease_ttl_s=lease_ttl_s, shm=shm)
+                for _ in range(num_prefill)]
+    decodes = [DecodeNode(engine_config(model, **(decode_engine or {})), kv_transport=kv_transport)
+               for _ in range(num_decode)]
+    for node in prefills + decodes:
+        await node.start()
+    router = Router(str(model), [p.address for p in prefills], [d.address for d in decodes],
+                    check_interval_s=check_interval_s)
+    await router.start()
+    try:
+        yield router, prefills, decodes
+    finally:
+        await router.stop(0)
+        for node in prefills + decodes:
+            await node.stop(0)
+
+
+def used_blocks(node) -> int:
+    return node.engine.engine.block_manager.num_used_blocks
+
+
+async def wait_for_no_blocks(nodes, timeout=5.0) -> None:
+    """Blocks are freed asynchronously (lease release, aborts): wait until all are back."""
+    for _ in range(int(timeout / 0.02)):
+        if all(used_blocks(n) == 0 for n in nodes):
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError({n.address: used_blocks(n) for n in nodes})

@@ -1,0 +1,254 @@
+"""The disaggregated path end to end: real gRPC servers on localhost sockets, tiny random model."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+import torch
+from cluster import local_cluster, used_blocks, wait_for_no_blocks
+from conftest import make_engine, run_to_completion
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from transformers import AutoModelForCausalLM
+
+from engine import SamplingParams
+from pdserve_api import common_pb2, nodes_pb2, nodes_pb2_grpc
+from router.client import AsyncClient
+
+PROMPTS = [[5, 17, 33, 8, 90, 41, 7, 99, 100, 3, 4], [200, 3], list(range(11, 40)), [64, 65, 66]]
+GREEDY = dict(max_tokens=16, temperature=0, ignore_eos=True)
+TRANSPORTS = {"shm": dict(kv_transport="shm"), "grpc": dict(kv_transport="grpc")}
+
+
+def engine_alone(model, prompts, **params) -> list[list[int]]:
+    engine = make_engine(model)
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, SamplingParams(**params))
+    outs = run_to_completion(engine)
+    return [outs[str(i)].token_ids for i in range(len(prompts))]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama):
+    return engine_alone(tiny_llama, PROMPTS, **GREEDY)
+
+
+@pytest.mark.parametrize("transport", sorted(TRANSPORTS))
+def test_disaggregated_equals_engine_alone_equals_transformers(tiny_llama, reference, transport):
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    for p, ref in zip(PROMPTS, reference):
+        out = hf.generate(torch.tensor([p]), max_new_tokens=16, do_sample=False, eos_token_id=hf.config.vocab_size,
+                          pad_token_id=0)
+        assert out[0, len(p):].tolist() == ref
+
+    async def scenario():
+        async with local_cluster(tiny_llama, **TRANSPORTS[transport]) as (router, prefills, decodes):
+            async with AsyncClient(router.address) as client:
+                for p, ref in zip(PROMPTS, reference):
+                    result = await client.generate(p, **GREEDY)
+                    assert result.token_ids == ref
+                    assert result.timings["kv_transport"] == transport
+                    assert result.usage == {"prompt_tokens": len(p), "completion_tokens": 16}
+            await wait_for_no_blocks(prefills + decodes)
+
+    asyncio.run(scenario())
+
+
+def test_prefill_and_decode_with_different_block_sizes(tiny_llama, reference):
+    async def scenario():
+        async with local_cluster(tiny_llama, prefill_engine={"block_size": 8}, decode_engine={"block_size": 4},
+                                 kv_transport="auto") as (router, prefills, decodes):
+            async with AsyncClient(router.address) as client:
+                result = await client.generate(PROMPTS[2], **GREEDY)
+                assert result.token_ids == reference[2]
+                assert result.timings["kv_transport"] == "grpc"  # shm needs one block layout
+            await wait_for_no_blocks(prefills + decodes)
+
+    asyncio.run(scenario())
+
+
+def test_streaming_is_in_order_and_equals_unary(tiny_llama):
+    async def scenario():
+        async with local_cluster(tiny_llama) as (router, prefills, decodes):
+            async with AsyncClient(router.address) as client:
+                parts = [part async for part in client.stream("Hello world", max_tokens=12, temperature=0,
+                                                               ignore_eos=True, logprobs=2)]
+                unary = await client.generate_unary("Hello world", max_tokens=12, temperature=0, ignore_eos=True,
+                                                    logprobs=2)
+        assert len(parts) >= 2 and all(not p.finished for p in parts[:-1]) and parts[-1].finished
+        assert [t for p in parts for t in p.token_ids] == unary.token_ids
+        assert "".join(p.text for p in parts) == unary.text
+        assert sum(len(p.logprobs) for p in parts) == 12 == len(unary.logprobs)
+        assert unary.finish_reason == "length" and unary.usage["completion_tokens"] == 12
+
+    asyncio.run(scenario())
+
+
+def test_32_concurrent_requests_over_1_prefill_and_2_decodes(tiny_llama):
+    prompts = [[(7 * i + j) % 300 + 1 for j in range(3 + i % 13)] for i in range(32)]
+    expected = engine_alone(tiny_llama, prompts, **GREEDY)
+
+    async def scenario():
+        async with local_cluster(tiny_llama, num_prefill=1, num_decode=2) as (router, prefills, decodes):
+            async with AsyncClient(router.address) as client:
+                results = await asyncio.gather(*(client.generate(p, **GREEDY) for p in prompts))
+            assert [r.token_ids for r in results] == expected
+            await wait_for_no_blocks(prefills + decodes)
+            return results
+
+    results = asyncio.run(scenario())
+    ports = {r.timings.get("kv_transport") for r in results}
+    assert ports == {"shm"}
+
+
+def test_least_outstanding_spreads_decodes(tiny_llama):
+    async def scenario():
+        async with local_cluster(tiny_llama, num_prefill=1, num_decode=2) as (router, prefills, decodes):
+            counts = {d.address: 0 for d in decodes}
+            original = router.decode_pool.pick
+
+            def counting_pick():
+                e = original()
+                counts[e.address] += 1
+                return e
+
+            router.decode_pool.pick = counting_pick
+            async with AsyncClient(router.address) as client:
+                await asyncio.gather(*(client.generate(PROMPTS[0], max_tokens=30, ignore_eos=True)
+                                       for _ in range(8)))
+            assert all(c >= 2 for c in counts.values()), counts
+
+    asyncio.run(scenario())
+
+
+def test_cancellation_mid_stream_frees_blocks_on_both_sides(tiny_llama):
+    async def scenario():
+        async with local_cluster(tiny_llama) as (router, prefills, decodes):
+            async with AsyncClient(router.address) as client:
+                stream = client.stream(PROMPTS[2], max_tokens=200, temperature=0, ignore_eos=True)
+                got = 0
+                async for part in stream:
+                    got += len(part.token_ids)
+                    if got >= 5:
+                        assert used_blocks(decodes[0]) > 0
+                        break
+                await stream.aclose()
+            await wait_for_no_blocks(prefills + decodes)
+            assert decodes[0].engine.engine.requests == {}
+
+    asyncio.run(scenario())
+
+
+def test_deadline_stops_the_work_and_frees_blocks(tiny_llama):
+    async def scenario():
+        async with local_cluster(tiny_llama, decode_engine={"max_num_seqs": 1}) as (router, prefills, decodes):
+            async with AsyncClient(router.address, timeout=0.3) as client:
+                with pytest.raises(grpc.aio.AioRpcError) as err:  # 1000 decode steps take well over 0.3 s
+                    await client.generate(PROMPTS[0], max_tokens=1000, ignore_eos=True)
+                assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            await wait_for_no_blocks(prefills + decodes)
+
+    asyncio.run(scenario())
+
+
+def test_bad_inputs_get_their_status_codes(tiny_llama):
+    cases = [
+        (dict(prompt=""), grpc.StatusCode.INVALID_ARGUMENT, "prompt must not be empty"),
+        (dict(prompt=[1] * 2000), grpc.StatusCode.INVALID_ARGUMENT, "max_model_len"),
+        (dict(prompt="hi", max_tokens=0), grpc.StatusCode.INVALID_ARGUMENT, "max_tokens"),
+        (dict(prompt="hi", temperature=-1), grpc.StatusCode.INVALID_ARGUMENT, "temperature"),
+        (dict(prompt="hi", top_p=0), grpc.StatusCode.INVALID_ARGUMENT, "top_p"),
+        (dict(prompt="hi", top_p=1.5), grpc.StatusCode.INVALID_ARGUMENT, "top_p"),
+        (dict(prompt="hi", top_k=-2), grpc.StatusCode.INVALID_ARGUMENT, "top_k"),
+        (dict(prompt=[5, 999999]), grpc.StatusCode.INVALID_ARGUMENT, "prompt token ids"),
+        (dict(messages=[{"role": "wizard", "content": "x"}]), grpc.StatusCode.INVALID_ARGUMENT, "messages"),
+        (dict(prompt="hi", model="gpt-17"), grpc.StatusCode.NOT_FOUND, "gpt-17"),
+    ]
+
+    async def scenario():
+        async with local_cluster(tiny_llama) as (router, prefills, decodes):
+            async with AsyncClient(router.address) as client:
+                for kwargs, code, words in cases:
+                    prompt = kwargs.pop("prompt", None)
+                    with pytest.raises(grpc.aio.AioRpcError) as err:
+                        await client.generate(prompt, **kwargs)
+                    assert err.value.code() == code, (kwargs, err.value)
+                    assert words in err.value.details(), (kwargs, err.value.details())
+                assert (await client.generate([5, 6], max_tokens=2)).usage["completion_tokens"] == 2
+            await wait_for_no_blocks(prefills + decodes)
+
+    asyncio.run(scenario())
+
+
+def test_no_healthy_node_is_unavailable(tiny_llama):
+    async def scenario():
+        async with local_cluster(tiny_llama) as (router, prefills, decodes):
+            await decodes[0].server.set_serving(False)  # e.g. draining
+            for _ in range(50):
+                if not router.decode_pool.endpoints[0].healthy:
+                    break
+                await asyncio.sleep(0.1)
+            async with AsyncClient(router.address) as client:
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await client.generate(PROMPTS[0], max_tokens=4)
+                assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+                assert "no healthy decode node" in err.value.details()
+                await decodes[0].server.set_serving(True)
+                for _ in range(50):
+                    if router.decode_pool.endpoints[0].healthy:
+                        break
+                    await asyncio.sleep(0.1)
+                assert (await client.generate(PROMPTS[0], max_tokens=4)).finish_reason == "length"
+            await wait_for_no_blocks(prefills + decodes)  # the refused request's lease was released
+
+    asyncio.run(scenario())
+
+
+def test_unread_kv_lease_expires(tiny_llama):
+    async def scenario():
+        async with local_cluster(tiny_llama, lease_ttl_s=0.3) as (router, prefills, decodes):
+            channel = grpc.aio.insecure_channel(prefills[0].address)
+            reply = await nodes_pb2_grpc.PrefillNodeStub(channel).Prefill(nodes_pb2.PrefillRequest(
+                request_id="orphan", prompt_token_ids=PROMPTS[2], sampling=common_pb2.SamplingParams(max_tokens=5)))
+            assert reply.kv.lease_id and used_blocks(prefills[0]) > 0
+            await wait_for_no_blocks(prefills, timeout=3)  # nobody read it: the lease expired
+            released = await nodes_pb2_grpc.KVPlaneStub(channel).ReleaseKV(
+                nodes_pb2.ReleaseKVRequest(lease_id=reply.kv.lease_id))
+            assert not released.released
+            await channel.close()
+
+    asyncio.run(scenario())
+
+
+def test_layout_mismatch_is_refused(tiny_llama):
+    async def scenario():
+        async with local_cluster(tiny_llama, decode_engine={"dtype": "bfloat16"}) as (router, prefills, decodes):
+            async with AsyncClient(router.address) as client:
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await client.generate(PROMPTS[0], max_tokens=4)
+                assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+                assert "dtype: decode 'bfloat16', prefill 'float32'" in err.value.details()
+                assert "model_fingerprint" not in err.value.details()  # same checkpoint
+            await wait_for_no_blocks(prefills + decodes)
+
+    asyncio.run(scenario())
+
+
+def test_every_server_has_health_and_reflection(tiny_llama):
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    async def scenario():
+        async with local_cluster(tiny_llama) as (router, prefills, decodes):
+            for server, service in [(router, "pdserve.v1.Generation"), (prefills[0], "pdserve.v1.PrefillNode"),
+                                    (prefills[0], "pdserve.v1.KVPlane"), (decodes[0], "pdserve.v1.DecodeNode")]:
+                async with grpc.aio.insecure_channel(server.address) as channel:
+                    reply = await health_pb2_grpc.HealthStub(channel).Check(
+                        health_pb2.HealthCheckRequest(service=service))
+                    assert reply.status == health_pb2.HealthCheckResponse.SERVING
+                    stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+                    responses = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+                    names = [s.name async for r in responses for s in r.list_services_response.service]
+                    assert service in names and "grpc.health.v1.Health" in names
+
+    asyncio.run(scenario())

@@ -1,0 +1,195 @@
+"""kvtransfer's pieces driven directly: layouts, the byte stream, leases, the status ladder, and
+corruption caught before any decode."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+import torch
+import xxhash
+
+from engine.kv_cache import KVCache
+from kvtransfer.base import KVCorrupt, TransferStatus
+from kvtransfer.fake import REGISTRY, FakeReader
+from kvtransfer.grpc_stream import GrpcStreamReader
+from kvtransfer.layout import KVLayout, KVLayoutMismatch, block_runs, copy_blocks, gather, kv_digest, scatter
+from kvtransfer.lease import LeaseTable
+from kvtransfer.receiver import KVReceiver
+from kvtransfer.shm import SharedKVRegion, ShmReader, host_id
+from pdserve.grpc_server import GrpcServer
+from pdserve_api import nodes_pb2, nodes_pb2_grpc
+
+LAYERS, HEADS, DIM = 3, 2, 8
+
+
+def cache(num_blocks: int, block_size: int, dtype=torch.bfloat16, buffer=None) -> KVCache:
+    return KVCache(LAYERS, num_blocks, block_size, HEADS, DIM, dtype, torch.device("cpu"), buffer)
+
+
+def filled(num_blocks=16, block_size=4) -> KVCache:
+    c = cache(num_blocks, block_size)
+    c.kv.copy_(torch.randn(c.kv.shape))
+    return c
+
+
+def source(c: KVCache, block_ids: list[int], num_tokens: int, **kw) -> nodes_pb2.KVSource:
+    layout = KVLayout.of(c, "fp")
+    return nodes_pb2.KVSource(lease_id="L1", layout=layout.to_proto(), block_ids=block_ids, num_tokens=num_tokens,
+                              digest=kv_digest(c.kv, block_ids, num_tokens), num_bytes=layout.num_bytes(num_tokens),
+                              **kw)
+
+
+def tokens(c: KVCache, block_ids: list[int], num_tokens: int) -> torch.Tensor:
+    return c.export_kv(block_ids, num_tokens)  # [layers, 2, T, heads, dim]
+
+
+def test_block_runs():
+    assert block_runs([3, 4, 5, 9, 10, 2]) == [(3, 3), (9, 2), (2, 1)]
+    assert block_runs([]) == []
+
+
+def test_stream_roundtrip_between_block_sizes():
+    src, dst = filled(16, 4), cache(8, 8)
+    src_ids, dst_ids, n = [7, 2, 3, 11], [5, 1], 14
+    data = gather(src.kv, src_ids, n, torch.empty(10_000, dtype=torch.uint8))
+    assert data.numel() == KVLayout.of(src, "x").num_bytes(n)
+    scatter(data, dst.kv, dst_ids, n)
+    assert torch.equal(tokens(dst, dst_ids, n), tokens(src, src_ids, n))
+    assert kv_digest(dst.kv, dst_ids, n) == kv_digest(src.kv, src_ids, n) == xxhash.xxh3_64_intdigest(data.numpy())
+
+
+def test_copy_blocks_coalesces_runs_and_copies_exactly():
+    src, dst = filled(16, 4), cache(16, 4)
+    src_ids, dst_ids = [1, 2, 3, 8, 9], [4, 5, 6, 7, 0]
+    copy_blocks(src.kv, src_ids, dst.kv, dst_ids)
+    assert torch.equal(tokens(dst, dst_ids, 20), tokens(src, src_ids, 20))
+    untouched = [b for b in range(16) if b not in dst_ids]
+    assert dst.kv[:, :, untouched].abs().sum() == 0
+
+
+def test_layout_check_names_each_difference():
+    a = KVLayout(30, 3, 64, "bfloat16", 16, "abc")
+    a.check(KVLayout(30, 3, 64, "bfloat16", 32, "abc"))  # block size may differ by default
+    with pytest.raises(KVLayoutMismatch, match="block_size: decode 16, prefill 32"):
+        a.check(KVLayout(30, 3, 64, "bfloat16", 32, "abc"), same_block_size=True)
+    with pytest.raises(KVLayoutMismatch, match="num_layers: decode 30, prefill 24; head_dim: decode 64, prefill 128"):
+        a.check(KVLayout(24, 3, 128, "bfloat16", 16, "abc"))
+
+
+def test_lease_table_expiry():
+    t = LeaseTable(ttl_s=0.05)
+    lease = t.add("r1", [1, 2], 7, 123)
+    assert t.get(lease.lease_id) is lease
+    time.sleep(0.08)
+    assert t.get(lease.lease_id) is None  # expired leases are not served
+    assert t.pop_expired() == [lease] and len(t) == 0
+    with pytest.raises(ValueError, match="ttl"):
+        LeaseTable(0)
+
+
+def test_fake_transport_status_ladder_and_corruption():
+    async def scenario():
+        src = filled()
+        REGISTRY["fake://p0"] = src
+        dst = cache(16, 4)
+        receiver = KVReceiver(dst, KVLayout.of(dst, "fp"))
+        src_ids, dst_ids = [3, 4, 5], [0, 9, 10]
+        transfer = receiver.start(source(src, src_ids, 10, kv_address="fake://p0"), dst_ids)
+        assert transfer.status is TransferStatus.WAITING
+        await transfer.wait()
+        assert transfer.status is TransferStatus.SUCCESS and transfer.transport == "fake"
+        assert torch.equal(tokens(dst, dst_ids, 10), tokens(src, src_ids, 10))
+        # The source changes after its digest was taken: the read is refused, never used.
+        desc = source(src, src_ids, 10, kv_address="fake://p0")
+        src.kv[0, 0, 4].add_(1)
+        transfer = receiver.start(desc, dst_ids)
+        with pytest.raises(KVCorrupt):
+            await transfer.wait()
+        assert transfer.status is TransferStatus.FAILED
+        # Another layout is refused before any byte moves.
+        other = cache(16, 4, dtype=torch.float32)
+        before = other.kv.clone()
+        bad = KVReceiver(other, KVLayout.of(other, "fp")).start(source(src, src_ids, 10, kv_address="fake://p0"),
+                                                                 dst_ids)
+        with pytest.raises(KVLayoutMismatch, match="dtype"):
+            await bad.wait()
+        assert torch.equal(other.kv, before)
+        del REGISTRY["fake://p0"]
+
+    asyncio.run(scenario())
+
+
+def test_shm_one_sided_read():
+    async def scenario():
+        layout_bytes = KVLayout.of(cache(1, 4), "fp").num_bytes(4) * 16
+        region = SharedKVRegion(layout_bytes)
+        try:
+            src = cache(16, 4, buffer=region.tensor)
+            src.kv.copy_(torch.randn(src.kv.shape))
+            dst = cache(16, 4)
+            desc = source(src, [6, 7, 1], 11, host_id=host_id(), shm_region=region.name, region_bytes=region.nbytes)
+            reader = ShmReader()
+            assert reader.can_read(desc, KVLayout.of(dst, "fp"))
+            await reader.read(desc, dst, KVLayout.of(dst, "fp"), [2, 3, 4])
+            assert torch.equal(tokens(dst, [2, 3, 4], 11), tokens(src, [6, 7, 1], 11))
+            assert not reader.can_read(nodes_pb2.KVSource(host_id="elsewhere", shm_region=region.name,
+                                                          layout=desc.layout), KVLayout.of(dst, "fp"))
+        finally:
+            region.close()
+
+    asyncio.run(scenario())
+
+
+class CorruptingKVPlane(nodes_pb2_grpc.KVPlaneServicer):
+    """Streams a valid header, then a chunk whose bytes do not match its digest."""
+
+    def __init__(self, layout: KVLayout, num_tokens: int):
+        self.layout, self.num_tokens = layout, num_tokens
+
+    async def PullKV(self, request, context):
+        nbytes = self.layout.num_bytes(self.num_tokens)
+        data = bytes(nbytes)
+        header = nodes_pb2.KVHeader(layout=self.layout.to_proto(), num_tokens=self.num_tokens, num_bytes=nbytes)
+        yield nodes_pb2.KVChunk(header=header, offset=0, data=data, digest=xxhash.xxh3_64_intdigest(b"other"))
+
+
+def test_grpc_stream_refuses_a_corrupt_chunk():
+    async def scenario():
+        dst = cache(16, 4)
+        layout = KVLayout.of(dst, "fp")
+        server = GrpcServer()
+        server.add(nodes_pb2_grpc.add_KVPlaneServicer_to_server, CorruptingKVPlane(layout, 6),
+                   nodes_pb2.DESCRIPTOR.services_by_name["KVPlane"])
+        await server.start()
+        reader = GrpcStreamReader()
+        try:
+            desc = nodes_pb2.KVSource(lease_id="x", kv_address=server.address, layout=layout.to_proto(), num_tokens=6,
+                                      num_bytes=layout.num_bytes(6))
+            with pytest.raises(KVCorrupt, match="offset 0 failed its digest"):
+                await reader.read(desc, dst, layout, [0, 1])
+            assert dst.kv.abs().sum() == 0  # nothing was written into the blocks
+        finally:
+            await reader.close()
+            await server.stop(0)
+
+    asyncio.run(scenario())
+
+
+def test_grpc_stream_reports_a_missing_lease(tiny_llama):
+    from cluster import local_cluster
+
+    async def scenario():
+        async with local_cluster(tiny_llama) as (router, prefills, decodes):
+            dst = decodes[0].engine.engine.kv_cache
+            reader = GrpcStreamReader()
+            desc = nodes_pb2.KVSource(lease_id="nope", kv_address=prefills[0].address,
+                                      layout=decodes[0].layout.to_proto(), num_tokens=3,
+                                      num_bytes=decodes[0].layout.num_bytes(3))
+            with pytest.raises(Exception, match="NOT_FOUND: no kv_lease 'nope'"):
+                await reader.read(desc, dst, decodes[0].layout, [0])
+            await reader.close()
+
+    asyncio.run(scenario())
