@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from engine.kv_cache import KVCache
 from kvtransfer.base import KVCorrupt, KVTransferError
-from kvtransfer.layout import KVLayout, copy_blocks, kv_digest
+from kvtransfer.layout import KVLayout, copy_blocks
 from pdserve_api import nodes_pb2
 
 REGISTRY: dict[str, KVCache] = {}  # "fake://name" -> a prefill engine's KV cache
@@ -23,6 +23,7 @@ class FakeReader:
         src = REGISTRY.get(source.kv_address)
         if src is None:
             raise KVTransferError(f"no fake KV source {source.kv_address}")
-        copy_blocks(src.kv, list(source.block_ids), kv_cache.kv, block_ids[:len(source.block_ids)])
-        if kv_digest(kv_cache.kv, block_ids, source.num_tokens) != source.digest:
+        digest = copy_blocks(src.kv, list(source.block_ids), kv_cache.kv, block_ids[:len(source.block_ids)],
+                             source.num_tokens)
+        if digest != source.digest:
             raise KVCorrupt(f"KV digest mismatch (lease {source.lease_id})")

@@ -98,7 +98,8 @@ def block_runs(block_ids: list[int]) -> list[tuple[int, int]]:
 
 
 def pieces(kv: torch.Tensor, block_ids: list[int], num_tokens: int) -> Iterator[torch.Tensor]:
-    """The layer-ordered stream of a sequence as contiguous views into kv [L, 2, NB, bs, H, D]."""
+    """The layer-ordered stream of a sequence as contiguous views into kv [L, 2, NB, bs, H, D]:
+    for each layer and K/V, one view per run of consecutive blocks."""
     num_layers, _, _, block_size, kv_heads, head_dim = kv.shape
     runs = block_runs(block_ids)
     for layer in range(num_layers):
@@ -113,7 +114,8 @@ def pieces(kv: torch.Tensor, block_ids: list[int], num_tokens: int) -> Iterator[
 
 
 def kv_digest(kv: torch.Tensor, block_ids: list[int], num_tokens: int) -> int:
-    """xxh3_64 of the layer-ordered stream (equal on both sides whatever their block ids)."""
+    """xxh3_64 of the layer-ordered stream: equal on both sides whatever their block ids and
+    block sizes."""
     h = xxhash.xxh3_64()
     for piece in pieces(kv, block_ids, num_tokens):
         h.update(as_bytes(piece.cpu()))
@@ -131,27 +133,50 @@ def gather(kv: torch.Tensor, block_ids: list[int], num_tokens: int, out: torch.T
     return out[:offset]
 
 
-def scatter(data: torch.Tensor, kv: torch.Tensor, block_ids: list[int], num_tokens: int) -> None:
-    """Writes a layer-ordered stream (uint8) into the given blocks of kv, in place."""
-    offset = 0
-    for piece in pieces(kv, block_ids, num_tokens):
-        flat = piece.view(-1).view(torch.uint8)  # a view: the copy lands in the cache
-        flat.copy_(data[offset:offset + flat.numel()])
-        offset += flat.numel()
-    if offset != data.numel():
-        raise ValueError(f"kv stream has {data.numel()} bytes, the blocks take {offset}")
+class StreamWriter:
+    """Writes a layer-ordered stream, arriving in order in chunks of any size, straight into the
+    given blocks of kv (no staging copy)."""
+
+    def __init__(self, kv: torch.Tensor, block_ids: list[int], num_tokens: int):
+        self.targets = [p.view(-1).view(torch.uint8) for p in pieces(kv, block_ids, num_tokens)]  # views
+        self.index = 0  # current target
+        self.filled = 0  # bytes of it written
+        self.offset = 0  # bytes of the stream written
+
+    def write(self, data: torch.Tensor) -> None:
+        """data: uint8, the next bytes of the stream."""
+        pos = 0
+        while pos < data.numel():
+            if self.index >= len(self.targets):
+                raise ValueError(f"kv stream longer than the blocks ({self.offset} bytes)")
+            target = self.targets[self.index]
+            n = min(target.numel() - self.filled, data.numel() - pos)
+            target[self.filled:self.filled + n].copy_(data[pos:pos + n])
+            pos += n
+            self.filled += n
+            self.offset += n
+            if self.filled == target.numel():
+                self.index, self.filled = self.index + 1, 0
 
 
-def copy_blocks(src: torch.Tensor, src_ids: list[int], dst: torch.Tensor, dst_ids: list[int]) -> None:
-    """Block-for-block copy between two caches of one layout: one strided copy per run of blocks
-    that are consecutive on both sides."""
+def aligned_runs(src_ids: list[int], dst_ids: list[int]) -> list[tuple[int, int, int]]:
+    """(src first, dst first, count) for each run of blocks consecutive on both sides."""
     if len(src_ids) != len(dst_ids):
         raise ValueError(f"{len(src_ids)} source blocks for {len(dst_ids)} destination blocks")
-    i = 0
-    while i < len(src_ids):
-        j = i + 1
-        while j < len(src_ids) and src_ids[j] == src_ids[j - 1] + 1 and dst_ids[j] == dst_ids[j - 1] + 1:
-            j += 1
-        n = j - i
-        dst[:, :, dst_ids[i]:dst_ids[i] + n].copy_(src[:, :, src_ids[i]:src_ids[i] + n])
-        i = j
+    runs: list[tuple[int, int, int]] = []
+    for s, d in zip(src_ids, dst_ids):
+        if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((s, d, 1))
+    return runs
+
+
+def copy_blocks(src: torch.Tensor, src_ids: list[int], dst: torch.Tensor, dst_ids: list[int],
+                num_tokens: int) -> int:
+    """Block-for-block copy between two caches of one layout: one strided copy (all layers, K and
+    V) per run of blocks consecutive on both sides. Returns the digest of what landed in dst
+    (compare with the source's kv_digest)."""
+    for s, d, n in aligned_runs(src_ids, dst_ids):
+        dst[:, :, d:d + n].copy_(src[:, :, s:s + n])
+    return kv_digest(dst, dst_ids, num_tokens)

@@ -21,7 +21,7 @@ import torch
 
 from engine.kv_cache import KVCache
 from kvtransfer.base import KVCorrupt, KVTransferError
-from kvtransfer.layout import KVLayout, copy_blocks, kv_digest
+from kvtransfer.layout import KVLayout, copy_blocks
 from pdserve_api import nodes_pb2
 
 SHM_DIR = Path("/dev/shm")
@@ -101,11 +101,8 @@ class ShmReader:
         if max(src_ids, default=0) >= src.shape[2]:
             raise KVTransferError(f"block ids beyond the region {source.shm_region}")
 
-        def copy_and_verify() -> int:
-            copy_blocks(src, src_ids, kv_cache.kv, block_ids[:len(src_ids)])
-            return kv_digest(kv_cache.kv, block_ids, source.num_tokens)
-
-        digest = await asyncio.to_thread(copy_and_verify)
+        digest = await asyncio.to_thread(copy_blocks, src, src_ids, kv_cache.kv, block_ids[:len(src_ids)],
+                                         source.num_tokens)
         if digest != source.digest:
             raise KVCorrupt(f"KV digest mismatch after the shared-memory read (lease {source.lease_id}): "
                             "the blocks changed under the read")

@@ -15,7 +15,7 @@ from engine.kv_cache import KVCache
 from kvtransfer.base import KVCorrupt, TransferStatus
 from kvtransfer.fake import REGISTRY, FakeReader
 from kvtransfer.grpc_stream import GrpcStreamReader
-from kvtransfer.layout import KVLayout, KVLayoutMismatch, block_runs, copy_blocks, gather, kv_digest, scatter
+from kvtransfer.layout import KVLayout, KVLayoutMismatch, StreamWriter, block_runs, copy_blocks, gather, kv_digest
 from kvtransfer.lease import LeaseTable
 from kvtransfer.receiver import KVReceiver
 from kvtransfer.shm import SharedKVRegion, ShmReader, host_id
@@ -56,15 +56,21 @@ def test_stream_roundtrip_between_block_sizes():
     src_ids, dst_ids, n = [7, 2, 3, 11], [5, 1], 14
     data = gather(src.kv, src_ids, n, torch.empty(10_000, dtype=torch.uint8))
     assert data.numel() == KVLayout.of(src, "x").num_bytes(n)
-    scatter(data, dst.kv, dst_ids, n)
+    writer = StreamWriter(dst.kv, dst_ids, n)
+    for start in range(0, data.numel(), 1000):  # chunks that straddle pieces
+        writer.write(data[start:start + 1000])
+    assert writer.offset == data.numel()
     assert torch.equal(tokens(dst, dst_ids, n), tokens(src, src_ids, n))
-    assert kv_digest(dst.kv, dst_ids, n) == kv_digest(src.kv, src_ids, n) == xxhash.xxh3_64_intdigest(data.numpy())
+    assert kv_digest(dst.kv, dst_ids, n) == kv_digest(src.kv, src_ids, n)
+    with pytest.raises(ValueError, match="longer than the blocks"):
+        writer.write(data[:1])
 
 
 def test_copy_blocks_coalesces_runs_and_copies_exactly():
     src, dst = filled(16, 4), cache(16, 4)
     src_ids, dst_ids = [1, 2, 3, 8, 9], [4, 5, 6, 7, 0]
-    copy_blocks(src.kv, src_ids, dst.kv, dst_ids)
+    digest = copy_blocks(src.kv, src_ids, dst.kv, dst_ids, 18)
+    assert digest == kv_digest(src.kv, src_ids, 18)
     assert torch.equal(tokens(dst, dst_ids, 20), tokens(src, src_ids, 20))
     untouched = [b for b in range(16) if b not in dst_ids]
     assert dst.kv[:, :, untouched].abs().sum() == 0

@@ -1,0 +1,227 @@
+"""KV transfer bandwidth, and what the transfer adds to a request's latency.
+
+    python -m kvtransfer.bench [--tokens 1000] [--repeat 10] [--json FILE]
+
+Starts a real prefill node process (default model, bf16), prefills a prompt of --tokens tokens
+and keeps its KV under a lease; then, in this process (the decode side), reads that KV --repeat
+times with each transport into a decode-side KV cache, and measures in the same run a plain
+in-process copy of the same number of bytes and a raw TCP loopback socket between two processes.
+Then it starts a decode node process and a router and measures, for the same prompt, TTFT and
+the time to the second token through the cluster against the prefill compute alone.
+Reported: medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+import grpc
+import torch
+
+from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.kv_cache import KVCache
+from engine.model_source import resolve_model
+from kvtransfer.grpc_stream import GrpcStreamReader
+from kvtransfer.layout import KVLayout, aligned_runs, model_fingerprint
+from kvtransfer.shm import ShmReader
+from pdserve_api import common_pb2, nodes_pb2, nodes_pb2_grpc
+
+NODE_ARGS = ["--dtype", "bfloat16", "--kv-cache-gb", "0.25", "--block-size", "16"]
+
+
+def start_node(module: str, *extra: str) -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen([sys.executable, "-m", module, "--port", "0", *NODE_ARGS, *extra],
+                            stdout=subprocess.PIPE, text=True)
+    for line in proc.stdout:
+        if line.startswith("READY "):
+            return proc, line.split()[1]
+    raise RuntimeError(f"{module} did not start")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+def median_gbps(nbytes: int, seconds: list[float]) -> float:
+    return nbytes / statistics.median(seconds) / 1e9
+
+
+def bench_copy(nbytes: int, repeat: int) -> list[float]:
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = torch.zeros(nbytes, dtype=torch.uint8)
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t)
+    return times
+
+
+def _tcp_sender(port: int, nbytes: int, repeat: int) -> None:
+    payload = bytes(nbytes)
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        for _ in range(repeat):
+            s.sendall(payload)
+            s.recv(1)
+
+
+def bench_tcp(nbytes: int, repeat: int) -> list[float]:
+    """A raw TCP loopback socket between two processes, received into a preallocated buffer."""
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(1)
+        sender = multiprocessing.get_context("spawn").Process(target=_tcp_sender,
+                                                             args=(server.getsockname()[1], nbytes, repeat))
+        sender.start()
+        conn, _ = server.accept()
+        buf = memoryview(bytearray(nbytes))
+        times = []
+        with conn:
+            for _ in range(repeat):
+                got, t = 0, time.perf_counter()
+                while got < nbytes:
+                    got += conn.recv_into(buf[got:], nbytes - got)
+                times.append(time.perf_counter() - t)
+                conn.sendall(b"k")
+        sender.join()
+    return times
+
+
+async def bench_reader(reader, source, kv_cache: KVCache, layout: KVLayout, repeat: int) -> list[float]:
+    blocks = list(range(len(source.block_ids)))
+    await reader.read(source, kv_cache, layout, blocks)  # warm-up: maps the region / opens the channel
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        await reader.read(source, kv_cache, layout, blocks)
+        times.append(time.perf_counter() - t)
+    return times
+
+
+def prefill_alone(model_dir, prompt: list[int], repeat: int) -> list[float]:
+    engine = LLMEngine(EngineConfig(model=str(model_dir), dtype="bfloat16", kv_cache_bytes=256 << 20))
+    times = []
+    for i in range(repeat + 1):
+        engine.add_request(str(i), prompt, SamplingParams(max_tokens=1, temperature=0))
+        t = time.perf_counter()
+        while engine.has_unfinished():
+            engine.step()
+        times.append(time.perf_counter() - t)
+    return times[1:]
+
+
+async def bench_cluster(prefill_addr: str, decode_addr: str, model: str, prompt: list[int], repeat: int) -> dict:
+    from router.client import AsyncClient
+    from router.server import Router
+
+    router = Router(model, [prefill_addr], [decode_addr])
+    await router.start()
+    ttft, second, transfer, prefill, kv_transport = [], [], [], [], set()
+    try:
+        async with AsyncClient(router.address) as client:
+            for i in range(repeat + 1):
+                t = time.perf_counter()
+                stamps, last = [], None
+                async for part in client.stream(prompt, max_tokens=2, temperature=0, ignore_eos=True):
+                    stamps.append(time.perf_counter() - t)
+                    last = part
+                if i == 0:
+                    continue  # warm-up
+                ttft.append(stamps[0])
+                second.append(stamps[1])
+                transfer.append(last.timings.transfer_end - last.timings.transfer_start)
+                prefill.append(last.timings.prefill_end - last.timings.prefill_start)
+                kv_transport.add(last.timings.kv_transport)
+    finally:
+        await router.stop(0)
+    return {"ttft_s": statistics.median(ttft), "second_token_s": statistics.median(second),
+            "transfer_s": statistics.median(transfer), "prefill_on_node_s": statistics.median(prefill),
+            "kv_transport": sorted(kv_transport)}
+
+
+async def bench_transports(args, prefill_addr: str, model_dir, prompt: list[int]) -> dict:
+    channel = grpc.aio.insecure_channel(prefill_addr)
+    reply = await nodes_pb2_grpc.PrefillNodeStub(channel).Prefill(nodes_pb2.PrefillRequest(
+        request_id="bench", prompt_token_ids=prompt,
+        sampling=common_pb2.SamplingParams(max_tokens=2, temperature=0)))
+    source = reply.kv
+    layout = KVLayout.from_proto(source.layout)
+    layout.check(KVLayout(layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.dtype, layout.block_size,
+                          model_fingerprint(model_dir)))
+    kv_cache = KVCache(layout.num_layers, len(source.block_ids) + 4, layout.block_size, layout.num_kv_heads,
+                       layout.head_dim, getattr(torch, layout.dtype), torch.device("cpu"))
+    results = {"num_tokens": source.num_tokens, "num_bytes": source.num_bytes}
+    grpc_reader = GrpcStreamReader()
+    shm_reader = ShmReader()
+    results["shm_s"] = await bench_reader(shm_reader, source, kv_cache, layout, args.repeat)
+    # The same one-sided read without the digest check: the bytes alone.
+    region = shm_reader._attach(source, layout)
+    runs = aligned_runs(list(source.block_ids), list(range(len(source.block_ids))))
+    times = []
+    for _ in range(args.repeat):
+        t = time.perf_counter()
+        for s, d, n in runs:
+            kv_cache.kv[:, :, d:d + n].copy_(region[:, :, s:s + n])
+        times.append(time.perf_counter() - t)
+    results["shm_bytes_s"] = times
+    results["grpc_s"] = await bench_reader(grpc_reader, source, kv_cache, layout, args.repeat)
+    await grpc_reader.close()
+    await nodes_pb2_grpc.KVPlaneStub(channel).ReleaseKV(nodes_pb2.ReleaseKVRequest(lease_id=source.lease_id))
+    await channel.close()
+    return results
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(prog="python -m kvtransfer.bench")
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--tokens", type=int, default=1000)
+    ap.add_argument("--repeat", type=int, default=10)
+    ap.add_argument("--json", help="write the results here")
+    args = ap.parse_args()
+    model_dir = resolve_model(args.model)
+    prompt = [(i * 7919) % 40000 + 100 for i in range(args.tokens)]
+    prefill_proc, prefill_addr = start_node("prefill_node", "--model", args.model, "--lease-ttl-s", "600")
+    decode_proc = None
+    try:
+        r = asyncio.run(bench_transports(args, prefill_addr, model_dir, prompt))
+        nbytes = r["num_bytes"]
+        r["copy_s"] = bench_copy(nbytes, args.repeat)
+        r["tcp_s"] = bench_tcp(nbytes, args.repeat)
+        gbps = {k[:-2]: median_gbps(nbytes, r[k]) for k in ("copy_s", "shm_bytes_s", "shm_s", "tcp_s", "grpc_s")}
+        print(f"KV of a {r['num_tokens']}-token prompt: {nbytes / 1e6:.1f} MB; median of {args.repeat} reads")
+        for name, label in [("copy", "in-process tensor copy"), ("shm_bytes", "shm one-sided read, bytes only"),
+                            ("shm", "shm one-sided read + digest check"),
+                            ("tcp", "raw TCP loopback"), ("grpc", "gRPC stream, 1 MiB chunks (+ digests)")]:
+            print(f"  {label:>38}: {gbps[name]:6.2f} GB/s")
+        print(f"  shm / copy: bytes {gbps['shm_bytes'] / gbps['copy']:.2f}, verified {gbps['shm'] / gbps['copy']:.2f} "
+              f"(goal >= 0.60); "
+              f"grpc / tcp: {gbps['grpc'] / gbps['tcp']:.2f} (goal >= 0.60)")
+        decode_proc, decode_addr = start_node("decode_node", "--model", args.model)
+        cluster = asyncio.run(bench_cluster(prefill_addr, decode_addr, args.model, prompt, args.repeat))
+    finally:
+        for proc in (prefill_proc, decode_proc):
+            if proc is not None:
+                stop(proc)
+    alone = statistics.median(prefill_alone(model_dir, prompt, args.repeat))
+    print(f"TTFT through the cluster {cluster['ttft_s'] * 1e3:.1f} ms vs prefill compute alone {alone * 1e3:.1f} ms "
+          f"({cluster['ttft_s'] / alone - 1:+.1%}); KV transfer ({'/'.join(cluster['kv_transport'])}) "
+          f"{cluster['transfer_s'] * 1e3:.1f} ms; second token at {cluster['second_token_s'] * 1e3:.1f} ms")
+    result = {"gbps": gbps, "num_bytes": nbytes, "num_tokens": r["num_tokens"], "cluster": cluster,
+              "prefill_alone_s": alone, "raw_seconds": {k: r[k] for k in ("copy_s", "shm_bytes_s", "shm_s", "tcp_s", "grpc_s")}}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
