@@ -38,6 +38,7 @@ class DecodeNode(nodes_pb2_grpc.DecodeNodeServicer):
         self.layout = KVLayout.of(engine.kv_cache, model_fingerprint(engine.model_dir))
         self.receiver = KVReceiver(engine.kv_cache, self.layout, kv_transport)
         self._tasks: set[asyncio.Task] = set()
+        self.num_active = 0  # Decode streams open: transferring or decoding
         self.server = GrpcServer(host, port)
         self.server.add(nodes_pb2_grpc.add_DecodeNodeServicer_to_server, self,
                         nodes_pb2.DESCRIPTOR.services_by_name["DecodeNode"])
@@ -55,6 +56,22 @@ class DecodeNode(nodes_pb2_grpc.DecodeNodeServicer):
         self.engine.stop()
 
     async def Decode(self, request: nodes_pb2.DecodeRequest, context):
+        self.num_active += 1
+        try:
+            async for msg in self._decode(request, context):
+                yield msg
+        finally:
+            self.num_active -= 1
+
+    async def drain(self, timeout_s: float) -> None:
+        """Stops taking work (health NOT_SERVING) and lets every open stream finish, at most
+        timeout_s: a scale-down loses no tokens."""
+        await self.server.set_serving(False)
+        give_up = time.time() + timeout_s
+        while self.num_active and time.time() < give_up:
+            await asyncio.sleep(0.05)
+
+    async def _decode(self, request: nodes_pb2.DecodeRequest, context):
         engine = self.engine.engine
         try:
             params = sampling_from_proto(request.sampling)

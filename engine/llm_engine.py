@@ -72,6 +72,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len, cfg.eos_token_ids)
         self.requests: dict[str, tuple[Sequence, IncrementalDetokenizer | None]] = {}
         self.kv_leases: dict[str, KVLease] = {}
+        self.num_generated_tokens = 0  # a counter for tokens/s
 
     # ---- requests in -------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -135,6 +136,7 @@ class LLMEngine:
                 continue
             if logprobs is not None:
                 seq.output_logprobs.append(logprobs)
+            self.num_generated_tokens += 1
             outputs.append(self._postprocess(seq, token_id))
         return outputs
 

@@ -86,11 +86,19 @@ def cmd_generate(args) -> int:
     if args.seed is not None:
         sampling["seed"] = args.seed
     try:
-        stream_answer(args.addr, args.prompt, chat=not args.raw, as_json=args.json, timeout=args.timeout, **sampling)
+        metadata = [("application", args.application)] if args.application else None
+        stream_answer(args.addr, args.prompt, chat=not args.raw, as_json=args.json, timeout=args.timeout,
+                      metadata=metadata, **sampling)
     except grpc.RpcError as e:
         print(f"pdserve: error: {e.code().name}: {e.details()}", file=sys.stderr)
         return 1
     return 0
+
+
+def cmd_serve(args) -> int:
+    from pdserve.ray_serve import serve
+
+    return serve(args.config, args.address, args.timeout)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -108,12 +116,22 @@ def main(argv: list[str] | None = None) -> int:
     add_engine_args(p)
     p.set_defaults(func=cmd_up)
 
+    p = sub.add_parser("serve", help="deploy pdserve on a Ray cluster (Ray Serve), from a Serve config file")
+    p.add_argument("--config", default=None, help="Serve config (default: deploy/serve_config.yaml)")
+    p.add_argument("--address", default=None,
+                   help="an existing Ray cluster (e.g. auto or HOST:6379); without it a local one is started "
+                        "and stopped with Ctrl-C")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the application to run")
+    p.set_defaults(func=cmd_serve)
+
     p = sub.add_parser("generate", help="ask a running pdserve router; streams the answer")
     p.add_argument("prompt")
     p.add_argument("--addr", default="127.0.0.1:50051", help="the router's HOST:PORT")
     p.add_argument("--json", action="store_true", help="print one JSON object (text, token_ids, usage) at the end")
     p.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    p.add_argument("--application", default=None,
+                   help="through Ray Serve's gRPC proxy: the application name (sent as metadata)")
     add_sampling_args(p)
     p.set_defaults(func=cmd_generate)
 

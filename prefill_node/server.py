@@ -54,6 +54,9 @@ class PrefillNode(nodes_pb2_grpc.PrefillNodeServicer):
         self.server.add(nodes_pb2_grpc.add_KVPlaneServicer_to_server, self.kv_plane,
                         nodes_pb2.DESCRIPTOR.services_by_name["KVPlane"])
         self._expiry: asyncio.Task | None = None
+        self.num_pending = 0  # Prefill calls received and not yet answered
+        self.pending_tokens = 0  # their prompt tokens: the prefill pool's autoscaling signal
+        self.num_prefilled = 0
 
     @property
     def address(self) -> str:
@@ -62,6 +65,14 @@ class PrefillNode(nodes_pb2_grpc.PrefillNodeServicer):
     async def start(self) -> None:
         await self.server.start()
         self._expiry = asyncio.create_task(self._expire_leases())
+
+    async def drain(self, timeout_s: float) -> None:
+        """Stops taking work (health NOT_SERVING) and waits until every prefill is answered and
+        every lease is read or expired, at most timeout_s."""
+        await self.server.set_serving(False)
+        give_up = time.time() + timeout_s
+        while (self.num_pending or len(self.leases)) and time.time() < give_up:
+            await asyncio.sleep(0.05)
 
     async def stop(self, grace: float = 1.0) -> None:
         await self.server.stop(grace)
@@ -79,10 +90,20 @@ class PrefillNode(nodes_pb2_grpc.PrefillNodeServicer):
             params = sampling_from_proto(request.sampling)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        prompt = list(request.prompt_token_ids)
+        self.num_pending += 1
+        self.pending_tokens += len(prompt)
+        try:
+            return await self._prefill(request, params, prompt, context)
+        finally:
+            self.num_pending -= 1
+            self.pending_tokens -= len(prompt)
+            self.num_prefilled += 1
+
+    async def _prefill(self, request, params, prompt: list[int], context) -> nodes_pb2.PrefillResponse:
         engine = self.engine.engine
         # Internal id: a retried request id must not collide with a lease still held.
         rid = f"{request.request_id}#{uuid.uuid4().hex[:8]}"
-        prompt = list(request.prompt_token_ids)
         once = dataclasses.replace(params, max_tokens=1)
         start = time.time()
         out = None

@@ -58,14 +58,17 @@ def build_request(prompt: str | list[int] | None = None, *, messages: list[dict]
 
 
 class Client:
-    def __init__(self, address: str, timeout: float | None = None):
+    """metadata: sent with every call, e.g. [("application", "pdserve")] through Ray Serve's proxy."""
+
+    def __init__(self, address: str, timeout: float | None = None, metadata: list[tuple[str, str]] | None = None):
         self.channel = grpc.insecure_channel(address, options=OPTIONS)
         self.stub = generate_pb2_grpc.GenerationStub(self.channel)
         self.timeout = timeout
+        self.metadata = metadata
 
     def stream(self, prompt=None, **kwargs) -> Iterator[generate_pb2.GenerateResponse]:
         """Yields the response messages as they arrive; closing the iterator cancels the request."""
-        call = self.stub.Generate(build_request(prompt, **kwargs), timeout=self.timeout)
+        call = self.stub.Generate(build_request(prompt, **kwargs), timeout=self.timeout, metadata=self.metadata)
         try:
             yield from call
         finally:
@@ -79,14 +82,14 @@ class Client:
 
     def generate_unary(self, prompt=None, **kwargs) -> Completion:
         result = Completion()
-        result.add(self.stub.GenerateUnary(build_request(prompt, **kwargs), timeout=self.timeout))
+        result.add(self.stub.GenerateUnary(build_request(prompt, **kwargs), timeout=self.timeout, metadata=self.metadata))
         return result
 
     def tokenize(self, prompt: str) -> list[int]:
-        return list(self.stub.Tokenize(generate_pb2.TokenizeRequest(prompt=prompt), timeout=self.timeout).token_ids)
+        return list(self.stub.Tokenize(generate_pb2.TokenizeRequest(prompt=prompt), timeout=self.timeout, metadata=self.metadata).token_ids)
 
     def models(self) -> list[str]:
-        return [m.id for m in self.stub.ListModels(generate_pb2.ListModelsRequest(), timeout=self.timeout).models]
+        return [m.id for m in self.stub.ListModels(generate_pb2.ListModelsRequest(), timeout=self.timeout, metadata=self.metadata).models]
 
     def close(self) -> None:
         self.channel.close()
@@ -99,13 +102,14 @@ class Client:
 
 
 class AsyncClient:
-    def __init__(self, address: str, timeout: float | None = None):
+    def __init__(self, address: str, timeout: float | None = None, metadata: list[tuple[str, str]] | None = None):
         self.channel = grpc.aio.insecure_channel(address, options=OPTIONS)
         self.stub = generate_pb2_grpc.GenerationStub(self.channel)
         self.timeout = timeout
+        self.metadata = metadata
 
     async def stream(self, prompt=None, **kwargs) -> AsyncIterator[generate_pb2.GenerateResponse]:
-        call = self.stub.Generate(build_request(prompt, **kwargs), timeout=self.timeout)
+        call = self.stub.Generate(build_request(prompt, **kwargs), timeout=self.timeout, metadata=self.metadata)
         try:
             async for part in call:
                 yield part
@@ -120,15 +124,15 @@ class AsyncClient:
 
     async def generate_unary(self, prompt=None, **kwargs) -> Completion:
         result = Completion()
-        result.add(await self.stub.GenerateUnary(build_request(prompt, **kwargs), timeout=self.timeout))
+        result.add(await self.stub.GenerateUnary(build_request(prompt, **kwargs), timeout=self.timeout, metadata=self.metadata))
         return result
 
     async def tokenize(self, prompt: str) -> list[int]:
-        reply = await self.stub.Tokenize(generate_pb2.TokenizeRequest(prompt=prompt), timeout=self.timeout)
+        reply = await self.stub.Tokenize(generate_pb2.TokenizeRequest(prompt=prompt), timeout=self.timeout, metadata=self.metadata)
         return list(reply.token_ids)
 
     async def models(self) -> list[str]:
-        reply = await self.stub.ListModels(generate_pb2.ListModelsRequest(), timeout=self.timeout)
+        reply = await self.stub.ListModels(generate_pb2.ListModelsRequest(), timeout=self.timeout, metadata=self.metadata)
         return [m.id for m in reply.models]
 
     async def close(self) -> None:

@@ -48,16 +48,34 @@ class Endpoint:
 
 class EndpointPool:
     def __init__(self, role: str, addresses: list[str], check_interval_s: float = 1.0, failure_threshold: int = 2):
-        stub_cls = {"prefill": nodes_pb2_grpc.PrefillNodeStub, "decode": nodes_pb2_grpc.DecodeNodeStub}[role]
+        self.stub_cls = {"prefill": nodes_pb2_grpc.PrefillNodeStub, "decode": nodes_pb2_grpc.DecodeNodeStub}[role]
         self.role = role
-        self.endpoints: list[Endpoint] = []
-        for address in addresses:
-            channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
-            self.endpoints.append(Endpoint(address, channel, stub_cls(channel)))
+        self.endpoints: list[Endpoint] = [self._endpoint(a) for a in addresses]
+        self.retired: list[Endpoint] = []  # removed from the pool, channel open until idle
         self.check_interval_s = check_interval_s
         self.failure_threshold = failure_threshold
         self._turn = itertools.count()
         self._task: asyncio.Task | None = None
+
+    def _endpoint(self, address: str) -> Endpoint:
+        channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        return Endpoint(address, channel, self.stub_cls(channel))
+
+    async def update(self, addresses: list[str]) -> None:
+        """Makes the pool exactly these nodes (discovery, e.g. through Ray). New nodes are checked
+        before they get work; a removed node gets no new work and its channel closes once its
+        in-flight requests are done."""
+        known = {e.address for e in self.endpoints}
+        new = [self._endpoint(a) for a in addresses if a not in known]
+        gone = [e for e in self.endpoints if e.address not in set(addresses)]
+        for e in gone:
+            e.healthy = False
+        self.endpoints = [e for e in self.endpoints if e not in gone] + new
+        self.retired += gone
+        await asyncio.gather(*(self._check(e) for e in new))
+        for e in [e for e in self.retired if e.outstanding == 0]:
+            self.retired.remove(e)
+            await e.channel.close()
 
     def pick(self) -> Endpoint:
         healthy = [e for e in self.endpoints if e.healthy]
@@ -75,7 +93,7 @@ class EndpointPool:
     async def close(self) -> None:
         if self._task:
             self._task.cancel()
-        for e in self.endpoints:
+        for e in self.endpoints + self.retired:
             await e.channel.close()
 
     async def _loop(self) -> None:

@@ -25,6 +25,17 @@ from router.pool import EndpointPool, NoHealthyNode
 log = logging.getLogger(__name__)
 
 
+class RequestError(Exception):
+    """Ends a request with a gRPC status; each ingress turns it into its own error reply."""
+
+    def __init__(self, code: grpc.StatusCode, details: str):
+        super().__init__(f"{code.name}: {details}")
+        self.code, self.details = code, details
+
+    def __reduce__(self):  # crosses processes under Ray Serve
+        return RequestError, (self.code, self.details)
+
+
 class Router(generate_pb2_grpc.GenerationServicer):
     def __init__(self, model: str, prefill: list[str], decode: list[str], host: str = "127.0.0.1", port: int = 0,
                  max_model_len: int | None = None, check_interval_s: float = 1.0):
@@ -52,20 +63,21 @@ class Router(generate_pb2_grpc.GenerationServicer):
         await asyncio.gather(self.prefill_pool.close(), self.decode_pool.close())
 
     # ---- a request's life ---------------------------------------------------------------
-    async def serve(self, request: generate_pb2.GenerateRequest, context) -> AsyncIterator[generate_pb2.GenerateResponse]:
+    async def serve(self, request: generate_pb2.GenerateRequest,
+                    deadline: float = 0.0) -> AsyncIterator[generate_pb2.GenerateResponse]:
         """1. check, 2. remote prefill (first token; KV leased there), 3. remote decode (the decode
-        node pulls the KV from the prefill node), 4. stream, with usage and timings at the end."""
+        node pulls the KV from the prefill node), 4. stream, with usage and timings at the end.
+        Raises RequestError; deadline is unix seconds (0: none)."""
         timings = common_pb2.Timings(queued=time.time())
         rid = request.request_id or uuid.uuid4().hex
         # 1. check
-        prompt, params = await self._check(request, context)
-        deadline = time.time() + context.time_remaining() if context.time_remaining() is not None else 0.0
+        prompt, params = self._check(request)
         sampling = sampling_to_proto(params)
 
         # 2. remote prefill on the least busy healthy prefill node
-        prefill = await self._pick(self.prefill_pool, context)
+        prefill = _pick(self.prefill_pool)
         with prefill.track():
-            first = await self._unary(context, prefill.stub.Prefill(
+            first = await _unary("prefill", prefill.stub.Prefill(
                 nodes_pb2.PrefillRequest(request_id=rid, prompt_token_ids=prompt, sampling=sampling, deadline=deadline),
                 timeout=_remaining(deadline)))
         timings.prefill_start, timings.prefill_end = first.prefill_start, first.prefill_end
@@ -83,7 +95,7 @@ class Router(generate_pb2_grpc.GenerationServicer):
         decode_started = False  # once it streams, the decode node has read the KV and released it
         call = None
         try:
-            decode = await self._pick(self.decode_pool, context)
+            decode = _pick(self.decode_pool)
             with decode.track():
                 call = decode.stub.Decode(nodes_pb2.DecodeRequest(
                     request_id=rid, prompt_token_ids=prompt, output_token_ids=[first.first_token_id],
@@ -101,7 +113,7 @@ class Router(generate_pb2_grpc.GenerationServicer):
                                                         logprobs=part.logprobs)
                     yield _final(msg, part.finish_reason, len(prompt), num_generated, timings) if part.finished else msg
         except grpc.aio.AioRpcError as e:
-            await context.abort(e.code(), f"decode: {e.details()}")
+            raise RequestError(e.code(), f"decode: {e.details()}") from None
         finally:
             if call is not None and not call.done():
                 call.cancel()  # a cancelled client, or a deadline: the decode node stops and frees
@@ -109,38 +121,28 @@ class Router(generate_pb2_grpc.GenerationServicer):
                 await asyncio.shield(self._release_kv(prefill, first.kv.lease_id))
 
     # ---- steps ------------------------------------------------------------------------------
-    async def _check(self, request: generate_pb2.GenerateRequest, context) -> tuple[list[int], object]:
+    def _check(self, request: generate_pb2.GenerateRequest) -> tuple[list[int], object]:
         if request.model and request.model != self.model_id:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"model {request.model!r} is not served here "
-                                                          f"(serving {self.model_id!r})")
+            raise RequestError(grpc.StatusCode.NOT_FOUND,
+                               f"model {request.model!r} is not served here (serving {self.model_id!r})")
         try:
             params = sampling_from_proto(request.sampling)
-            kind = request.WhichOneof("input")
-            if kind == "prompt_token_ids":
-                prompt = list(request.prompt_token_ids.ids)
-            elif kind == "messages":
-                prompt = apply_chat_template(self.tokenizer, [{"role": m.role, "content": m.content}
-                                                              for m in request.messages.messages])
-            else:
-                prompt = request.prompt
-            ids = prompt_token_ids(self.tokenizer, prompt, self.model_config.vocab_size)
+            ids = self._prompt_ids(request)
             check_prompt_length(len(ids), self.max_model_len)
         except ValueError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         return ids, params
 
-    async def _pick(self, pool: EndpointPool, context):
-        try:
-            return pool.pick()
-        except NoHealthyNode as e:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-
-    @staticmethod
-    async def _unary(context, call):
-        try:
-            return await call
-        except grpc.aio.AioRpcError as e:
-            await context.abort(e.code(), f"prefill: {e.details()}")
+    def _prompt_ids(self, request) -> list[int]:
+        kind = request.WhichOneof("input")
+        if kind == "prompt_token_ids":
+            prompt = list(request.prompt_token_ids.ids)
+        elif kind == "messages":
+            prompt = apply_chat_template(self.tokenizer, [{"role": m.role, "content": m.content}
+                                                          for m in request.messages.messages])
+        else:
+            prompt = request.prompt
+        return prompt_token_ids(self.tokenizer, prompt, self.model_config.vocab_size)
 
     @staticmethod
     async def _release_kv(prefill, lease_id: str) -> None:
@@ -150,14 +152,33 @@ class Router(generate_pb2_grpc.GenerationServicer):
         except grpc.aio.AioRpcError as e:  # the lease expires on its own
             log.warning("ReleaseKV %s on %s failed: %s", lease_id, prefill.address, e.code().name)
 
-    # ---- Generation service -----------------------------------------------------------------
+    # ---- Generation service (grpc.aio) ------------------------------------------------------
     async def Generate(self, request, context):
-        async for msg in self.serve(request, context):
-            yield msg
+        try:
+            async for msg in self.serve(request, _deadline(context)):
+                yield msg
+        except RequestError as e:
+            await context.abort(e.code, e.details)
 
     async def GenerateUnary(self, request, context) -> generate_pb2.GenerateResponse:
+        try:
+            return await self.generate_unary(request, _deadline(context))
+        except RequestError as e:
+            await context.abort(e.code, e.details)
+
+    async def Tokenize(self, request, context) -> generate_pb2.TokenizeResponse:
+        try:
+            return self.tokenize(request)
+        except RequestError as e:
+            await context.abort(e.code, e.details)
+
+    async def ListModels(self, request, context) -> generate_pb2.ListModelsResponse:
+        return self.list_models()
+
+    # ---- the same, transport-free (the Ray Serve ingress calls these) ---------------------------
+    async def generate_unary(self, request, deadline: float = 0.0) -> generate_pb2.GenerateResponse:
         whole = generate_pb2.GenerateResponse()
-        async for msg in self.serve(request, context):
+        async for msg in self.serve(request, deadline):
             whole.request_id = msg.request_id
             whole.token_ids.extend(msg.token_ids)
             whole.text += msg.text
@@ -168,7 +189,7 @@ class Router(generate_pb2_grpc.GenerationServicer):
                 whole.timings.CopyFrom(msg.timings)
         return whole
 
-    async def Tokenize(self, request, context) -> generate_pb2.TokenizeResponse:
+    def tokenize(self, request) -> generate_pb2.TokenizeResponse:
         try:
             if request.WhichOneof("input") == "messages":
                 text = apply_chat_template(self.tokenizer, [{"role": m.role, "content": m.content}
@@ -177,13 +198,32 @@ class Router(generate_pb2_grpc.GenerationServicer):
                 text = request.prompt
             ids = prompt_token_ids(self.tokenizer, text, self.model_config.vocab_size)
         except ValueError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         return generate_pb2.TokenizeResponse(token_ids=ids, max_model_len=self.max_model_len)
 
-    async def ListModels(self, request, context) -> generate_pb2.ListModelsResponse:
+    def list_models(self) -> generate_pb2.ListModelsResponse:
         card = generate_pb2.ModelCard(id=self.model_id, max_model_len=self.max_model_len,
                                       dtype=self.model_config.checkpoint_dtype)
         return generate_pb2.ListModelsResponse(models=[card])
+
+
+def _pick(pool: EndpointPool):
+    try:
+        return pool.pick()
+    except NoHealthyNode as e:
+        raise RequestError(grpc.StatusCode.UNAVAILABLE, str(e)) from None
+
+
+async def _unary(role: str, call):
+    try:
+        return await call
+    except grpc.aio.AioRpcError as e:
+        raise RequestError(e.code(), f"{role}: {e.details()}") from None
+
+
+def _deadline(context) -> float:
+    remaining = context.time_remaining()
+    return time.time() + remaining if remaining is not None else 0.0
 
 
 def _remaining(deadline: float) -> float | None:

@@ -1,0 +1,82 @@
+"""Loading, strictly validating and deploying a Ray Serve config file.
+
+Serve's own schema drops keys it does not know (a misspelled `max_replicsa` would be silently
+ignored), so every mapping is also checked against the model that reads it, recursively.
+"""
+
+from __future__ import annotations
+
+import typing
+from pathlib import Path
+
+import yaml
+from pydantic import BaseModel
+
+DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "deploy" / "serve_config.yaml"
+PDSERVE_BUILDER = "pdserve.ray_app:build_app"
+
+
+def _models_in(annotation) -> list[type[BaseModel]]:
+    """The pydantic models an annotation can hold (through Optional, Union, List, ...)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [m for arg in typing.get_args(annotation) for m in _models_in(arg)]
+
+
+def unknown_keys(value, model: type[BaseModel], path: str = "") -> list[str]:
+    """Paths of the keys in `value` (a mapping read by `model`) that `model` would drop."""
+    if not isinstance(value, dict):
+        return []
+    fields = model.model_fields
+    names = set(fields) | {f.alias for f in fields.values() if f.alias}
+    found = [f"{path}{key}" for key in value if key not in names]
+    for key, item in value.items():
+        if key not in fields:
+            continue
+        for sub in _models_in(fields[key].annotation):
+            items = item if isinstance(item, list) else [item]
+            for i, element in enumerate(items):
+                where = f"{path}{key}[{i}]." if isinstance(item, list) else f"{path}{key}."
+                found += unknown_keys(element, sub, where)
+            break
+    return found
+
+
+def load(path: str | Path = DEFAULT_CONFIG) -> dict:
+    text = Path(path).read_text()
+    config = yaml.safe_load(text)
+    if not isinstance(config, dict):
+        raise ValueError(f"{path}: a Serve config must be a mapping")
+    return config
+
+
+def validate(config: dict):
+    """Returns the ServeDeploySchema, or raises ValueError naming every unknown key and every
+    invalid pdserve application argument."""
+    from ray.serve.schema import ServeDeploySchema
+
+    from pdserve.ray_app import parse_args
+
+    bad = unknown_keys(config, ServeDeploySchema)
+    if bad:
+        raise ValueError(f"unknown keys in the Serve config (Serve would silently drop them): {bad}")
+    schema = ServeDeploySchema.model_validate(config)
+    for app in schema.applications:
+        if app.import_path == PDSERVE_BUILDER:
+            try:
+                parse_args(app.args)
+            except ValueError as e:
+                raise ValueError(f"application {app.name!r}: {e}") from None
+    return schema
+
+
+def deploy(schema) -> None:
+    """Deploys the applications on the connected Ray cluster declaratively, as `serve deploy` and
+    KubeRay do: unchanged deployments keep their replicas; a replica-count change only adds or
+    removes replicas."""
+    from ray.serve._private.api import serve_start
+
+    client = serve_start(http_options=schema.http_options.model_dump(), proxy_location=schema.proxy_location,
+                         grpc_options=schema.grpc_options.model_dump(),
+                         global_logging_config=schema.logging_config)
+    client.deploy_apps(schema)

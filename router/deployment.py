@@ -1,0 +1,133 @@
+"""The router as a Ray Serve deployment and the application's ingress.
+
+Clients reach it two ways, both speaking the same Generation service:
+- through Ray Serve's gRPC proxy (standard ingress; `application` metadata names the app): the
+  methods below. The proxy costs about 1 ms per streamed message, so tokens that pile up while a
+  message is in flight are merged into the next one (`coalesce`);
+- on the replica's own gRPC port (`direct_port`), where streaming costs what it costs under
+  `pdserve up`.
+Node addresses come from the registry (through Ray), refreshed every `discovery_interval_s`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import typing
+from collections.abc import AsyncIterator
+
+from ray import serve
+
+from pdserve.registry import registry
+from pdserve_api import generate_pb2
+from router.server import RequestError, Router
+
+log = logging.getLogger(__name__)
+
+
+async def coalesce(stream: AsyncIterator[generate_pb2.GenerateResponse]) -> AsyncIterator[generate_pb2.GenerateResponse]:
+    """Yields the stream's messages, merging those that arrive while the previous one is being
+    sent, so a slow consumer gets fewer, fuller messages and no token is dropped or reordered."""
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump():
+        try:
+            async for msg in stream:
+                await queue.put(msg)
+        except BaseException as e:  # re-raised to the consumer
+            await queue.put(e)
+        await queue.put(done)
+
+    task = asyncio.create_task(pump())
+    try:
+        while True:
+            item = await queue.get()
+            if item is done:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            while not queue.empty() and not item.finished:
+                nxt = queue.get_nowait()
+                if nxt is done or isinstance(nxt, BaseException):
+                    queue.put_nowait(nxt)
+                    break
+                item = _merge(item, nxt)
+            yield item
+    finally:
+        task.cancel()
+
+
+def _merge(a: generate_pb2.GenerateResponse, b: generate_pb2.GenerateResponse) -> generate_pb2.GenerateResponse:
+    merged = generate_pb2.GenerateResponse()
+    merged.CopyFrom(b)  # the later one's finish, usage and timings
+    del merged.token_ids[:], merged.logprobs[:]
+    merged.token_ids.extend(list(a.token_ids) + list(b.token_ids))
+    merged.logprobs.extend(list(a.logprobs) + list(b.logprobs))
+    merged.text = a.text + b.text
+    return merged
+
+
+@serve.deployment(name="Router", ray_actor_options={"num_cpus": 0})
+class RouterDeployment:
+    async def __init__(self, app_name: str, model: str, pools=(), direct_port: int = 50051, host: str = "0.0.0.0",
+                       max_model_len: int | None = None, discovery_interval_s: float = 0.5):
+        # pools: the prefill and decode deployments' handles (bound so that they deploy with us).
+        self.router = Router(model, [], [], host=host, port=direct_port, max_model_len=max_model_len,
+                             check_interval_s=1.0)
+        await self.router.start()
+        self.registry = registry(app_name)
+        self.discovery_interval_s = discovery_interval_s
+        await self._discover()
+        self._watch = asyncio.create_task(self._watch_registry())
+
+    async def _discover(self) -> None:
+        nodes = await self.registry.snapshot.remote()
+        await self.router.prefill_pool.update(nodes["prefill"])
+        await self.router.decode_pool.update(nodes["decode"])
+
+    async def _watch_registry(self) -> None:
+        while True:
+            await asyncio.sleep(self.discovery_interval_s)
+            try:
+                await self._discover()
+            except Exception:  # the registry restarts (max_restarts=-1); keep the last view
+                log.exception("node discovery failed")
+
+    async def direct_address(self) -> str:
+        return self.router.address
+
+    # ---- the Generation service, through Serve's gRPC proxy --------------------------------
+    async def Generate(self, request: generate_pb2.GenerateRequest, grpc_context=None):
+        try:
+            async for msg in coalesce(self.router.serve(request)):
+                yield msg
+        except RequestError as e:
+            _set_error(grpc_context, e)
+
+    async def GenerateUnary(self, request: generate_pb2.GenerateRequest, grpc_context=None):
+        try:
+            return await self.router.generate_unary(request)
+        except RequestError as e:
+            _set_error(grpc_context, e)
+
+    async def Tokenize(self, request: generate_pb2.TokenizeRequest, grpc_context=None):
+        try:
+            return self.router.tokenize(request)
+        except RequestError as e:
+            _set_error(grpc_context, e)
+
+    async def ListModels(self, request: generate_pb2.ListModelsRequest, grpc_context=None):
+        return self.router.list_models()
+
+    async def __del__(self):
+        self._watch.cancel()
+        await self.router.stop(5.0)
+
+
+def _set_error(grpc_context, e: RequestError) -> typing.NoReturn:
+    """Serve's proxy answers with the status set on grpc_context when the method then raises."""
+    if grpc_context is not None:
+        grpc_context.set_code(e.code)
+        grpc_context.set_details(e.details)
+    raise e

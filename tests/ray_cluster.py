@@ -1,0 +1,75 @@
+"""A private local Ray cluster for the Ray tests, and a Serve config pointed at the tiny model."""
+
+from __future__ import annotations
+
+import copy
+import os
+import socket
+import time
+
+from pdserve import serve_config
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tiny_config(model, **autoscaling) -> dict:
+    """deploy/serve_config.yaml, on the tiny model, free ports, small engines and quick scaling."""
+    config = copy.deepcopy(serve_config.load())
+    config["http_options"]["port"] = free_port()
+    config["grpc_options"]["port"] = free_port()
+    app = config["applications"][0]
+    engine = {"dtype": "float32", "device": "cpu", "num_kv_blocks": 512, "block_size": 4, "num_threads": 1}
+    app["args"].update(model=str(model))
+    app["args"]["router"]["direct_port"] = free_port()
+    app["args"]["prefill"]["engine"] = dict(engine)
+    app["args"]["decode"]["engine"] = dict(engine)
+    for dep in app["deployments"]:
+        if "autoscaling_config" in dep:
+            dep["autoscaling_config"].update(min_replicas=1, max_replicas=2, metrics_interval_s=0.5,
+                                             look_back_period_s=2, upscale_delay_s=1, downscale_delay_s=2,
+                                             **autoscaling)
+            dep["graceful_shutdown_timeout_s"] = 60
+            # Thresholds a 12-client test load crosses: prefill at 4 pending requests per
+            # replica, decode at 4 running sequences per replica.
+            kwargs = dep["autoscaling_config"]["policy"]["policy_kwargs"]
+            kwargs.update({"Prefill": {"target_pending_requests": 4}, "Decode": {"target_running_sequences": 4}}
+                          [dep["name"]])
+    return config
+
+
+def start_ray(tmp_path) -> None:
+    import ray
+
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    # A short socket path: the default temp dir under pytest's tmp_path can exceed AF_UNIX limits.
+    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=f"/tmp/ray-{os.getpid()}", namespace="pdserve",
+             log_to_driver=False)
+
+
+def stop_ray() -> None:
+    import ray
+    from ray import serve
+
+    serve.shutdown()
+    ray.shutdown()
+
+
+def replica_counts(app: str = "pdserve") -> dict[str, int]:
+    from ray import serve
+
+    deployments = serve.status().applications[app].deployments
+    return {name: d.replica_states.get("RUNNING", 0) for name, d in deployments.items()}
+
+
+def wait_until(predicate, timeout_s: float, what: str, interval_s: float = 0.5):
+    give_up = time.time() + timeout_s
+    while time.time() < give_up:
+        result = predicate()
+        if result:
+            return result
+        time.sleep(interval_s)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")

@@ -1,0 +1,193 @@
+"""pdserve on a private local Ray cluster (started and stopped here): deploy from the Serve
+config, generate through Serve's gRPC proxy and the router's own port, per-pool autoscaling,
+and a scale-down that loses no tokens."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import threading
+import time
+
+import grpc
+import pytest
+from cluster import local_cluster
+from conftest import make_engine, run_to_completion
+from ray_cluster import replica_counts, start_ray, stop_ray, tiny_config, wait_until
+
+from engine import SamplingParams
+from pdserve import serve_config
+from pdserve.ray_serve import wait_running
+from router.client import AsyncClient, Client
+
+pytestmark = pytest.mark.ray
+PROMPT = [5, 17, 33, 8, 90, 41, 7]
+
+
+@pytest.fixture(scope="module")
+def deployed(tiny_llama, tmp_path_factory):
+    start_ray(tmp_path_factory.mktemp("ray"))
+    config = tiny_config(tiny_llama)
+    config["applications"][0]["args"]["decode"]["engine"]["max_num_seqs"] = 4
+    try:
+        serve_config.deploy(serve_config.validate(config))
+        wait_running(["pdserve"], 300)
+        args = config["applications"][0]["args"]
+        direct = f"127.0.0.1:{args['router']['direct_port']}"
+        proxy = f"127.0.0.1:{config['grpc_options']['port']}"
+        wait_until(lambda: _serves(direct), 120, "the router to discover both pools")
+        yield config, direct, proxy
+    finally:
+        stop_ray()
+
+
+def _serves(address: str) -> bool:
+    try:
+        Client(address, timeout=10).generate(PROMPT, max_tokens=2)
+        return True
+    except grpc.RpcError:
+        return False
+
+
+def test_generate_through_the_proxy_and_the_direct_port_equals_pdserve_up(deployed, tiny_llama):
+    config, direct, proxy = deployed
+
+    async def up_cluster():
+        async with local_cluster(tiny_llama) as (router, _, _):
+            async with AsyncClient(router.address) as client:
+                return await client.generate(PROMPT, max_tokens=24, temperature=0, ignore_eos=True)
+
+    expected = asyncio.run(up_cluster()).token_ids
+    via_direct = Client(direct).generate(PROMPT, max_tokens=24, temperature=0, ignore_eos=True)
+    via_proxy = Client(proxy, metadata=[("application", "pdserve")])
+    streamed = via_proxy.generate(PROMPT, max_tokens=24, temperature=0, ignore_eos=True)
+    unary = via_proxy.generate_unary(PROMPT, max_tokens=24, temperature=0, ignore_eos=True)
+    assert via_direct.token_ids == streamed.token_ids == unary.token_ids == expected
+    assert streamed.usage == {"prompt_tokens": len(PROMPT), "completion_tokens": 24}
+    assert via_direct.timings["kv_transport"] == "shm"  # both replicas on this Ray node
+    with pytest.raises(grpc.RpcError) as err:
+        via_proxy.generate(PROMPT, max_tokens=0)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "max_tokens" in err.value.details()
+    assert via_proxy.models() == [str(tiny_llama)]
+
+
+def run_load(address: str, concurrency: int, stop: threading.Event, prompt: list[int], **params) -> list:
+    errors: list = []
+
+    async def worker():
+        async with AsyncClient(address, timeout=60) as client:
+            while not stop.is_set():
+                try:
+                    await client.generate(prompt, **params)
+                except grpc.aio.AioRpcError as e:
+                    errors.append(e)
+                    await asyncio.sleep(0.1)
+
+    async def main():
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+
+    thread = threading.Thread(target=asyncio.run, args=(main(),), daemon=True)
+    thread.start()
+    return [thread, errors]
+
+
+def under_load(address, prompt, params, until, what, timeout_s=120):
+    """Runs load until `until(counts)` holds; returns every replica count seen meanwhile."""
+    stop = threading.Event()
+    thread, errors = run_load(address, 12, stop, prompt, **params)
+    seen = []
+    try:
+        wait_until(lambda: (seen.append(replica_counts()) or until(seen[-1])), timeout_s, what)
+    finally:
+        stop.set()
+        thread.join(timeout=120)
+    assert not errors, errors[:3]
+    return seen
+
+
+def test_each_pool_scales_on_its_own_signal(deployed):
+    config, direct, _ = deployed
+    assert replica_counts() == {"Router": 1, "Prefill": 1, "Decode": 1}
+    # Prefill-heavy: long prompts, one output token.
+    long_prompt = [(i * 37) % 300 + 1 for i in range(900)]
+    seen = under_load(direct, long_prompt, dict(max_tokens=1), lambda c: c["Prefill"] == 2, "prefill to scale up")
+    assert all(c["Decode"] == 1 for c in seen), seen
+    wait_until(lambda: replica_counts()["Prefill"] == 1, 120, "prefill to scale back down")
+    # Decode-heavy: short prompts, long outputs.
+    seen = under_load(direct, PROMPT, dict(max_tokens=600, ignore_eos=True), lambda c: c["Decode"] == 2,
+                      "decode to scale up")
+    assert all(c["Prefill"] == 1 for c in seen), seen
+
+
+def test_scale_down_during_streaming_loses_no_token(deployed, tiny_llama):
+    config, direct, _ = deployed
+    params = dict(max_tokens=900, temperature=0, ignore_eos=True)
+    engine = make_engine(tiny_llama)
+    engine.add_request("ref", PROMPT, SamplingParams(**params))
+    expected = run_to_completion(engine)["ref"].token_ids
+
+    def redeploy(decode_min: int, decode_max: int) -> None:
+        changed = copy.deepcopy(config)
+        for dep in changed["applications"][0]["deployments"]:
+            if dep["name"] == "Decode":
+                dep["autoscaling_config"].update(min_replicas=decode_min, max_replicas=decode_max)
+        serve_config.deploy(serve_config.validate(changed))
+
+    redeploy(2, 2)
+    wait_until(lambda: replica_counts()["Decode"] == 2, 120, "two decode replicas")
+    wait_until(lambda: _serves(direct), 60, "the router")
+    before = {k: v for k, v in _replica_ids().items() if k != "Decode"}
+    assert len(before["Router"]) == 1 and len(before["Prefill"]) == 1
+
+    async def streams():
+        async with AsyncClient(direct) as client:
+            return await asyncio.gather(*(client.generate(PROMPT, **params) for _ in range(8)))
+
+    results = []
+    thread = threading.Thread(target=lambda: results.extend(asyncio.run(streams())))
+    thread.start()
+    time.sleep(1.0)
+    redeploy(1, 1)  # a replica-count change: one decode replica drains, nothing else restarts
+    thread.join(timeout=300)
+    assert len(results) == 8
+    assert all(r.token_ids == expected and r.finish_reason == "length" for r in results)
+    wait_until(lambda: replica_counts()["Decode"] == 1, 120, "the decode pool to shrink")
+    assert {k: v for k, v in _replica_ids().items() if k != "Decode"} == before
+
+
+def _replica_ids() -> dict[str, set[str]]:
+    """deployment -> the names of its live replica actors (Serve names them after the replica id)."""
+    import ray
+
+    ids: dict[str, set[str]] = {}
+    for actor in ray.util.list_named_actors(all_namespaces=True):
+        name = actor["name"]
+        if name.startswith("SERVE_REPLICA::pdserve#"):
+            ids.setdefault(name.split("#")[1], set()).add(name)
+    return ids
+
+
+def test_pdserve_serve_redeploys_on_an_existing_cluster(deployed, tmp_path):
+    """The CLI path: validate the file, connect to the cluster, deploy declaratively, wait."""
+    import subprocess
+    import sys
+
+    import ray
+    import yaml
+
+    config, direct, _ = deployed
+    path = tmp_path / "serve.yaml"
+    path.write_text(yaml.safe_dump(config))
+    r = subprocess.run([sys.executable, "-m", "pdserve", "serve", "--config", str(path), "--address",
+                        ray.get_runtime_context().gcs_address, "--timeout", "120"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "application 'pdserve' is RUNNING" in r.stdout
+    assert _serves(direct)
+    bad = tmp_path / "bad.yaml"
+    config = copy.deepcopy(config)
+    config["applications"][0]["deployments"][1]["autoscaling_config"]["max_replicsa"] = 3
+    bad.write_text(yaml.safe_dump(config))
+    r = subprocess.run([sys.executable, "-m", "pdserve", "serve", "--config", str(bad), "--address", "unused"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "max_replicsa" in r.stderr

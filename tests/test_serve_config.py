@@ -1,0 +1,75 @@
+"""The Serve config and the application builder refuse what Serve would silently drop or what
+cannot work (no Ray cluster needed)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from pdserve import serve_config
+from pdserve.ray_app import parse_args
+
+
+@pytest.fixture
+def config():
+    return copy.deepcopy(serve_config.load())
+
+
+def test_the_shipped_config_validates(config):
+    schema = serve_config.validate(config)
+    app = schema.applications[0]
+    assert app.import_path == "pdserve.ray_app:build_app"
+    names = {d.name for d in app.deployments}
+    assert names == {"Router", "Prefill", "Decode"}
+    policies = {d["name"]: d["autoscaling_config"]["policy"]["policy_function"]
+                for d in config["applications"][0]["deployments"] if "autoscaling_config" in d}
+    assert policies == {"Prefill": "pdserve.autoscaling:PrefillPolicy", "Decode": "pdserve.autoscaling:DecodePolicy"}
+
+
+@pytest.mark.parametrize("mutate, key", [
+    (lambda c: c.__setitem__("proxy_locaton", "EveryNode"), "proxy_locaton"),
+    (lambda c: c["grpc_options"].__setitem__("prot", 1), "grpc_options.prot"),
+    (lambda c: c["applications"][0].__setitem__("import_pth", "x"), "applications[0].import_pth"),
+    (lambda c: c["applications"][0]["deployments"][0].__setitem__("num_replica", 2),
+     "applications[0].deployments[0].num_replica"),
+    (lambda c: c["applications"][0]["deployments"][1]["autoscaling_config"].__setitem__("max_replicsa", 3),
+     "applications[0].deployments[1].autoscaling_config.max_replicsa"),
+    (lambda c: c["applications"][0]["deployments"][1]["autoscaling_config"]["policy"].__setitem__("kwargs", {}),
+     "autoscaling_config.policy.kwargs"),
+    (lambda c: c["applications"][0]["deployments"][0]["ray_actor_options"].__setitem__("num_cpu", 1),
+     "ray_actor_options.num_cpu"),
+])
+def test_unknown_keys_are_refused(config, mutate, key):
+    mutate(config)
+    with pytest.raises(ValueError, match="unknown keys") as err:
+        serve_config.validate(config)
+    assert key in str(err.value)
+
+
+def args(**overrides):
+    base = {"model": "smollm2-135m", "prefill": {"engine": {"dtype": "bfloat16"}},
+            "decode": {"engine": {"dtype": "bfloat16"}}}
+    base.update(overrides)
+    return base
+
+
+@pytest.mark.parametrize("bad, message", [
+    (args(model=""), "args.model is required"),
+    (args(kv_transport="rdma"), "args.kv_transport must be one of"),
+    (args(routr={}), r"args: unknown key\(s\) \['routr'\]"),
+    (args(prefill={"engine": {"dtyp": "bfloat16"}}), r"args.prefill.engine: unknown key\(s\) \['dtyp'\]"),
+    (args(decode={"engine": {"model": "other"}}), "both pools must serve the same model"),
+    (args(decode={"engine": {"dtype": "float32"}}), "the KV cannot move between them"),
+    (args(decode={"engine": {"max_num_seqs": 0}}), "max_num_seqs must be >= 1"),
+    (args(kv_transport="shm", prefill={"shm": False, "engine": {"dtype": "bfloat16"}}), "prefill.shm is false"),
+    (args(router={"direct_prt": 1}), "args.router"),
+])
+def test_builder_arguments_are_validated(bad, message):
+    with pytest.raises(ValueError, match=message):
+        parse_args(bad)
+
+
+def test_builder_fills_in_the_model(config):
+    a = parse_args(config["applications"][0]["args"])
+    assert a["prefill"]["engine"]["model"] == a["decode"]["engine"]["model"] == "smollm2-135m"
