@@ -127,8 +127,10 @@ def main() -> int:
     results = {"pdserve_up_tpot_ms": pdserve_up_tpot() * 1e3}
     print(f"pdserve up TPOT: {results['pdserve_up_tpot_ms']:.2f} ms", flush=True)
     os.environ["RAY_AUTH_MODE"] = "disabled"
+    from pdserve.ray_app import LOCAL_RESOURCES
+
     ray.init(num_cpus=2, include_dashboard=False, _temp_dir=f"/tmp/ray-bench-{os.getpid()}", log_to_driver=False,
-             namespace="pdserve")
+             namespace="pdserve", resources=LOCAL_RESOURCES)
     try:
         config = ray_config()
         serve_config.deploy(serve_config.validate(config))

@@ -12,13 +12,15 @@ from ray.util import metrics
 
 from decode_node.server import DecodeNode
 from engine import EngineConfig
-from pdserve.registry import registry
+from pdserve.registry import preferred_port, registry
 
 
 @serve.deployment(name="Decode", ray_actor_options={"num_cpus": 0})
 class DecodeDeployment:
-    async def __init__(self, app_name: str, engine: dict, kv_transport: str = "auto", drain_timeout_s: float = 600.0):
-        self.node = DecodeNode(EngineConfig(**engine), host=ray.util.get_node_ip_address(), port=0,
+    async def __init__(self, app_name: str, engine: dict, kv_transport: str = "auto", drain_timeout_s: float = 600.0,
+                       port: int = 0):
+        host = ray.util.get_node_ip_address()
+        self.node = DecodeNode(EngineConfig(**engine), host=host, port=preferred_port(host, port),
                                kv_transport=kv_transport)
         await self.node.start()
         self.replica = serve.get_replica_context().replica_id.unique_id

@@ -6,11 +6,12 @@ Serve config (`deploy/serve_config.yaml`) names `pdserve.ray_app:build_app` as t
 passes `args`:
 
     model: smollm2-135m            # one model: both pools and the router's tokenizer
+                                   # (the env var PDSERVE_MODEL, where set, overrides it)
     app_name: pdserve              # the registry the replicas announce themselves in
     kv_transport: auto             # auto (shm on one Ray node, else gRPC), shm, grpc
     router:  {direct_port: 50051, max_model_len: null, discovery_interval_s: 0.5}
-    prefill: {engine: {...EngineConfig fields...}, lease_ttl_s: 30, shm: true, drain_timeout_s: 60}
-    decode:  {engine: {...EngineConfig fields...}, drain_timeout_s: 600}
+    prefill: {engine: {...EngineConfig fields...}, lease_ttl_s: 30, shm: true, drain_timeout_s: 60, port: 0}
+    decode:  {engine: {...EngineConfig fields...}, drain_timeout_s: 600, port: 0}
 
 Every key is checked: a misspelled one is an error naming it, not silently dropped.
 """
@@ -18,12 +19,16 @@ Every key is checked: a misspelled one is an error naming it, not silently dropp
 from __future__ import annotations
 
 import dataclasses
+import os
 
 from engine import EngineConfig
 
 ROUTER_KEYS = {"direct_port", "max_model_len", "discovery_interval_s", "host"}
-PREFILL_KEYS = {"engine", "lease_ttl_s", "shm", "drain_timeout_s"}
-DECODE_KEYS = {"engine", "drain_timeout_s"}
+PREFILL_KEYS = {"engine", "lease_ttl_s", "shm", "drain_timeout_s", "port"}
+DECODE_KEYS = {"engine", "drain_timeout_s", "port"}
+# Resources a local cluster declares so the deployments' `resources` can be placed (on
+# Kubernetes each worker group declares its own).
+LOCAL_RESOURCES = {"pdserve_router": 4, "pdserve_prefill": 16, "pdserve_decode": 16}
 TOP_KEYS = {"model", "app_name", "kv_transport", "router", "prefill", "decode"}
 ENGINE_KEYS = {f.name for f in dataclasses.fields(EngineConfig)}
 KV_TRANSPORTS = ("auto", "shm", "grpc")
@@ -42,7 +47,8 @@ def parse_args(args: dict) -> dict:
     _check_keys("args", args, TOP_KEYS)
     if not args.get("model"):
         raise ValueError("args.model is required (one model for both pools)")
-    model = args["model"]
+    # PDSERVE_MODEL on the cluster's pods overrides it (how a Kubernetes overlay picks the model).
+    model = os.environ.get("PDSERVE_MODEL") or args["model"]
     kv_transport = args.get("kv_transport", "auto")
     if kv_transport not in KV_TRANSPORTS:
         raise ValueError(f"args.kv_transport must be one of {KV_TRANSPORTS}, got {kv_transport!r}")

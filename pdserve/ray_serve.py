@@ -33,7 +33,9 @@ def serve(config_path: str | None, address: str | None, timeout_s: float = 600.0
     schema = serve_config.validate(serve_config.load(config_path or serve_config.DEFAULT_CONFIG))
     local = address is None
     if local:
-        ray.init(include_dashboard=True, dashboard_host="127.0.0.1", namespace="pdserve")
+        from pdserve.ray_app import LOCAL_RESOURCES
+
+        ray.init(include_dashboard=True, dashboard_host="127.0.0.1", namespace="pdserve", resources=LOCAL_RESOURCES)
     else:
         ray.init(address=address, namespace="pdserve")
     try:

@@ -7,6 +7,8 @@ the KV and the token streams go replica to replica, never through Ray's object s
 
 from __future__ import annotations
 
+import socket
+
 import ray
 
 
@@ -29,3 +31,16 @@ def registry(app_name: str):
     """The application's registry actor, created on first use (detached: it outlives replicas)."""
     return Registry.options(name=f"pdserve-registry-{app_name}", namespace="pdserve", get_if_exists=True,
                             lifetime="detached").remote()
+
+
+def preferred_port(host: str, port: int) -> int:
+    """`port` if it is free on host, else 0 (any): on Kubernetes each replica has its pod and its
+    fixed port (probes use it); on one machine a second replica takes another."""
+    if port == 0:
+        return 0
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return 0
+    return port

@@ -11,15 +11,16 @@ from ray import serve
 from ray.util import metrics
 
 from engine import EngineConfig
-from pdserve.registry import registry
+from pdserve.registry import preferred_port, registry
 from prefill_node.server import PrefillNode
 
 
 @serve.deployment(name="Prefill", ray_actor_options={"num_cpus": 0})
 class PrefillDeployment:
     async def __init__(self, app_name: str, engine: dict, lease_ttl_s: float = 30.0, shm: bool = True,
-                   drain_timeout_s: float = 60.0):
-        self.node = PrefillNode(EngineConfig(**engine), host=ray.util.get_node_ip_address(), port=0,
+                       drain_timeout_s: float = 60.0, port: int = 0):
+        host = ray.util.get_node_ip_address()
+        self.node = PrefillNode(EngineConfig(**engine), host=host, port=preferred_port(host, port),
                                 lease_ttl_s=lease_ttl_s, shm=shm)
         await self.node.start()
         self.replica = serve.get_replica_context().replica_id.unique_id

@@ -46,8 +46,10 @@ def start_ray(tmp_path) -> None:
 
     os.environ["RAY_AUTH_MODE"] = "disabled"
     # A short socket path: the default temp dir under pytest's tmp_path can exceed AF_UNIX limits.
+    from pdserve.ray_app import LOCAL_RESOURCES
+
     ray.init(num_cpus=2, include_dashboard=False, _temp_dir=f"/tmp/ray-{os.getpid()}", namespace="pdserve",
-             log_to_driver=False)
+             log_to_driver=False, resources=LOCAL_RESOURCES)
 
 
 def stop_ray() -> None:
