@@ -13,12 +13,14 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=0, help="0 picks a free port (printed in the READY line)")
     ap.add_argument("--kv-transport", default="auto", choices=["auto", "shm", "grpc"],
                     help="auto: shared memory when the prefill node is on this host, else gRPC")
+    ap.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics here (0: any port)")
     add_engine_args(ap)
     args = ap.parse_args()
     setup_logging()
     from decode_node.server import DecodeNode
 
-    asyncio.run(run_until_signalled(lambda: DecodeNode(engine_config(args), args.host, args.port, args.kv_transport)))
+    asyncio.run(run_until_signalled(lambda: DecodeNode(engine_config(args), args.host, args.port, args.kv_transport),
+                                    metrics_port=args.metrics_port))
 
 
 if __name__ == "__main__":

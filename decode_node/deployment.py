@@ -12,6 +12,7 @@ from ray.util import metrics
 
 from decode_node.server import DecodeNode
 from engine import EngineConfig
+from pdserve.metrics import Metrics
 from pdserve.registry import preferred_port, registry
 
 
@@ -21,7 +22,7 @@ class DecodeDeployment:
                        port: int = 0):
         host = ray.util.get_node_ip_address()
         self.node = DecodeNode(EngineConfig(**engine), host=host, port=preferred_port(host, port),
-                               kv_transport=kv_transport)
+                               kv_transport=kv_transport, metrics=Metrics("ray"))
         await self.node.start()
         self.replica = serve.get_replica_context().replica_id.unique_id
         self.drain_timeout_s = drain_timeout_s

@@ -24,6 +24,7 @@ from kvtransfer.base import KVCorrupt, KVTransferError
 from kvtransfer.layout import KVLayout, KVLayoutMismatch, model_fingerprint
 from kvtransfer.receiver import KVReceiver
 from pdserve.grpc_server import GrpcServer
+from pdserve.metrics import EngineExporter, Metrics
 from pdserve.protocol import logprobs_to_proto, sampling_from_proto
 from pdserve_api import common_pb2, nodes_pb2, nodes_pb2_grpc
 
@@ -32,13 +33,17 @@ BLOCK_WAIT_S = 30.0  # how long a request may wait for free blocks without a dea
 
 
 class DecodeNode(nodes_pb2_grpc.DecodeNodeServicer):
-    def __init__(self, config: EngineConfig, host: str = "127.0.0.1", port: int = 0, kv_transport: str = "auto"):
+    def __init__(self, config: EngineConfig, host: str = "127.0.0.1", port: int = 0, kv_transport: str = "auto",
+                 metrics: Metrics | None = None):
         engine = LLMEngine(config)
         self.engine = AsyncEngine(engine)
         self.layout = KVLayout.of(engine.kv_cache, model_fingerprint(engine.model_dir))
         self.receiver = KVReceiver(engine.kv_cache, self.layout, kv_transport)
         self._tasks: set[asyncio.Task] = set()
         self.num_active = 0  # Decode streams open: transferring or decoding
+        self.metrics = metrics or Metrics()
+        self.exporter = EngineExporter(self.metrics, "decode", self.engine, lambda: self.num_active)
+        self._export: asyncio.Task | None = None
         self.server = GrpcServer(host, port)
         self.server.add(nodes_pb2_grpc.add_DecodeNodeServicer_to_server, self,
                         nodes_pb2.DESCRIPTOR.services_by_name["DecodeNode"])
@@ -49,9 +54,12 @@ class DecodeNode(nodes_pb2_grpc.DecodeNodeServicer):
 
     async def start(self) -> None:
         await self.server.start()
+        self._export = asyncio.create_task(self.exporter.run())
 
     async def stop(self, grace: float = 1.0) -> None:
         await self.server.stop(grace)
+        if self._export:
+            self._export.cancel()
         await self.receiver.close()
         self.engine.stop()
 
@@ -96,6 +104,12 @@ class DecodeNode(nodes_pb2_grpc.DecodeNodeServicer):
             except KVTransferError as e:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
             self._background(self._confirm_read(source))
+            seconds = transfer.seconds
+            self.metrics.observe("pdserve_kv_transfer_seconds", seconds, transport=transfer.transport)
+            self.metrics.observe("pdserve_kv_transfer_bytes", transfer.num_bytes, transport=transfer.transport)
+            if seconds > 0:
+                self.metrics.set("pdserve_kv_transfer_gbps", transfer.num_bytes / seconds / 1e9,
+                                 transport=transfer.transport)
 
             # 3. running
             def admit():

@@ -12,6 +12,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -33,6 +34,7 @@ class AsyncEngine:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stopped = False
         self.error: BaseException | None = None
+        self.on_step: Callable[[float], None] | None = None  # called with each step's seconds
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -93,7 +95,11 @@ class AsyncEngine:
             while not self._stopped:
                 self._run_commands()
                 if self.engine.has_unfinished():
-                    for out in self.engine.step():
+                    started = time.perf_counter()
+                    outputs = self.engine.step()
+                    if self.on_step is not None:
+                        self.on_step(time.perf_counter() - started)
+                    for out in outputs:
                         self._deliver(out.request_id, out)
                 else:
                     self._wake.wait(0.1)

@@ -72,7 +72,8 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len, cfg.eos_token_ids)
         self.requests: dict[str, tuple[Sequence, IncrementalDetokenizer | None]] = {}
         self.kv_leases: dict[str, KVLease] = {}
-        self.num_generated_tokens = 0  # a counter for tokens/s
+        self.num_generated_tokens = 0  # counters for metrics: tokens out,
+        self.num_prompt_tokens = 0  # and prompt tokens in
 
     # ---- requests in -------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -93,6 +94,7 @@ class LLMEngine:
         ids = self.tokenize(prompt)
         self._check_length(len(ids))
         seq = Sequence(request_id, ids, params, keep_kv=keep_kv)
+        self.num_prompt_tokens += len(ids)
         self._track(seq)
         self.scheduler.add(seq)
 
@@ -220,5 +222,6 @@ class LLMEngine:
         except ValueError:
             self.block_manager.free(seq)
             raise
+        self.num_prompt_tokens += seq.num_prompt_tokens
         self._track(seq, num_emitted_chars)
         self.scheduler.add(seq)

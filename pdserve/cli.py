@@ -101,6 +101,12 @@ def cmd_serve(args) -> int:
     return serve(args.config, args.address, args.timeout)
 
 
+def cmd_bench(args) -> int:
+    from pdserve import bench
+
+    return bench.main(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode LLM serving.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -112,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, default=50051, help="the router's gRPC port")
     p.add_argument("--kv-transport", default="auto", choices=["auto", "shm", "grpc"])
     p.add_argument("--ask", help="ask this question once the cluster is up, stream the answer, then stop")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="Prometheus /metrics: the router on this port, the nodes on the next ones")
     p.add_argument("--max-tokens", type=int, default=256, help="with --ask")
     add_engine_args(p)
     p.set_defaults(func=cmd_up)
@@ -123,6 +131,12 @@ def main(argv: list[str] | None = None) -> int:
                         "and stopped with Ctrl-C")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the application to run")
     p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("bench", help="load-test a pdserve address: TTFT, TPOT, latency, TPS, QPS, goodput")
+    from pdserve.bench import add_args as add_bench_args
+
+    add_bench_args(p)
+    p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("generate", help="ask a running pdserve router; streams the answer")
     p.add_argument("prompt")

@@ -7,13 +7,15 @@ import logging
 import signal
 
 
-async def run_until_signalled(make_node, grace_s: float = 5.0) -> None:
+async def run_until_signalled(make_node, grace_s: float = 5.0, metrics_port: int | None = None) -> None:
     """Builds a node with make_node() (inside the event loop, which grpc.aio servers need), starts it
-    (anything with start/stop/address), prints 'READY <address>' once it serves, and stops it
+    (anything with start/stop/address/metrics), serves its Prometheus metrics on metrics_port (if
+    given; 0 picks one), prints 'READY <address> [metrics=<port>]' once it serves, and stops it
     gracefully on SIGTERM or SIGINT."""
     node = make_node()
     await node.start()
-    print(f"READY {node.address}", flush=True)
+    extra = f" metrics={node.metrics.serve(metrics_port)}" if metrics_port is not None else ""
+    print(f"READY {node.address}{extra}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

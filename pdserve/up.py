@@ -20,6 +20,7 @@ class Node:
     def __init__(self, role: str, index: int, proc: asyncio.subprocess.Process):
         self.role, self.index, self.proc = role, index, proc
         self.address = ""
+        self.metrics = ""
         self._pump: asyncio.Task | None = None
 
     async def wait_ready(self) -> str:
@@ -31,6 +32,7 @@ class Node:
             text = line.decode().rstrip()
             if text.startswith("READY "):
                 self.address = text.split()[1]
+                self.metrics = next((w.split("=")[1] for w in text.split()[2:] if w.startswith("metrics=")), "")
                 self._pump = asyncio.create_task(self._forward_output())
                 return self.address
             print(f"[{self.role}-{self.index}] {text}", file=sys.stderr)
@@ -51,11 +53,12 @@ class Node:
             self._pump.cancel()
 
 
-def node_args(args, threads: int) -> list[str]:
+def node_args(args, threads: int, metrics_port: int | None) -> list[str]:
     return ["--model", args.model, "--dtype", args.dtype, "--device", args.device, "--kv-cache-gb",
             str(args.kv_cache_gb), "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens",
             str(args.max_num_batched_tokens), "--block-size", str(args.block_size), "--num-threads", str(threads),
-            *(["--max-model-len", str(args.max_model_len)] if args.max_model_len else [])]
+            *(["--max-model-len", str(args.max_model_len)] if args.max_model_len else []),
+            *(["--metrics-port", str(metrics_port)] if metrics_port is not None else [])]
 
 
 async def start_nodes(args) -> list[Node]:
@@ -65,9 +68,11 @@ async def start_nodes(args) -> list[Node]:
         module = f"{role}_node"
         for i in range(count):
             extra = ["--kv-transport", args.kv_transport] if role == "decode" else []
+            # Metrics ports: the router on --metrics-port, the nodes on the ports after it.
+            metrics_port = args.metrics_port + 1 + len(nodes) if args.metrics_port else None
             proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", module, "--host", args.host, "--port", "0", *node_args(args, threads), *extra,
-                stdout=asyncio.subprocess.PIPE)
+                sys.executable, "-m", module, "--host", args.host, "--port", "0",
+                *node_args(args, threads, metrics_port), *extra, stdout=asyncio.subprocess.PIPE)
             nodes.append(Node(role, i, proc))
     try:
         await asyncio.wait_for(asyncio.gather(*(n.wait_ready() for n in nodes)), READY_TIMEOUT_S)
@@ -92,7 +97,9 @@ async def up(args) -> int:
         router = Router(args.model, [n.address for n in nodes if n.role == "prefill"],
                         [n.address for n in nodes if n.role == "decode"], args.host, args.port, args.max_model_len)
         await router.start()
-        print(f"pdserve up: router on {router.address} serving {args.model}; "
+        metrics = f"; metrics on ports {router.metrics.serve(args.metrics_port)}-{args.metrics_port + len(nodes)}" \
+            if args.metrics_port else ""
+        print(f"pdserve up: router on {router.address} serving {args.model}{metrics}; "
               f"prefill {', '.join(n.address for n in nodes if n.role == 'prefill')}; "
               f"decode {', '.join(n.address for n in nodes if n.role == 'decode')}", file=sys.stderr, flush=True)
         if args.ask:

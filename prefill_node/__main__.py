@@ -13,13 +13,15 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=0, help="0 picks a free port (printed in the READY line)")
     ap.add_argument("--lease-ttl-s", type=float, default=30.0, help="free a prefill's KV if unread this long")
     ap.add_argument("--no-shm", action="store_true", help="keep the KV out of shared memory (gRPC transfers only)")
+    ap.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics here (0: any port)")
     add_engine_args(ap)
     args = ap.parse_args()
     setup_logging()
     from prefill_node.server import PrefillNode
 
     asyncio.run(run_until_signalled(
-        lambda: PrefillNode(engine_config(args), args.host, args.port, args.lease_ttl_s, shm=not args.no_shm)))
+        lambda: PrefillNode(engine_config(args), args.host, args.port, args.lease_ttl_s, shm=not args.no_shm),
+        metrics_port=args.metrics_port))
 
 
 if __name__ == "__main__":

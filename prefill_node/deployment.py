@@ -11,6 +11,7 @@ from ray import serve
 from ray.util import metrics
 
 from engine import EngineConfig
+from pdserve.metrics import Metrics
 from pdserve.registry import preferred_port, registry
 from prefill_node.server import PrefillNode
 
@@ -21,7 +22,7 @@ class PrefillDeployment:
                        drain_timeout_s: float = 60.0, port: int = 0):
         host = ray.util.get_node_ip_address()
         self.node = PrefillNode(EngineConfig(**engine), host=host, port=preferred_port(host, port),
-                                lease_ttl_s=lease_ttl_s, shm=shm)
+                                lease_ttl_s=lease_ttl_s, shm=shm, metrics=Metrics("ray"))
         await self.node.start()
         self.replica = serve.get_replica_context().replica_id.unique_id
         self.drain_timeout_s = drain_timeout_s

@@ -25,6 +25,7 @@ from kvtransfer.layout import KVLayout, kv_digest, model_fingerprint
 from kvtransfer.lease import LeaseTable
 from kvtransfer.shm import SharedKVRegion, host_id
 from pdserve.grpc_server import GrpcServer
+from pdserve.metrics import EngineExporter, Metrics
 from pdserve.protocol import logprobs_to_proto, sampling_from_proto
 from pdserve_api import common_pb2, nodes_pb2, nodes_pb2_grpc
 
@@ -33,7 +34,7 @@ log = logging.getLogger(__name__)
 
 class PrefillNode(nodes_pb2_grpc.PrefillNodeServicer):
     def __init__(self, config: EngineConfig, host: str = "127.0.0.1", port: int = 0, lease_ttl_s: float = 30.0,
-                 shm: bool = True):
+                 shm: bool = True, metrics: Metrics | None = None):
         self.region: SharedKVRegion | None = None
 
         def allocator(nbytes: int):  # register: the whole KV tensor lives in a /dev/shm region
@@ -54,6 +55,9 @@ class PrefillNode(nodes_pb2_grpc.PrefillNodeServicer):
         self.server.add(nodes_pb2_grpc.add_KVPlaneServicer_to_server, self.kv_plane,
                         nodes_pb2.DESCRIPTOR.services_by_name["KVPlane"])
         self._expiry: asyncio.Task | None = None
+        self.metrics = metrics or Metrics()
+        self.exporter = EngineExporter(self.metrics, "prefill", self.engine, lambda: self.num_pending)
+        self._export: asyncio.Task | None = None
         self.num_pending = 0  # Prefill calls received and not yet answered
         self.pending_tokens = 0  # their prompt tokens: the prefill pool's autoscaling signal
         self.num_prefilled = 0
@@ -65,6 +69,7 @@ class PrefillNode(nodes_pb2_grpc.PrefillNodeServicer):
     async def start(self) -> None:
         await self.server.start()
         self._expiry = asyncio.create_task(self._expire_leases())
+        self._export = asyncio.create_task(self.exporter.run())
 
     async def drain(self, timeout_s: float) -> None:
         """Stops taking work (health NOT_SERVING) and waits until every prefill is answered and
@@ -76,8 +81,9 @@ class PrefillNode(nodes_pb2_grpc.PrefillNodeServicer):
 
     async def stop(self, grace: float = 1.0) -> None:
         await self.server.stop(grace)
-        if self._expiry:
-            self._expiry.cancel()
+        for task in (self._expiry, self._export):
+            if task:
+                task.cancel()
         self.engine.stop()
         if self.region is not None:
             self.region.close()
@@ -113,6 +119,7 @@ class PrefillNode(nodes_pb2_grpc.PrefillNodeServicer):
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         end = time.time()
+        self.metrics.observe("pdserve_prefill_compute_seconds", end - start)
         response = nodes_pb2.PrefillResponse(first_token_id=out.token_ids[0], text=out.text,
                                              finished=False, prefill_start=start, prefill_end=end)
         if out.logprobs:

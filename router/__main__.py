@@ -14,12 +14,14 @@ def main() -> None:
     ap.add_argument("--prefill", required=True, help="comma-separated prefill node addresses")
     ap.add_argument("--decode", required=True, help="comma-separated decode node addresses")
     ap.add_argument("--max-model-len", type=int, default=None)
+    ap.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics here (0: any port)")
     args = ap.parse_args()
     setup_logging()
     from router.server import Router
 
     asyncio.run(run_until_signalled(lambda: Router(args.model, args.prefill.split(","), args.decode.split(","),
-                                                   args.host, args.port, args.max_model_len)))
+                                                   args.host, args.port, args.max_model_len),
+                                    metrics_port=args.metrics_port))
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator
 
 from ray import serve
 
+from pdserve.metrics import Metrics
 from pdserve.registry import registry
 from pdserve_api import generate_pb2
 from router.server import RequestError, Router
@@ -74,7 +75,7 @@ class RouterDeployment:
                        max_model_len: int | None = None, discovery_interval_s: float = 0.5):
         # pools: the prefill and decode deployments' handles (bound so that they deploy with us).
         self.router = Router(model, [], [], host=host, port=direct_port, max_model_len=max_model_len,
-                             check_interval_s=1.0)
+                             check_interval_s=1.0, metrics=Metrics("ray"))
         await self.router.start()
         self.registry = registry(app_name)
         self.discovery_interval_s = discovery_interval_s

@@ -7,6 +7,7 @@ It never touches KV bytes: the decode node reads them from the prefill node dire
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -18,11 +19,16 @@ from engine.model_config import ModelConfig
 from engine.model_source import resolve_model
 from engine.tokenizer import apply_chat_template, check_prompt_length, load_tokenizer, prompt_token_ids
 from pdserve.grpc_server import GrpcServer
+from pdserve.metrics import Metrics
 from pdserve.protocol import sampling_from_proto, sampling_to_proto
 from pdserve_api import common_pb2, generate_pb2, generate_pb2_grpc, nodes_pb2, nodes_pb2_grpc
 from router.pool import EndpointPool, NoHealthyNode
 
 log = logging.getLogger(__name__)
+OUTCOME_BY_CODE = {grpc.StatusCode.INVALID_ARGUMENT: "invalid", grpc.StatusCode.NOT_FOUND: "invalid",
+                   grpc.StatusCode.FAILED_PRECONDITION: "invalid", grpc.StatusCode.UNAVAILABLE: "unavailable",
+                   grpc.StatusCode.RESOURCE_EXHAUSTED: "unavailable", grpc.StatusCode.DEADLINE_EXCEEDED: "timeout",
+                   grpc.StatusCode.CANCELLED: "cancelled"}
 
 
 class RequestError(Exception):
@@ -38,7 +44,7 @@ class RequestError(Exception):
 
 class Router(generate_pb2_grpc.GenerationServicer):
     def __init__(self, model: str, prefill: list[str], decode: list[str], host: str = "127.0.0.1", port: int = 0,
-                 max_model_len: int | None = None, check_interval_s: float = 1.0):
+                 max_model_len: int | None = None, check_interval_s: float = 1.0, metrics: Metrics | None = None):
         model_dir = resolve_model(model)
         self.model_id = model
         self.model_config = ModelConfig.from_dir(model_dir)
@@ -46,6 +52,7 @@ class Router(generate_pb2_grpc.GenerationServicer):
         self.tokenizer = load_tokenizer(model_dir)
         self.prefill_pool = EndpointPool("prefill", prefill, check_interval_s)
         self.decode_pool = EndpointPool("decode", decode, check_interval_s)
+        self.metrics = metrics or Metrics()
         self.server = GrpcServer(host, port)
         self.server.add(generate_pb2_grpc.add_GenerationServicer_to_server, self,
                         generate_pb2.DESCRIPTOR.services_by_name["Generation"])
@@ -65,6 +72,36 @@ class Router(generate_pb2_grpc.GenerationServicer):
     # ---- a request's life ---------------------------------------------------------------
     async def serve(self, request: generate_pb2.GenerateRequest,
                     deadline: float = 0.0) -> AsyncIterator[generate_pb2.GenerateResponse]:
+        """The request's path (`_serve`), measured: TTFT, TPOT, end-to-end, outcome, tokens."""
+        outcome, last = "error", None
+        try:
+            async for msg in self._serve(request, deadline):
+                last = msg
+                yield msg
+            outcome = "ok"
+        except RequestError as e:
+            outcome = OUTCOME_BY_CODE.get(e.code, "error")
+            raise
+        except (asyncio.CancelledError, GeneratorExit):
+            outcome = "cancelled"
+            raise
+        finally:
+            self.metrics.inc("pdserve_requests_total", outcome=outcome)
+            if last is not None and last.finished:
+                self._observe(last.timings, last.usage)
+
+    def _observe(self, t: common_pb2.Timings, usage: common_pb2.Usage) -> None:
+        m = self.metrics
+        m.observe("pdserve_request_ttft_seconds", t.first_token - t.queued)
+        m.observe("pdserve_request_e2e_seconds", t.done - t.queued)
+        m.observe("pdserve_request_queue_seconds", max(0.0, t.prefill_start - t.queued))
+        if usage.completion_tokens > 1:
+            m.observe("pdserve_request_tpot_seconds", (t.done - t.first_token) / (usage.completion_tokens - 1))
+        m.inc("pdserve_prompt_tokens_total", usage.prompt_tokens)
+        m.inc("pdserve_generation_tokens_total", usage.completion_tokens)
+
+    async def _serve(self, request: generate_pb2.GenerateRequest,
+                     deadline: float = 0.0) -> AsyncIterator[generate_pb2.GenerateResponse]:
         """1. check, 2. remote prefill (first token; KV leased there), 3. remote decode (the decode
         node pulls the KV from the prefill node), 4. stream, with usage and timings at the end.
         Raises RequestError; deadline is unix seconds (0: none)."""
@@ -76,7 +113,7 @@ class Router(generate_pb2_grpc.GenerationServicer):
 
         # 2. remote prefill on the least busy healthy prefill node
         prefill = _pick(self.prefill_pool)
-        with prefill.track():
+        with prefill.track(), self._outstanding(prefill):
             first = await _unary("prefill", prefill.stub.Prefill(
                 nodes_pb2.PrefillRequest(request_id=rid, prompt_token_ids=prompt, sampling=sampling, deadline=deadline),
                 timeout=_remaining(deadline)))
@@ -96,7 +133,7 @@ class Router(generate_pb2_grpc.GenerationServicer):
         call = None
         try:
             decode = _pick(self.decode_pool)
-            with decode.track():
+            with decode.track(), self._outstanding(decode):
                 call = decode.stub.Decode(nodes_pb2.DecodeRequest(
                     request_id=rid, prompt_token_ids=prompt, output_token_ids=[first.first_token_id],
                     sampling=sampling, kv=first.kv, deadline=deadline, num_emitted_chars=len(first.text)),
@@ -121,6 +158,16 @@ class Router(generate_pb2_grpc.GenerationServicer):
                 await asyncio.shield(self._release_kv(prefill, first.kv.lease_id))
 
     # ---- steps ------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _outstanding(self, endpoint):
+        role = "prefill" if endpoint in self.prefill_pool.endpoints else "decode"
+        self.metrics.set("pdserve_node_outstanding_requests", endpoint.outstanding, role=role, node=endpoint.address)
+        try:
+            yield
+        finally:
+            self.metrics.set("pdserve_node_outstanding_requests", endpoint.outstanding - 1, role=role,
+                             node=endpoint.address)
+
     def _check(self, request: generate_pb2.GenerateRequest) -> tuple[list[int], object]:
         if request.model and request.model != self.model_id:
             raise RequestError(grpc.StatusCode.NOT_FOUND,

@@ -1,0 +1,193 @@
+"""`pdserve bench`: a load generator against any pdserve address (router, Ray proxy, or an
+aggregated server: anything serving pdserve.v1.Generation).
+
+Open loop: arrivals at --rate requests/s (Poisson or constant gaps), optionally capped at
+--concurrency requests in flight; closed loop: --concurrency workers, each sending its next
+request when the last one finishes. Prompts come from a JSONL file or from length distributions
+(`N`, `uniform:A:B`, `normal:MEAN:STD`), made of the server's own tokens. Streaming is on: TTFT is
+the first streamed token. A comma-separated --rate runs a sweep.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import grpc
+
+from pdserve.bench_stats import RequestRecord, Report, format_report, report
+from router.client import AsyncClient
+
+FILLER = ("The history of the lighthouse begins with fires lit on hilltops to guide ships home. Engineers "
+          "later built towers of stone with lamps and lenses, and keepers lived beside them through storms. ")
+
+
+def length_sampler(spec: str, rng: random.Random):
+    """'128' | 'uniform:A:B' | 'normal:MEAN:STD' -> a function returning a length >= 1."""
+    parts = spec.split(":")
+    try:
+        if len(parts) == 1:
+            n = int(parts[0])
+            return lambda: n
+        kind, a, b = parts[0], float(parts[1]), float(parts[2])
+    except (ValueError, IndexError):
+        raise ValueError(f"length spec must be N, uniform:A:B or normal:MEAN:STD, got {spec!r}") from None
+    if kind == "uniform":
+        return lambda: rng.randint(int(a), int(b))
+    if kind == "normal":
+        return lambda: max(1, round(rng.gauss(a, b)))
+    raise ValueError(f"length spec must be N, uniform:A:B or normal:MEAN:STD, got {spec!r}")
+
+
+async def build_workload(client: AsyncClient, args, rng: random.Random) -> list[dict]:
+    """A list of requests: {"prompt": ids or text, "max_tokens": n}."""
+    if args.dataset:
+        items = []
+        for line in Path(args.dataset).read_text().splitlines():
+            if line.strip():
+                row = json.loads(line)
+                prompt = row.get("prompt_token_ids") or row.get("prompt")
+                if not prompt:
+                    raise ValueError(f"{args.dataset}: each line needs 'prompt' or 'prompt_token_ids'")
+                items.append({"prompt": prompt, "max_tokens": row.get("max_tokens")})
+        items = [items[i % len(items)] for i in range(args.num_requests)]
+    else:
+        pool = await client.tokenize(FILLER * 40)  # the server's own tokens
+        prompt_len, output_len = length_sampler(args.prompt_len, rng), length_sampler(args.output_len, rng)
+        items = []
+        for _ in range(args.num_requests):
+            n, start = prompt_len(), rng.randrange(len(pool))
+            items.append({"prompt": [pool[(start + i) % len(pool)] for i in range(n)], "max_tokens": None,
+                          "output_len": output_len()})
+    for item in items:
+        item["max_tokens"] = item.get("max_tokens") or item.get("output_len") or length_sampler(args.output_len, rng)()
+    return items
+
+
+async def one_request(client: AsyncClient, item: dict, t0: float, args, progress) -> RequestRecord:
+    rec = RequestRecord(sent=time.perf_counter() - t0)
+    try:
+        async for part in client.stream(item["prompt"], max_tokens=item["max_tokens"], temperature=args.temperature,
+                                        ignore_eos=args.ignore_eos):
+            if part.token_ids and rec.first_token is None:
+                rec.first_token = time.perf_counter() - t0
+            rec.num_tokens += len(part.token_ids)
+            if part.finished:
+                rec.done = time.perf_counter() - t0
+                rec.prompt_tokens = part.usage.prompt_tokens
+    except grpc.aio.AioRpcError as e:
+        rec.error = e.code().name
+    if rec.done is None and rec.error is None:
+        rec.error = "INCOMPLETE"
+    if progress is not None:
+        progress.update(1)
+    return rec
+
+
+def arrival_times(n: int, rate: float, arrival: str, rng: random.Random) -> list[float]:
+    if rate == float("inf"):
+        return [0.0] * n
+    times, t = [], 0.0
+    for _ in range(n):
+        times.append(t)
+        t += rng.expovariate(rate) if arrival == "poisson" else 1.0 / rate
+    return times
+
+
+async def run_once(args, items: list[dict], rate: float, rng: random.Random) -> tuple[Report, list[RequestRecord]]:
+    metadata = [("application", args.application)] if args.application else None
+    progress = None
+    if not args.quiet:
+        from tqdm import tqdm
+
+        progress = tqdm(total=len(items), desc=f"rate {rate:g}" if rate != float("inf") else "requests",
+                        unit="req", file=sys.stderr, leave=False)
+    async with AsyncClient(args.addr, timeout=args.timeout, metadata=metadata) as client:
+        t0 = time.perf_counter()
+        if args.rate is None:  # closed loop
+            queue = list(items)
+            records: list[RequestRecord] = []
+
+            async def worker():
+                while queue:
+                    records.append(await one_request(client, queue.pop(0), t0, args, progress))
+
+            await asyncio.gather(*(worker() for _ in range(args.concurrency or 1)))
+        else:  # open loop, optionally capped
+            limit = asyncio.Semaphore(args.concurrency) if args.concurrency else None
+
+            async def scheduled(item, at):
+                await asyncio.sleep(max(0.0, at - (time.perf_counter() - t0)))
+                if limit is None:
+                    return await one_request(client, item, t0, args, progress)
+                async with limit:
+                    return await one_request(client, item, t0, args, progress)
+
+            times = arrival_times(len(items), rate, args.arrival, rng)
+            records = list(await asyncio.gather(*(scheduled(it, at) for it, at in zip(items, times))))
+        duration = time.perf_counter() - t0
+    if progress is not None:
+        progress.close()
+    return report(records, duration, args.slo_ttft, args.slo_tpot), records
+
+
+async def bench(args) -> list[dict]:
+    rng = random.Random(args.seed)
+    metadata = [("application", args.application)] if args.application else None
+    async with AsyncClient(args.addr, timeout=args.timeout, metadata=metadata) as client:
+        items = await build_workload(client, args, rng)
+    rates = [float(r) for r in args.rate.split(",")] if args.rate else [float("inf")]
+    runs = []
+    for rate in rates:
+        rep, records = await run_once(args, items, rate, rng)
+        label = f"[rate {rate:g} req/s] " if args.rate else f"[closed loop, concurrency {args.concurrency or 1}] "
+        print(format_report(rep, label), flush=True)
+        runs.append({"rate": rate if rate != float("inf") else None, "report": rep.to_dict(),
+                     "records": [r.__dict__ for r in records]})
+    return runs
+
+
+def add_args(p) -> None:
+    p.add_argument("--addr", required=True, help="HOST:PORT of a pdserve router (or Ray Serve proxy)")
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--rate", default=None,
+                   help="requests/s (open loop); 'inf' sends all at once; a comma-separated list sweeps")
+    p.add_argument("--arrival", choices=["poisson", "constant"], default="poisson")
+    p.add_argument("--concurrency", type=int, default=None,
+                   help="closed loop without --rate; with --rate, a cap on requests in flight")
+    p.add_argument("--prompt-len", default="uniform:200:400", help="N, uniform:A:B or normal:MEAN:STD tokens")
+    p.add_argument("--output-len", default="128", help="N, uniform:A:B or normal:MEAN:STD tokens")
+    p.add_argument("--dataset", help="JSONL of prompts: {'prompt': text} or {'prompt_token_ids': [...]}, "
+                                     "optional 'max_tokens'")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
+                   help="stop at EOS (default: generate exactly the output length)")
+    p.add_argument("--slo-ttft", type=float, default=None, help="seconds; goodput counts requests within it")
+    p.add_argument("--slo-tpot", type=float, default=None, help="seconds per output token")
+    p.add_argument("--json", help="write the reports (and per-request records) here")
+    p.add_argument("--plot", help="write PNG plots into this directory")
+    p.add_argument("--application", help="Ray Serve application name (metadata through Serve's proxy)")
+    p.add_argument("--timeout", type=float, default=600.0, help="per-request deadline in seconds")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def main(args) -> int:
+    if args.concurrency is not None and args.concurrency < 1:
+        raise ValueError("--concurrency must be >= 1")
+    if args.num_requests < 1:
+        raise ValueError("--num-requests must be >= 1")
+    runs = asyncio.run(bench(args))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": {k: v for k, v in vars(args).items() if k != "func"},
+                                               "runs": runs}, indent=2))
+    if args.plot:
+        from pdserve.bench_plot import plot
+
+        for path in plot(runs, Path(args.plot)):
+            print(f"wrote {path}", file=sys.stderr)
+    return 0 if all(r["report"]["completed"] for r in runs) else 1
