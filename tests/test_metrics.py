@@ -54,3 +54,18 @@ def test_metrics_follow_requests(tiny_llama):
             assert "pdserve_request_ttft_seconds_bucket" in text
 
     asyncio.run(scenario())
+
+
+def test_grafana_dashboard_uses_only_exported_metrics():
+    import json
+    import re
+    from pathlib import Path
+
+    from pdserve.metrics import DEFINITIONS
+
+    dash = json.loads((Path(__file__).parent.parent / "deploy" / "grafana" / "pdserve.json").read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    names = {re.sub(r"_(bucket|count|sum)$", "", n) for e in exprs for n in re.findall(r"pdserve_[a-z0-9_]+", e)}
+    assert names and names <= set(DEFINITIONS), names - set(DEFINITIONS)
+    documented = (Path(__file__).parent.parent / "docs" / "metrics.md").read_text()
+    assert all(name in documented for name in DEFINITIONS)
