@@ -4,7 +4,7 @@ import argparse
 import asyncio
 
 from pdserve.cli import add_engine_args, engine_config
-from pdserve.process import run_until_signalled, setup_logging
+from pdserve.process import pin_cpus, run_until_signalled, setup_logging
 
 
 def main() -> None:
@@ -17,6 +17,7 @@ def main() -> None:
     add_engine_args(ap)
     args = ap.parse_args()
     setup_logging()
+    pin_cpus(args.cpus)
     from decode_node.server import DecodeNode
 
     asyncio.run(run_until_signalled(lambda: DecodeNode(engine_config(args), args.host, args.port, args.kv_transport),

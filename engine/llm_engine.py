@@ -20,7 +20,7 @@ from engine.model_source import resolve_model
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
-from engine.sequence import FinishReason, Sequence, SequenceStatus
+from engine.sequence import FinishReason, Sequence
 from engine.tokenizer import check_prompt_length, load_tokenizer, prompt_token_ids
 
 

@@ -18,6 +18,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--cpus", default=None, help="pin the process to these cores, e.g. 0 or 0-1")
 
 
 def engine_config(args):
@@ -120,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ask", help="ask this question once the cluster is up, stream the answer, then stop")
     p.add_argument("--metrics-port", type=int, default=None,
                    help="Prometheus /metrics: the router on this port, the nodes on the next ones")
+    p.add_argument("--pin-cpus", action="store_true", help="give each node process its own core (round robin)")
     p.add_argument("--max-tokens", type=int, default=256, help="with --ask")
     add_engine_args(p)
     p.set_defaults(func=cmd_up)

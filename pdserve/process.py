@@ -26,3 +26,16 @@ async def run_until_signalled(make_node, grace_s: float = 5.0, metrics_port: int
 
 def setup_logging(level: str = "INFO") -> None:
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def pin_cpus(spec: str | None) -> None:
+    """Restricts this process to the given cores ('0', '0,1', '2-3'); None leaves it free."""
+    if not spec:
+        return
+    import os
+
+    cores = set()
+    for part in spec.split(","):
+        lo, _, hi = part.partition("-")
+        cores.update(range(int(lo), int(hi or lo) + 1))
+    os.sched_setaffinity(0, cores)

@@ -70,6 +70,8 @@ async def start_nodes(args) -> list[Node]:
             extra = ["--kv-transport", args.kv_transport] if role == "decode" else []
             # Metrics ports: the router on --metrics-port, the nodes on the ports after it.
             metrics_port = args.metrics_port + 1 + len(nodes) if args.metrics_port else None
+            if args.pin_cpus:
+                extra += ["--cpus", str(len(nodes) % (os.cpu_count() or 1))]
             proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", module, "--host", args.host, "--port", "0",
                 *node_args(args, threads, metrics_port), *extra, stdout=asyncio.subprocess.PIPE)

@@ -6,14 +6,13 @@ from __future__ import annotations
 import asyncio
 import time
 
-import grpc
 import pytest
 import torch
 import xxhash
 
 from engine.kv_cache import KVCache
 from kvtransfer.base import KVCorrupt, TransferStatus
-from kvtransfer.fake import REGISTRY, FakeReader
+from kvtransfer.fake import REGISTRY
 from kvtransfer.grpc_stream import GrpcStreamReader
 from kvtransfer.layout import KVLayout, KVLayoutMismatch, StreamWriter, block_runs, copy_blocks, gather, kv_digest
 from kvtransfer.lease import LeaseTable

@@ -1,0 +1,177 @@
+"""What every pdserve Generation server does the same way: check and tokenize requests, measure
+them, and speak gRPC. The request's path itself is each server's `_serve`: the router's
+disaggregated one (router/server.py) or the colocated baseline's (router/colocated.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+
+from engine.model_config import ModelConfig
+from engine.model_source import resolve_model
+from engine.tokenizer import apply_chat_template, check_prompt_length, load_tokenizer, prompt_token_ids
+from pdserve.metrics import Metrics
+from pdserve.protocol import sampling_from_proto
+from pdserve_api import common_pb2, generate_pb2, generate_pb2_grpc
+
+log = logging.getLogger(__name__)
+OUTCOME_BY_CODE = {grpc.StatusCode.INVALID_ARGUMENT: "invalid", grpc.StatusCode.NOT_FOUND: "invalid",
+                   grpc.StatusCode.FAILED_PRECONDITION: "invalid", grpc.StatusCode.UNAVAILABLE: "unavailable",
+                   grpc.StatusCode.RESOURCE_EXHAUSTED: "unavailable", grpc.StatusCode.DEADLINE_EXCEEDED: "timeout",
+                   grpc.StatusCode.CANCELLED: "cancelled"}
+
+
+class RequestError(Exception):
+    """Ends a request with a gRPC status; each ingress turns it into its own error reply."""
+
+    def __init__(self, code: grpc.StatusCode, details: str):
+        super().__init__(f"{code.name}: {details}")
+        self.code, self.details = code, details
+
+    def __reduce__(self):  # crosses processes under Ray Serve
+        return RequestError, (self.code, self.details)
+
+
+class Frontend(generate_pb2_grpc.GenerationServicer):
+    def __init__(self, model: str, max_model_len: int | None = None, metrics: Metrics | None = None):
+        model_dir = resolve_model(model)
+        self.model_id = model
+        self.model_config = ModelConfig.from_dir(model_dir)
+        self.max_model_len = max_model_len or self.model_config.max_position_embeddings
+        self.tokenizer = load_tokenizer(model_dir)
+        self.metrics = metrics or Metrics()
+
+    async def _serve(self, request, deadline: float) -> AsyncIterator[generate_pb2.GenerateResponse]:
+        raise NotImplementedError
+        yield
+
+    # ---- a request's life ---------------------------------------------------------------
+    async def serve(self, request: generate_pb2.GenerateRequest,
+                    deadline: float = 0.0) -> AsyncIterator[generate_pb2.GenerateResponse]:
+        """The request's path (`_serve`), measured: TTFT, TPOT, end-to-end, outcome, tokens."""
+        outcome, last = "error", None
+        try:
+            async for msg in self._serve(request, deadline):
+                last = msg
+                yield msg
+            outcome = "ok"
+        except RequestError as e:
+            outcome = OUTCOME_BY_CODE.get(e.code, "error")
+            raise
+        except (asyncio.CancelledError, GeneratorExit):
+            outcome = "cancelled"
+            raise
+        finally:
+            self.metrics.inc("pdserve_requests_total", outcome=outcome)
+            if last is not None and last.finished:
+                self._observe(last.timings, last.usage)
+
+    def _observe(self, t: common_pb2.Timings, usage: common_pb2.Usage) -> None:
+        m = self.metrics
+        m.observe("pdserve_request_ttft_seconds", t.first_token - t.queued)
+        m.observe("pdserve_request_e2e_seconds", t.done - t.queued)
+        m.observe("pdserve_request_queue_seconds", max(0.0, t.prefill_start - t.queued))
+        if usage.completion_tokens > 1:
+            m.observe("pdserve_request_tpot_seconds", (t.done - t.first_token) / (usage.completion_tokens - 1))
+        m.inc("pdserve_prompt_tokens_total", usage.prompt_tokens)
+        m.inc("pdserve_generation_tokens_total", usage.completion_tokens)
+
+    def _check(self, request: generate_pb2.GenerateRequest) -> tuple[list[int], object]:
+        if request.model and request.model != self.model_id:
+            raise RequestError(grpc.StatusCode.NOT_FOUND,
+                               f"model {request.model!r} is not served here (serving {self.model_id!r})")
+        try:
+            params = sampling_from_proto(request.sampling)
+            ids = self._prompt_ids(request)
+            check_prompt_length(len(ids), self.max_model_len)
+        except ValueError as e:
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+        return ids, params
+
+    def _prompt_ids(self, request) -> list[int]:
+        kind = request.WhichOneof("input")
+        if kind == "prompt_token_ids":
+            prompt = list(request.prompt_token_ids.ids)
+        elif kind == "messages":
+            prompt = apply_chat_template(self.tokenizer, [{"role": m.role, "content": m.content}
+                                                          for m in request.messages.messages])
+        else:
+            prompt = request.prompt
+        return prompt_token_ids(self.tokenizer, prompt, self.model_config.vocab_size)
+
+    # ---- Generation service (grpc.aio) ------------------------------------------------------
+    async def Generate(self, request, context):
+        try:
+            async for msg in self.serve(request, _deadline(context)):
+                yield msg
+        except RequestError as e:
+            await context.abort(e.code, e.details)
+
+    async def GenerateUnary(self, request, context) -> generate_pb2.GenerateResponse:
+        try:
+            return await self.generate_unary(request, _deadline(context))
+        except RequestError as e:
+            await context.abort(e.code, e.details)
+
+    async def Tokenize(self, request, context) -> generate_pb2.TokenizeResponse:
+        try:
+            return self.tokenize(request)
+        except RequestError as e:
+            await context.abort(e.code, e.details)
+
+    async def ListModels(self, request, context) -> generate_pb2.ListModelsResponse:
+        return self.list_models()
+
+    # ---- the same, transport-free (the Ray Serve ingress calls these) ---------------------------
+    async def generate_unary(self, request, deadline: float = 0.0) -> generate_pb2.GenerateResponse:
+        whole = generate_pb2.GenerateResponse()
+        async for msg in self.serve(request, deadline):
+            whole.request_id = msg.request_id
+            whole.token_ids.extend(msg.token_ids)
+            whole.text += msg.text
+            whole.logprobs.extend(msg.logprobs)
+            if msg.finished:
+                whole.finished, whole.finish_reason = True, msg.finish_reason
+                whole.usage.CopyFrom(msg.usage)
+                whole.timings.CopyFrom(msg.timings)
+        return whole
+
+    def tokenize(self, request) -> generate_pb2.TokenizeResponse:
+        try:
+            if request.WhichOneof("input") == "messages":
+                text = apply_chat_template(self.tokenizer, [{"role": m.role, "content": m.content}
+                                                            for m in request.messages.messages])
+            else:
+                text = request.prompt
+            ids = prompt_token_ids(self.tokenizer, text, self.model_config.vocab_size)
+        except ValueError as e:
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+        return generate_pb2.TokenizeResponse(token_ids=ids, max_model_len=self.max_model_len)
+
+    def list_models(self) -> generate_pb2.ListModelsResponse:
+        card = generate_pb2.ModelCard(id=self.model_id, max_model_len=self.max_model_len,
+                                      dtype=self.model_config.checkpoint_dtype)
+        return generate_pb2.ListModelsResponse(models=[card])
+
+
+def _deadline(context) -> float:
+    remaining = context.time_remaining()
+    return time.time() + remaining if remaining is not None else 0.0
+
+
+def remaining(deadline: float) -> float | None:
+    return max(0.001, deadline - time.time()) if deadline else None
+
+
+def final_message(msg: generate_pb2.GenerateResponse, reason: str, prompt_tokens: int, completion_tokens: int,
+           timings: common_pb2.Timings) -> generate_pb2.GenerateResponse:
+    timings.done = time.time()
+    msg.finished, msg.finish_reason = True, reason
+    msg.usage.CopyFrom(common_pb2.Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens))
+    msg.timings.CopyFrom(timings)
+    return msg
+
