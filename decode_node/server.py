@@ -71,12 +71,13 @@ class DecodeNode(nodes_pb2_grpc.DecodeNodeServicer):
         finally:
             self.num_active -= 1
 
-    async def drain(self, timeout_s: float) -> None:
+    async def drain(self, timeout_s: float, min_s: float = 2.0) -> None:
         """Stops taking work (health NOT_SERVING) and lets every open stream finish, at most
-        timeout_s: a scale-down loses no tokens."""
+        timeout_s (a scale-down loses no tokens); and waits at least min_s, so that routers see
+        the node go before it stops answering."""
         await self.server.set_serving(False)
-        give_up = time.time() + timeout_s
-        while self.num_active and time.time() < give_up:
+        started = time.time()
+        while self.num_active and time.time() < started + timeout_s or time.time() < started + min_s:
             await asyncio.sleep(0.05)
 
     async def _decode(self, request: nodes_pb2.DecodeRequest, context):

@@ -71,12 +71,14 @@ class PrefillNode(nodes_pb2_grpc.PrefillNodeServicer):
         self._expiry = asyncio.create_task(self._expire_leases())
         self._export = asyncio.create_task(self.exporter.run())
 
-    async def drain(self, timeout_s: float) -> None:
+    async def drain(self, timeout_s: float, min_s: float = 2.0) -> None:
         """Stops taking work (health NOT_SERVING) and waits until every prefill is answered and
-        every lease is read or expired, at most timeout_s."""
+        every lease is read or expired, at most timeout_s; and at least min_s, so that routers
+        see the node go before it stops answering."""
         await self.server.set_serving(False)
-        give_up = time.time() + timeout_s
-        while (self.num_pending or len(self.leases)) and time.time() < give_up:
+        started = time.time()
+        while ((self.num_pending or len(self.leases)) and time.time() < started + timeout_s
+               or time.time() < started + min_s):
             await asyncio.sleep(0.05)
 
     async def stop(self, grace: float = 1.0) -> None:

@@ -77,8 +77,8 @@ class EndpointPool:
             self.retired.remove(e)
             await e.channel.close()
 
-    def pick(self) -> Endpoint:
-        healthy = [e for e in self.endpoints if e.healthy]
+    def pick(self, exclude: set[str] = frozenset()) -> Endpoint:
+        healthy = [e for e in self.endpoints if e.healthy and e.address not in exclude]
         if not healthy:
             raise NoHealthyNode(f"no healthy {self.role} node (of {len(self.endpoints)}: "
                                 f"{', '.join(e.address for e in self.endpoints) or 'none configured'})")

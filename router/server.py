@@ -23,6 +23,7 @@ from router.frontend import Frontend, RequestError, final_message, remaining
 from router.pool import EndpointPool, NoHealthyNode
 
 log = logging.getLogger(__name__)
+PREFILL_ATTEMPTS = 3
 
 
 class Router(Frontend):
@@ -59,12 +60,9 @@ class Router(Frontend):
         prompt, params = self._check(request)
         sampling = sampling_to_proto(params)
 
-        # 2. remote prefill on the least busy healthy prefill node
-        prefill = _pick(self.prefill_pool)
-        with prefill.track(), self._outstanding(prefill):
-            first = await _unary("prefill", prefill.stub.Prefill(
-                nodes_pb2.PrefillRequest(request_id=rid, prompt_token_ids=prompt, sampling=sampling, deadline=deadline),
-                timeout=remaining(deadline)))
+        # 2. remote prefill on the least busy healthy prefill node (another if that one is gone)
+        prefill, first = await self._prefill(
+            nodes_pb2.PrefillRequest(request_id=rid, prompt_token_ids=prompt, sampling=sampling, deadline=deadline))
         timings.prefill_start, timings.prefill_end = first.prefill_start, first.prefill_end
         timings.first_token = time.time()
         head = generate_pb2.GenerateResponse(request_id=rid, token_ids=[first.first_token_id], text=first.text)
@@ -106,6 +104,22 @@ class Router(Frontend):
                 await asyncio.shield(self._release_kv(prefill, first.kv.lease_id))
 
     # ---- steps ------------------------------------------------------------------------------
+    async def _prefill(self, request: nodes_pb2.PrefillRequest):
+        """Prefill has no effect but a lease that expires, so a node that cannot be reached
+        (gone, restarting) is retried on another; other errors are the request's."""
+        tried: set[str] = set()
+        while True:
+            prefill = _pick(self.prefill_pool, exclude=tried)
+            try:
+                with prefill.track(), self._outstanding(prefill):
+                    return prefill, await prefill.stub.Prefill(request, timeout=remaining(request.deadline))
+            except grpc.aio.AioRpcError as e:
+                if e.code() != grpc.StatusCode.UNAVAILABLE or len(tried) + 1 >= PREFILL_ATTEMPTS:
+                    raise RequestError(e.code(), f"prefill: {e.details()}") from None
+                log.warning("prefill node %s unreachable (%s); retrying elsewhere", prefill.address, e.details())
+                prefill.healthy = False  # until a health check passes again
+                tried.add(prefill.address)
+
     @contextlib.contextmanager
     def _outstanding(self, endpoint):
         role = "prefill" if endpoint in self.prefill_pool.endpoints else "decode"
@@ -125,15 +139,8 @@ class Router(Frontend):
             log.warning("ReleaseKV %s on %s failed: %s", lease_id, prefill.address, e.code().name)
 
 
-def _pick(pool: EndpointPool):
+def _pick(pool: EndpointPool, exclude: set[str] = frozenset()):
     try:
-        return pool.pick()
+        return pool.pick(exclude)
     except NoHealthyNode as e:
         raise RequestError(grpc.StatusCode.UNAVAILABLE, str(e)) from None
-
-
-async def _unary(role: str, call):
-    try:
-        return await call
-    except grpc.aio.AioRpcError as e:
-        raise RequestError(e.code(), f"{role}: {e.details()}") from None

@@ -108,8 +108,8 @@ def test_least_outstanding_spreads_decodes(tiny_llama):
             counts = {d.address: 0 for d in decodes}
             original = router.decode_pool.pick
 
-            def counting_pick():
-                e = original()
+            def counting_pick(exclude=frozenset()):
+                e = original(exclude)
                 counts[e.address] += 1
                 return e
 
@@ -250,5 +250,39 @@ def test_every_server_has_health_and_reflection(tiny_llama):
                     responses = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
                     names = [s.name async for r in responses for s in r.list_services_response.service]
                     assert service in names and "grpc.health.v1.Health" in names
+
+    asyncio.run(scenario())
+
+
+def test_colocated_baseline_serves_the_same_tokens(tiny_llama, reference):
+    from cluster import engine_config
+
+    from router.colocated import ColocatedServer
+
+    async def scenario():
+        server = ColocatedServer(engine_config(tiny_llama))
+        await server.start()
+        try:
+            async with AsyncClient(server.address) as client:
+                results = await asyncio.gather(*(client.generate(p, **GREEDY) for p in PROMPTS))
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await client.generate("", max_tokens=3)
+                assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        finally:
+            await server.stop(0)
+        assert [r.token_ids for r in results] == reference
+        assert server.metrics.sample("pdserve_requests_total", outcome="ok") == len(PROMPTS)
+
+    asyncio.run(scenario())
+
+
+def test_an_unreachable_prefill_node_is_retried_on_another(tiny_llama, reference):
+    async def scenario():
+        async with local_cluster(tiny_llama, num_prefill=2, check_interval_s=60) as (router, prefills, decodes):
+            await prefills[0].stop(0)  # gone, and the router has not noticed yet
+            async with AsyncClient(router.address) as client:
+                results = [await client.generate(p, **GREEDY) for p in PROMPTS]
+            assert [r.token_ids for r in results] == reference
+            assert not router.prefill_pool.endpoints[0].healthy
 
     asyncio.run(scenario())
