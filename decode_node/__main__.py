@@ -3,7 +3,7 @@
 import argparse
 import asyncio
 
-from pdserve.cli import add_engine_args, engine_config
+from pdserve.cli import add_engine_args, add_security_args, engine_config, internal_security
 from pdserve.process import pin_cpus, run_until_signalled, setup_logging
 
 
@@ -15,12 +15,14 @@ def main() -> None:
                     help="auto: shared memory when the prefill node is on this host, else gRPC")
     ap.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics here (0: any port)")
     add_engine_args(ap)
+    add_security_args(ap)
     args = ap.parse_args()
     setup_logging()
     pin_cpus(args.cpus)
     from decode_node.server import DecodeNode
 
-    asyncio.run(run_until_signalled(lambda: DecodeNode(engine_config(args), args.host, args.port, args.kv_transport),
+    asyncio.run(run_until_signalled(lambda: DecodeNode(engine_config(args), args.host, args.port, args.kv_transport,
+                                                       security=internal_security(args)),
                                     metrics_port=args.metrics_port))
 
 

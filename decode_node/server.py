@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 
 import grpc
@@ -26,6 +27,7 @@ from kvtransfer.receiver import KVReceiver
 from pdserve.grpc_server import GrpcServer
 from pdserve.metrics import EngineExporter, Metrics
 from pdserve.protocol import logprobs_to_proto, sampling_from_proto
+from pdserve.security import NONE, Security
 from pdserve_api import common_pb2, nodes_pb2, nodes_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -34,17 +36,20 @@ BLOCK_WAIT_S = 30.0  # how long a request may wait for free blocks without a dea
 
 class DecodeNode(nodes_pb2_grpc.DecodeNodeServicer):
     def __init__(self, config: EngineConfig, host: str = "127.0.0.1", port: int = 0, kv_transport: str = "auto",
-                 metrics: Metrics | None = None):
+                 metrics: Metrics | None = None, security: Security = NONE, max_queued: int = 512):
         engine = LLMEngine(config)
         self.engine = AsyncEngine(engine)
         self.layout = KVLayout.of(engine.kv_cache, model_fingerprint(engine.model_dir))
-        self.receiver = KVReceiver(engine.kv_cache, self.layout, kv_transport)
+        self.receiver = KVReceiver(engine.kv_cache, self.layout, kv_transport, security)
+        self.max_queued = max_queued  # streams waiting for blocks or KV; beyond, RESOURCE_EXHAUSTED
+        # Fault injection for chaos tests: a pause before each transfer (PDSERVE_FAULT_DELAY_TRANSFER_S).
+        self.fault_delay_transfer_s = float(os.environ.get("PDSERVE_FAULT_DELAY_TRANSFER_S", "0"))
         self._tasks: set[asyncio.Task] = set()
         self.num_active = 0  # Decode streams open: transferring or decoding
         self.metrics = metrics or Metrics()
         self.exporter = EngineExporter(self.metrics, "decode", self.engine, lambda: self.num_active)
         self._export: asyncio.Task | None = None
-        self.server = GrpcServer(host, port)
+        self.server = GrpcServer(host, port, security)
         self.server.add(nodes_pb2_grpc.add_DecodeNodeServicer_to_server, self,
                         nodes_pb2.DESCRIPTOR.services_by_name["DecodeNode"])
 
@@ -64,6 +69,10 @@ class DecodeNode(nodes_pb2_grpc.DecodeNodeServicer):
         self.engine.stop()
 
     async def Decode(self, request: nodes_pb2.DecodeRequest, context):
+        capacity = self.max_queued + self.engine.engine.config.max_num_seqs
+        if self.num_active >= capacity:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"decode node at capacity ({self.num_active} streams open)")
         self.num_active += 1
         try:
             async for msg in self._decode(request, context):
@@ -95,6 +104,8 @@ class DecodeNode(nodes_pb2_grpc.DecodeNodeServicer):
         transfer = None
         try:
             # 2. transfer
+            if self.fault_delay_transfer_s:
+                await asyncio.sleep(self.fault_delay_transfer_s)
             try:
                 transfer = self.receiver.start(source, blocks)
                 await transfer.wait()
@@ -112,15 +123,15 @@ class DecodeNode(nodes_pb2_grpc.DecodeNodeServicer):
                 self.metrics.set("pdserve_kv_transfer_gbps", transfer.num_bytes / seconds / 1e9,
                                  transport=transfer.transport)
 
-            # 3. running
+            # 3. running: from the moment the admission is queued, the engine owns the blocks (it
+            #    frees them if the admission fails or the request is aborted)
             def admit():
-                nonlocal owned
-                owned = False
                 engine.add_prefilled_request(request.request_id, list(request.prompt_token_ids),
                                              list(request.output_token_ids), params, blocks,
                                              num_emitted_chars=request.num_emitted_chars)
 
             first = True
+            owned = False  # no await between this and the admission being queued
             async for out in self.engine.stream(request.request_id, admit):
                 msg = nodes_pb2.DecodeResponse(token_ids=out.new_token_ids, text=out.new_text, finished=out.finished,
                                                finish_reason=out.finish_reason or "")
@@ -134,10 +145,14 @@ class DecodeNode(nodes_pb2_grpc.DecodeNodeServicer):
         except ValueError as e:  # refused at admission (e.g. the request id is in use)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         finally:
-            if owned:  # 4. (never admitted) the reserved blocks go back, once nothing writes them
-                if transfer is not None:
-                    await asyncio.shield(transfer.settle())
-                await asyncio.shield(self.engine.call(engine.free_kv, blocks))
+            if owned:  # 4. (never admitted) the reserved blocks go back, once nothing writes them;
+                #          one shielded task, so that a cancellation cannot stop it half-way
+                await asyncio.shield(self._give_back(transfer, blocks))
+
+    async def _give_back(self, transfer, blocks: list[int]) -> None:
+        if transfer is not None:
+            await transfer.settle()
+        await self.engine.call(self.engine.engine.free_kv, blocks)
 
     def _background(self, coro) -> None:
         task = asyncio.create_task(coro)
@@ -149,7 +164,8 @@ class DecodeNode(nodes_pb2_grpc.DecodeNodeServicer):
         give_up = deadline or time.time() + BLOCK_WAIT_S
         while True:
             try:
-                blocks = await self.engine.call(self._try_reserve, num_tokens)
+                blocks = await self.engine.call_or_undo(lambda: self._try_reserve(num_tokens),
+                                                        self.engine.engine.free_kv)
             except ValueError as e:  # longer than this node can ever hold
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             if blocks is not None:

@@ -49,6 +49,21 @@ class AsyncEngine:
         self._wake.set()
         return await future
 
+    async def call_or_undo(self, fn: Callable[[], Any], undo: Callable[[Any], None]) -> Any:
+        """call(fn) for a command that acquires something (blocks): if the caller is cancelled while
+        the command waits its turn, the command still runs, so undo(result) is queued behind it."""
+        task = asyncio.ensure_future(self.call(fn))
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            def undo_when_done(t: asyncio.Future) -> None:
+                if not t.cancelled() and t.exception() is None and t.result() is not None:
+                    self._commands.put((undo, (t.result(),), {}, t.get_loop(), t.get_loop().create_future()))
+                    self._wake.set()
+
+            task.add_done_callback(undo_when_done)
+            raise
+
     async def stream(self, request_id: str, add: Callable[[], None]) -> AsyncIterator[RequestOutput]:
         """Runs `add` (which adds request_id to the engine) and yields the request's outputs until it
         finishes. Leaving early (cancellation, a closed stream) aborts the request."""
@@ -63,7 +78,14 @@ class AsyncEngine:
                 del self._streams[request_id]
                 raise
 
-        await self.call(register_and_add)
+        # The add is queued at once; if we are cancelled while it waits its turn it still runs, so
+        # an abort is queued behind it: the request can never be left running unwatched.
+        added = asyncio.ensure_future(self.call(register_and_add))
+        try:
+            await asyncio.shield(added)
+        except asyncio.CancelledError:
+            await asyncio.shield(self.call(self._abort, request_id))
+            raise
         finished = False
         try:
             while True:

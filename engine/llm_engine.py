@@ -84,18 +84,24 @@ class LLMEngine:
         check_prompt_length(num_tokens, self.max_model_len)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    keep_kv: bool = False) -> None:
+                    keep_kv: bool = False, output_token_ids: list[int] | None = None,
+                    num_emitted_chars: int | None = None) -> None:
         """Queues a request. Raises ValueError, naming what is wrong, and changes nothing else.
-        With keep_kv the prompt's KV outlives the request under a kv_lease (see export_kv)."""
+        With keep_kv the KV outlives the request under a kv_lease (see export_kv).
+        output_token_ids: tokens a request already generated elsewhere (a migration): they are
+        recomputed with the prompt, as after a preemption, and generation goes on after them."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         if request_id in self.requests or request_id in self.kv_leases:
             raise ValueError(f"request_id {request_id!r} is already in use")
         ids = self.tokenize(prompt)
-        self._check_length(len(ids))
-        seq = Sequence(request_id, ids, params, keep_kv=keep_kv)
+        prior = self.tokenize(list(output_token_ids)) if output_token_ids else []
+        self._check_length(len(ids) + len(prior))
+        if len(prior) >= params.max_tokens:
+            raise ValueError(f"output_token_ids: {len(prior)} tokens already reach max_tokens ({params.max_tokens})")
+        seq = Sequence(request_id, ids, params, output_token_ids=prior, keep_kv=keep_kv)
         self.num_prompt_tokens += len(ids)
-        self._track(seq)
+        self._track(seq, num_emitted_chars)
         self.scheduler.add(seq)
 
     def _track(self, seq: Sequence, num_emitted_chars: int | None = None) -> None:
@@ -109,9 +115,11 @@ class LLMEngine:
         self.requests[seq.request_id] = (seq, detok)
 
     def abort_request(self, request_id: str) -> bool:
-        """Cancels a request and frees its blocks. Returns whether it was still running."""
+        """Cancels a request and frees its blocks (and its kv_lease, if it already finished as a
+        prefill). Returns whether it was still running."""
         entry = self.requests.pop(request_id, None)
         if entry is None:
+            self.release_kv(request_id)
             return False
         self.scheduler.finish(entry[0], FinishReason.ABORT)
         return True

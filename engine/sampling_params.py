@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 MAX_LOGPROBS = 20
+MAX_STOP_STRINGS, MAX_STOP_LEN = 16, 256
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,10 @@ class SamplingParams:
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
         if any(not isinstance(s, str) or s == "" for s in stop):
             raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
+        if len(stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_LEN for s in stop):
+            raise ValueError(f"stop: at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_LEN} characters")
+        if len(self.stop_token_ids) > 1024:
+            raise ValueError("stop_token_ids: at most 1024 ids")
         if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):

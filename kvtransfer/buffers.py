@@ -21,11 +21,10 @@ class BufferPool:
     def acquire(self, nbytes: int) -> torch.Tensor:
         """A buffer of at least nbytes (uint8, CPU); give it back with release()."""
         with self._lock:
-            fits = [b for b in self._free if b.numel() >= nbytes]
+            fits = [i for i, b in enumerate(self._free) if b.numel() >= nbytes]
             if fits:
-                buf = min(fits, key=lambda b: b.numel())
-                self._free.remove(buf)
-                return buf
+                # By index: list.remove would compare tensors with ==, elementwise.
+                return self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
         return torch.zeros(max(nbytes, 1), dtype=torch.uint8)
 
     def release(self, buf: torch.Tensor) -> None:

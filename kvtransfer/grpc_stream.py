@@ -23,6 +23,7 @@ from kvtransfer.base import KVCorrupt, KVTransferError
 from kvtransfer.buffers import BufferPool
 from kvtransfer.layout import KVLayout, KVLayoutMismatch, StreamWriter, gather, kv_digest
 from kvtransfer.lease import LeaseTable
+from pdserve.security import NONE, Security
 from pdserve_api import nodes_pb2, nodes_pb2_grpc
 
 # torch warns that the chunk's bytes are read-only; they are only ever read.
@@ -75,17 +76,18 @@ class KVPlaneServicer(nodes_pb2_grpc.KVPlaneServicer):
 class GrpcStreamReader:
     name = "grpc"
 
-    def __init__(self, chunk_bytes: int = CHUNK_BYTES, channel_options: list | None = None):
+    def __init__(self, chunk_bytes: int = CHUNK_BYTES, security: Security = NONE, timeout_s: float = 60.0):
         self.chunk_bytes = chunk_bytes
         self.channels: dict[str, grpc.aio.Channel] = {}
-        self.channel_options = channel_options or []
+        self.security = security  # mutual TLS / token towards the prefill nodes' KV planes
+        self.timeout_s = timeout_s  # a pull that takes longer fails (never a hang)
 
     def can_read(self, source: nodes_pb2.KVSource, layout: KVLayout) -> bool:
         return bool(source.kv_address)
 
     def channel(self, address: str) -> grpc.aio.Channel:
         if address not in self.channels:
-            self.channels[address] = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS + self.channel_options)
+            self.channels[address] = self.security.channel(address, CHANNEL_OPTIONS)
         return self.channels[address]
 
     async def read(self, source: nodes_pb2.KVSource, kv_cache: KVCache, layout: KVLayout,
@@ -96,7 +98,7 @@ class GrpcStreamReader:
         request = nodes_pb2.PullKVRequest(lease_id=source.lease_id, expect=layout.to_proto(),
                                           chunk_bytes=self.chunk_bytes)
         try:
-            async for chunk in stub.PullKV(request):
+            async for chunk in stub.PullKV(request, timeout=self.timeout_s):
                 if chunk.HasField("header"):
                     # The header is checked before any byte is written.
                     layout.check(KVLayout.from_proto(chunk.header.layout))

@@ -8,19 +8,20 @@ from kvtransfer.fake import FakeReader
 from kvtransfer.grpc_stream import GrpcStreamReader
 from kvtransfer.layout import KVLayout
 from kvtransfer.shm import ShmReader
+from pdserve.security import NONE, Security
 from pdserve_api import nodes_pb2
 
 TRANSPORTS = ("auto", "shm", "grpc")
 
 
 class KVReceiver:
-    def __init__(self, kv_cache: KVCache, layout: KVLayout, transport: str = "auto"):
+    def __init__(self, kv_cache: KVCache, layout: KVLayout, transport: str = "auto", security: Security = NONE):
         if transport not in TRANSPORTS:
             raise ValueError(f"kv transport must be one of {TRANSPORTS}, got {transport!r}")
         self.kv_cache = kv_cache
         self.layout = layout
         self.transport = transport
-        self.grpc = GrpcStreamReader()
+        self.grpc = GrpcStreamReader(security=security)
         # Preference order for "auto": the one-sided read when the source is on this host.
         self.readers: list[KVReader] = [FakeReader(), ShmReader(), self.grpc]
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import socket
 import uuid
 from pathlib import Path
@@ -26,6 +27,7 @@ from pdserve_api import nodes_pb2
 
 SHM_DIR = Path("/dev/shm")
 PREFIX = "pdserve-kv-"
+REGION_NAME = re.compile(r"pdserve-kv-\d+-[0-9a-f]{8}")  # nothing else under /dev/shm is ever opened
 
 
 def host_id() -> str:
@@ -76,17 +78,22 @@ class ShmReader:
         self._regions: dict[str, torch.Tensor] = {}
 
     def can_read(self, source: nodes_pb2.KVSource, layout: KVLayout) -> bool:
-        return (source.host_id == self.host_id and bool(source.shm_region)
+        return (source.host_id == self.host_id and bool(REGION_NAME.fullmatch(source.shm_region))
                 and source.layout.block_size == layout.block_size and (SHM_DIR / source.shm_region).exists())
 
     def _attach(self, source: nodes_pb2.KVSource, layout: KVLayout) -> torch.Tensor:
+        if not REGION_NAME.fullmatch(source.shm_region):
+            raise KVTransferError(f"not a pdserve KV region: {source.shm_region!r}")
         region = self._regions.get(source.shm_region)
         if region is None:
             path = SHM_DIR / source.shm_region
             if not path.exists():
                 raise KVTransferError(f"shared-memory region {source.shm_region} is gone")
-            raw = torch.from_file(str(path), shared=True, size=source.region_bytes, dtype=torch.uint8)
             block_bytes = layout.num_bytes(layout.block_size)
+            if source.region_bytes != path.stat().st_size or source.region_bytes % block_bytes:
+                raise KVTransferError(f"region {source.shm_region}: size {source.region_bytes} does not match the "
+                                      f"file or the layout")
+            raw = torch.from_file(str(path), shared=True, size=source.region_bytes, dtype=torch.uint8)
             region = raw.view(getattr(torch, layout.dtype)).view(
                 layout.num_layers, 2, source.region_bytes // block_bytes, layout.block_size, layout.num_kv_heads,
                 layout.head_dim)
@@ -98,6 +105,8 @@ class ShmReader:
         layout.check(KVLayout.from_proto(source.layout), same_block_size=True)
         src = self._attach(source, layout)
         src_ids = list(source.block_ids)
+        if len(src_ids) != -(-source.num_tokens // layout.block_size) or len(src_ids) > len(block_ids):
+            raise KVTransferError(f"{len(src_ids)} source blocks do not hold {source.num_tokens} tokens")
         if max(src_ids, default=0) >= src.shape[2]:
             raise KVTransferError(f"block ids beyond the region {source.shm_region}")
 

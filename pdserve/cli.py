@@ -21,6 +21,37 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cpus", default=None, help="pin the process to these cores, e.g. 0 or 0-1")
 
 
+def add_security_args(p: argparse.ArgumentParser, public: bool = False) -> None:
+    g = p.add_argument_group("security (internal ports: mutual TLS when a CA is given, and/or a token)")
+    g.add_argument("--tls-cert", help="PEM certificate of this process (server, and client for mTLS)")
+    g.add_argument("--tls-key", help="PEM private key")
+    g.add_argument("--tls-ca", help="PEM CA that signs the cluster's certificates (enables mutual TLS)")
+    g.add_argument("--token-file", help="file holding the shared internal bearer token")
+    if public:
+        g.add_argument("--public-tls-cert", help="PEM certificate of the public (router) port")
+        g.add_argument("--public-tls-key", help="PEM private key of the public port")
+        g.add_argument("--public-token-file", help="bearer token clients must send to the router")
+
+
+def internal_security(args):
+    from pdserve.security import Security
+
+    return Security.from_files(args.tls_cert, args.tls_key, args.tls_ca, args.token_file,
+                               require_client_cert=bool(args.tls_ca))
+
+
+def public_security(args):
+    from pdserve.security import Security
+
+    return Security.from_files(args.public_tls_cert, args.public_tls_key, None, args.public_token_file)
+
+
+def security_args(args) -> list[str]:
+    """The internal security flags, to pass on to node processes."""
+    return [x for flag in ("tls_cert", "tls_key", "tls_ca", "token_file") if getattr(args, flag)
+            for x in (f"--{flag.replace('_', '-')}", getattr(args, flag))]
+
+
 def engine_config(args):
     from engine import EngineConfig
 
@@ -87,9 +118,12 @@ def cmd_generate(args) -> int:
     if args.seed is not None:
         sampling["seed"] = args.seed
     try:
+        from pdserve.security import Security
+
         metadata = [("application", args.application)] if args.application else None
+        security = Security.from_files(ca=args.tls_ca, token_file=args.token_file)
         stream_answer(args.addr, args.prompt, chat=not args.raw, as_json=args.json, timeout=args.timeout,
-                      metadata=metadata, **sampling)
+                      metadata=metadata, security=security, **sampling)
     except grpc.RpcError as e:
         print(f"pdserve: error: {e.code().name}: {e.details()}", file=sys.stderr)
         return 1
@@ -123,7 +157,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="Prometheus /metrics: the router on this port, the nodes on the next ones")
     p.add_argument("--pin-cpus", action="store_true", help="give each node process its own core (round robin)")
     p.add_argument("--max-tokens", type=int, default=256, help="with --ask")
+    p.add_argument("--rate-limit", type=float, default=None, help="requests/s per client at the router")
+    p.add_argument("--max-outstanding", type=int, default=1024,
+                   help="requests in flight at the router before RESOURCE_EXHAUSTED")
     add_engine_args(p)
+    add_security_args(p, public=True)
     p.set_defaults(func=cmd_up)
 
     p = sub.add_parser("serve", help="deploy pdserve on a Ray cluster (Ray Serve), from a Serve config file")
@@ -148,6 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
     p.add_argument("--application", default=None,
                    help="through Ray Serve's gRPC proxy: the application name (sent as metadata)")
+    p.add_argument("--tls-ca", help="trust this CA for a TLS router")
+    p.add_argument("--token-file", help="bearer token the router expects")
     add_sampling_args(p)
     p.set_defaults(func=cmd_generate)
 

@@ -9,10 +9,13 @@ from router.client import Client, Completion
 
 
 def stream_answer(address: str, prompt: str, chat: bool = True, as_json: bool = False, timeout: float | None = None,
-                  out=sys.stdout, metadata: list[tuple[str, str]] | None = None, **sampling) -> Completion:
+                  out=sys.stdout, metadata: list[tuple[str, str]] | None = None, security=None,
+                  **sampling) -> Completion:
     result = Completion()
     request = {"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt}
-    with Client(address, timeout=timeout, metadata=metadata) as client:
+    from pdserve.security import NONE
+
+    with Client(address, timeout=timeout, metadata=metadata, security=security or NONE) as client:
         for part in client.stream(**request, **sampling):
             result.add(part)
             if not as_json:

@@ -7,6 +7,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from pdserve.security import NONE, Security
+
 MAX_MESSAGE_BYTES = 8 << 20
 SERVER_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                   ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -14,14 +16,16 @@ SERVER_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 
 
 class GrpcServer:
-    def __init__(self, host: str = "127.0.0.1", port: int = 0):
-        self.server = grpc.aio.server(options=SERVER_OPTIONS)
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, security: Security = NONE):
+        self.server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=security.interceptors())
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.service_names = [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
                               reflection.SERVICE_NAME]
         self.host = host
-        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        creds = security.server_credentials()
+        target = f"{host}:{port}"
+        self.port = self.server.add_secure_port(target, creds) if creds else self.server.add_insecure_port(target)
         if self.port == 0:
             raise OSError(f"could not bind {host}:{port}")
 

@@ -27,6 +27,8 @@ DEFINITIONS = {
     "pdserve_requests_total": ("counter", "Requests by outcome", ("outcome",), None),
     "pdserve_prompt_tokens_total": ("counter", "Prompt tokens of requests served", (), None),
     "pdserve_generation_tokens_total": ("counter", "Tokens generated", (), None),
+    "pdserve_migrations_total": ("counter", "Requests moved to another node after their decode side failed",
+                                 (), None),
     "pdserve_node_outstanding_requests": ("gauge", "Requests this router has in flight on a node",
                                           ("role", "node"), None),
     # nodes

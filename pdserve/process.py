@@ -7,7 +7,7 @@ import logging
 import signal
 
 
-async def run_until_signalled(make_node, grace_s: float = 5.0, metrics_port: int | None = None) -> None:
+async def run_until_signalled(make_node, grace_s: float = 30.0, metrics_port: int | None = None) -> None:
     """Builds a node with make_node() (inside the event loop, which grpc.aio servers need), starts it
     (anything with start/stop/address/metrics), serves its Prometheus metrics on metrics_port (if
     given; 0 picks one), prints 'READY <address> [metrics=<port>]' once it serves, and stops it
@@ -21,6 +21,8 @@ async def run_until_signalled(make_node, grace_s: float = 5.0, metrics_port: int
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
+    if hasattr(node, "drain"):  # finish what is in flight first
+        await node.drain(grace_s)
     await node.stop(grace_s)
 
 

@@ -53,6 +53,12 @@ class Node:
             self._pump.cancel()
 
 
+def security_args(args) -> list[str]:
+    from pdserve.cli import security_args as flags
+
+    return flags(args)
+
+
 def node_args(args, threads: int, metrics_port: int | None) -> list[str]:
     return ["--model", args.model, "--dtype", args.dtype, "--device", args.device, "--kv-cache-gb",
             str(args.kv_cache_gb), "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens",
@@ -74,7 +80,7 @@ async def start_nodes(args) -> list[Node]:
                 extra += ["--cpus", str(len(nodes) % (os.cpu_count() or 1))]
             proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", module, "--host", args.host, "--port", "0",
-                *node_args(args, threads, metrics_port), *extra, stdout=asyncio.subprocess.PIPE)
+                *node_args(args, threads, metrics_port), *extra, *security_args(args), stdout=asyncio.subprocess.PIPE)
             nodes.append(Node(role, i, proc))
     try:
         await asyncio.wait_for(asyncio.gather(*(n.wait_ready() for n in nodes)), READY_TIMEOUT_S)
@@ -86,6 +92,7 @@ async def start_nodes(args) -> list[Node]:
 
 async def up(args) -> int:
     from engine.model_source import resolve_model
+    from pdserve.cli import internal_security, public_security
     from router.server import Router
 
     resolve_model(args.model)  # convert once here, not in every node at the same time
@@ -97,7 +104,9 @@ async def up(args) -> int:
     router = None
     try:
         router = Router(args.model, [n.address for n in nodes if n.role == "prefill"],
-                        [n.address for n in nodes if n.role == "decode"], args.host, args.port, args.max_model_len)
+                        [n.address for n in nodes if n.role == "decode"], args.host, args.port, args.max_model_len,
+                        public_security=public_security(args), internal_security=internal_security(args),
+                        max_outstanding=args.max_outstanding, rate_limit=args.rate_limit)
         await router.start()
         metrics = f"; metrics on ports {router.metrics.serve(args.metrics_port)}-{args.metrics_port + len(nodes)}" \
             if args.metrics_port else ""

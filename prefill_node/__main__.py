@@ -3,7 +3,7 @@
 import argparse
 import asyncio
 
-from pdserve.cli import add_engine_args, engine_config
+from pdserve.cli import add_engine_args, add_security_args, engine_config, internal_security
 from pdserve.process import pin_cpus, run_until_signalled, setup_logging
 
 
@@ -15,13 +15,15 @@ def main() -> None:
     ap.add_argument("--no-shm", action="store_true", help="keep the KV out of shared memory (gRPC transfers only)")
     ap.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics here (0: any port)")
     add_engine_args(ap)
+    add_security_args(ap)
     args = ap.parse_args()
     setup_logging()
     pin_cpus(args.cpus)
     from prefill_node.server import PrefillNode
 
     asyncio.run(run_until_signalled(
-        lambda: PrefillNode(engine_config(args), args.host, args.port, args.lease_ttl_s, shm=not args.no_shm),
+        lambda: PrefillNode(engine_config(args), args.host, args.port, args.lease_ttl_s, shm=not args.no_shm,
+                            security=internal_security(args)),
         metrics_port=args.metrics_port))
 
 

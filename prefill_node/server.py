@@ -27,6 +27,7 @@ from kvtransfer.shm import SharedKVRegion, host_id
 from pdserve.grpc_server import GrpcServer
 from pdserve.metrics import EngineExporter, Metrics
 from pdserve.protocol import logprobs_to_proto, sampling_from_proto
+from pdserve.security import NONE, Security
 from pdserve_api import common_pb2, nodes_pb2, nodes_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -34,7 +35,8 @@ log = logging.getLogger(__name__)
 
 class PrefillNode(nodes_pb2_grpc.PrefillNodeServicer):
     def __init__(self, config: EngineConfig, host: str = "127.0.0.1", port: int = 0, lease_ttl_s: float = 30.0,
-                 shm: bool = True, metrics: Metrics | None = None):
+                 shm: bool = True, metrics: Metrics | None = None, security: Security = NONE,
+                 max_pending: int = 512):
         self.region: SharedKVRegion | None = None
 
         def allocator(nbytes: int):  # register: the whole KV tensor lives in a /dev/shm region
@@ -48,7 +50,8 @@ class PrefillNode(nodes_pb2_grpc.PrefillNodeServicer):
         self.layout = KVLayout.of(engine.kv_cache, model_fingerprint(engine.model_dir))
         self.leases = LeaseTable(lease_ttl_s)
         self.host_id = host_id()
-        self.server = GrpcServer(host, port)
+        self.server = GrpcServer(host, port, security)
+        self.max_pending = max_pending  # admission control: beyond, RESOURCE_EXHAUSTED at once
         self.server.add(nodes_pb2_grpc.add_PrefillNodeServicer_to_server, self,
                         nodes_pb2.DESCRIPTOR.services_by_name["PrefillNode"])
         self.kv_plane = KVPlaneServicer(engine.kv_cache, self.layout, self.leases, self.release)
@@ -99,6 +102,9 @@ class PrefillNode(nodes_pb2_grpc.PrefillNodeServicer):
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         prompt = list(request.prompt_token_ids)
+        if self.num_pending >= self.max_pending:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"prefill node at capacity ({self.num_pending} prefills pending)")
         self.num_pending += 1
         self.pending_tokens += len(prompt)
         try:
@@ -112,21 +118,25 @@ class PrefillNode(nodes_pb2_grpc.PrefillNodeServicer):
         engine = self.engine.engine
         # Internal id: a retried request id must not collide with a lease still held.
         rid = f"{request.request_id}#{uuid.uuid4().hex[:8]}"
-        once = dataclasses.replace(params, max_tokens=1)
+        prior = list(request.output_token_ids)  # a migrated request's tokens so far
+        once = dataclasses.replace(params, max_tokens=len(prior) + 1)
         start = time.time()
         out = None
         try:
-            async for out in self.engine.stream(rid, lambda: engine.add_request(rid, prompt, once, keep_kv=True)):
+            async for out in self.engine.stream(rid, lambda: engine.add_request(
+                    rid, prompt, once, keep_kv=True, output_token_ids=prior,
+                    num_emitted_chars=request.num_emitted_chars if prior else None)):
                 pass
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         end = time.time()
         self.metrics.observe("pdserve_prefill_compute_seconds", end - start)
-        response = nodes_pb2.PrefillResponse(first_token_id=out.token_ids[0], text=out.text,
+        response = nodes_pb2.PrefillResponse(first_token_id=out.token_ids[-1], text=out.new_text,
                                              finished=False, prefill_start=start, prefill_end=end)
         if out.logprobs:
-            response.logprobs.CopyFrom(logprobs_to_proto(out.logprobs[0]))
-        if out.finish_reason == "stop" or params.max_tokens == 1 or len(prompt) + 1 >= engine.max_model_len:
+            response.logprobs.CopyFrom(logprobs_to_proto(out.logprobs[-1]))
+        total = len(prompt) + len(out.token_ids)
+        if out.finish_reason == "stop" or params.max_tokens <= len(out.token_ids) or total >= engine.max_model_len:
             await self.engine.call(engine.release_kv, rid)
             response.finished = True
             response.finish_reason = "stop" if out.finish_reason == "stop" else "length"

@@ -3,6 +3,7 @@
 import argparse
 import asyncio
 
+from pdserve.cli import add_security_args, internal_security, public_security
 from pdserve.process import run_until_signalled, setup_logging
 
 
@@ -15,12 +16,15 @@ def main() -> None:
     ap.add_argument("--decode", required=True, help="comma-separated decode node addresses")
     ap.add_argument("--max-model-len", type=int, default=None)
     ap.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics here (0: any port)")
+    add_security_args(ap, public=True)
     args = ap.parse_args()
     setup_logging()
     from router.server import Router
 
     asyncio.run(run_until_signalled(lambda: Router(args.model, args.prefill.split(","), args.decode.split(","),
-                                                   args.host, args.port, args.max_model_len),
+                                                   args.host, args.port, args.max_model_len,
+                                                   public_security=public_security(args),
+                                                   internal_security=internal_security(args)),
                                     metrics_port=args.metrics_port))
 
 

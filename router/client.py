@@ -15,9 +15,9 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 
-import grpc
 from google.protobuf.json_format import MessageToDict
 
+from pdserve.security import NONE, Security
 from pdserve_api import common_pb2, generate_pb2, generate_pb2_grpc
 
 OPTIONS = [("grpc.max_receive_message_length", 8 << 20), ("grpc.max_send_message_length", 8 << 20)]
@@ -58,13 +58,15 @@ def build_request(prompt: str | list[int] | None = None, *, messages: list[dict]
 
 
 class Client:
-    """metadata: sent with every call, e.g. [("application", "pdserve")] through Ray Serve's proxy."""
+    """metadata: sent with every call, e.g. [("application", "pdserve")] through Ray Serve's proxy.
+    security: TLS (the CA to trust) and/or the bearer token of a protected router."""
 
-    def __init__(self, address: str, timeout: float | None = None, metadata: list[tuple[str, str]] | None = None):
-        self.channel = grpc.insecure_channel(address, options=OPTIONS)
+    def __init__(self, address: str, timeout: float | None = None, metadata: list[tuple[str, str]] | None = None,
+                 security: Security = NONE):
+        self.channel = security.sync_channel(address, OPTIONS)
         self.stub = generate_pb2_grpc.GenerationStub(self.channel)
         self.timeout = timeout
-        self.metadata = metadata
+        self.metadata = (metadata or []) + security.metadata() or None
 
     def stream(self, prompt=None, **kwargs) -> Iterator[generate_pb2.GenerateResponse]:
         """Yields the response messages as they arrive; closing the iterator cancels the request."""
@@ -102,8 +104,9 @@ class Client:
 
 
 class AsyncClient:
-    def __init__(self, address: str, timeout: float | None = None, metadata: list[tuple[str, str]] | None = None):
-        self.channel = grpc.aio.insecure_channel(address, options=OPTIONS)
+    def __init__(self, address: str, timeout: float | None = None, metadata: list[tuple[str, str]] | None = None,
+                 security: Security = NONE):
+        self.channel = security.channel(address, OPTIONS)
         self.stub = generate_pb2_grpc.GenerationStub(self.channel)
         self.timeout = timeout
         self.metadata = metadata

@@ -19,17 +19,19 @@ from engine.async_engine import AsyncEngine
 from pdserve.grpc_server import GrpcServer
 from pdserve.metrics import EngineExporter, Metrics
 from pdserve.protocol import logprobs_to_proto
+from pdserve.security import NONE, Security
 from pdserve_api import common_pb2, generate_pb2, generate_pb2_grpc
 from router.frontend import Frontend, RequestError, final_message
 
 
 class ColocatedServer(Frontend):
-    def __init__(self, config: EngineConfig, host: str = "127.0.0.1", port: int = 0, metrics: Metrics | None = None):
+    def __init__(self, config: EngineConfig, host: str = "127.0.0.1", port: int = 0, metrics: Metrics | None = None,
+                 security: Security = NONE):
         engine = LLMEngine(config)
         super().__init__(config.model, engine.max_model_len, metrics)
         self.engine = AsyncEngine(engine)
         self.exporter = EngineExporter(self.metrics, "colocated", self.engine, lambda: len(engine.requests))
-        self.server = GrpcServer(host, port)
+        self.server = GrpcServer(host, port, security)
         self.server.add(generate_pb2_grpc.add_GenerationServicer_to_server, self,
                         generate_pb2.DESCRIPTOR.services_by_name["Generation"])
 

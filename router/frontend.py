@@ -36,8 +36,36 @@ class RequestError(Exception):
         return RequestError, (self.code, self.details)
 
 
+class RateLimiter:
+    """A token bucket per client: `rate` requests/s, bursts of `burst`."""
+
+    def __init__(self, rate: float, burst: float | None = None):
+        if rate <= 0:
+            raise ValueError(f"rate limit must be > 0 requests/s, got {rate}")
+        self.rate, self.burst = rate, burst or max(1.0, rate)
+        self.buckets: dict[str, tuple[float, float]] = {}
+
+    def allow(self, client: str) -> bool:
+        now = time.monotonic()
+        tokens, last = self.buckets.get(client, (self.burst, now))
+        tokens = min(self.burst, tokens + (now - last) * self.rate)
+        if tokens < 1:
+            self.buckets[client] = (tokens, now)
+            return False
+        self.buckets[client] = (tokens - 1, now)
+        if len(self.buckets) > 100_000:  # forget idle clients
+            self.buckets = {c: v for c, v in self.buckets.items() if now - v[1] < 60}
+        return True
+
+
 class Frontend(generate_pb2_grpc.GenerationServicer):
-    def __init__(self, model: str, max_model_len: int | None = None, metrics: Metrics | None = None):
+    def __init__(self, model: str, max_model_len: int | None = None, metrics: Metrics | None = None,
+                 max_outstanding: int = 1024, rate_limit: float | None = None, rate_burst: float | None = None):
+        """max_outstanding: requests in flight before new ones get RESOURCE_EXHAUSTED at once;
+        rate_limit: requests/s per client (`x-client-id` metadata, else the peer address)."""
+        self.max_outstanding = max_outstanding
+        self.num_outstanding = 0
+        self.rate_limiter = RateLimiter(rate_limit, rate_burst) if rate_limit else None
         model_dir = resolve_model(model)
         self.model_id = model
         self.model_config = ModelConfig.from_dir(model_dir)
@@ -50,10 +78,21 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
         yield
 
     # ---- a request's life ---------------------------------------------------------------
-    async def serve(self, request: generate_pb2.GenerateRequest,
-                    deadline: float = 0.0) -> AsyncIterator[generate_pb2.GenerateResponse]:
-        """The request's path (`_serve`), measured: TTFT, TPOT, end-to-end, outcome, tokens."""
+    async def serve(self, request: generate_pb2.GenerateRequest, deadline: float = 0.0,
+                    client: str = "") -> AsyncIterator[generate_pb2.GenerateResponse]:
+        """The request's path (`_serve`), behind admission control, and measured: TTFT, TPOT,
+        end-to-end, outcome, tokens."""
+        if self.num_outstanding >= self.max_outstanding:
+            self.metrics.inc("pdserve_requests_total", outcome="unavailable")
+            raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"at capacity: {self.num_outstanding} requests in flight (max_outstanding "
+                               f"{self.max_outstanding}); retry later")
+        if self.rate_limiter is not None and not self.rate_limiter.allow(client):
+            self.metrics.inc("pdserve_requests_total", outcome="unavailable")
+            raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"client {client!r} is over its rate limit of {self.rate_limiter.rate:g} requests/s")
         outcome, last = "error", None
+        self.num_outstanding += 1
         try:
             async for msg in self._serve(request, deadline):
                 last = msg
@@ -66,6 +105,7 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
             outcome = "cancelled"
             raise
         finally:
+            self.num_outstanding -= 1
             self.metrics.inc("pdserve_requests_total", outcome=outcome)
             if last is not None and last.finished:
                 self._observe(last.timings, last.usage)
@@ -106,14 +146,14 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
     # ---- Generation service (grpc.aio) ------------------------------------------------------
     async def Generate(self, request, context):
         try:
-            async for msg in self.serve(request, _deadline(context)):
+            async for msg in self.serve(request, _deadline(context), _client(context)):
                 yield msg
         except RequestError as e:
             await context.abort(e.code, e.details)
 
     async def GenerateUnary(self, request, context) -> generate_pb2.GenerateResponse:
         try:
-            return await self.generate_unary(request, _deadline(context))
+            return await self.generate_unary(request, _deadline(context), _client(context))
         except RequestError as e:
             await context.abort(e.code, e.details)
 
@@ -127,9 +167,9 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
         return self.list_models()
 
     # ---- the same, transport-free (the Ray Serve ingress calls these) ---------------------------
-    async def generate_unary(self, request, deadline: float = 0.0) -> generate_pb2.GenerateResponse:
+    async def generate_unary(self, request, deadline: float = 0.0, client: str = "") -> generate_pb2.GenerateResponse:
         whole = generate_pb2.GenerateResponse()
-        async for msg in self.serve(request, deadline):
+        async for msg in self.serve(request, deadline, client):
             whole.request_id = msg.request_id
             whole.token_ids.extend(msg.token_ids)
             whole.text += msg.text
@@ -156,6 +196,12 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
         card = generate_pb2.ModelCard(id=self.model_id, max_model_len=self.max_model_len,
                                       dtype=self.model_config.checkpoint_dtype)
         return generate_pb2.ListModelsResponse(models=[card])
+
+
+def _client(context) -> str:
+    """Who is asking, for the rate limit: the x-client-id metadata, else the peer's address."""
+    metadata = dict(context.invocation_metadata() or ())
+    return metadata.get("x-client-id") or context.peer().rsplit(":", 1)[0]
 
 
 def _deadline(context) -> float:

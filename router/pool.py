@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from pdserve.security import NONE, Security
 from pdserve_api import common_pb2, nodes_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -47,7 +48,9 @@ class Endpoint:
 
 
 class EndpointPool:
-    def __init__(self, role: str, addresses: list[str], check_interval_s: float = 1.0, failure_threshold: int = 2):
+    def __init__(self, role: str, addresses: list[str], check_interval_s: float = 1.0, failure_threshold: int = 2,
+                 security: Security = NONE):
+        self.security = security
         self.stub_cls = {"prefill": nodes_pb2_grpc.PrefillNodeStub, "decode": nodes_pb2_grpc.DecodeNodeStub}[role]
         self.role = role
         self.endpoints: list[Endpoint] = [self._endpoint(a) for a in addresses]
@@ -58,7 +61,7 @@ class EndpointPool:
         self._task: asyncio.Task | None = None
 
     def _endpoint(self, address: str) -> Endpoint:
-        channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        channel = self.security.channel(address, CHANNEL_OPTIONS)
         return Endpoint(address, channel, self.stub_cls(channel))
 
     async def update(self, addresses: list[str]) -> None:
@@ -100,6 +103,11 @@ class EndpointPool:
         while True:
             await asyncio.sleep(self.check_interval_s)
             await self.check_all()
+
+    async def check(self, endpoint: Endpoint) -> None:
+        """Checks one node now (after a failure): a dead one leaves the pool at once."""
+        endpoint.failures = self.failure_threshold - 1
+        await self._check(endpoint)
 
     async def check_all(self) -> None:
         await asyncio.gather(*(self._check(e) for e in self.endpoints))

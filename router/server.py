@@ -18,21 +18,27 @@ import grpc
 from pdserve.grpc_server import GrpcServer
 from pdserve.metrics import Metrics
 from pdserve.protocol import sampling_to_proto
+from pdserve.security import NONE, Security
 from pdserve_api import common_pb2, generate_pb2, generate_pb2_grpc, nodes_pb2, nodes_pb2_grpc
 from router.frontend import Frontend, RequestError, final_message, remaining
 from router.pool import EndpointPool, NoHealthyNode
 
 log = logging.getLogger(__name__)
 PREFILL_ATTEMPTS = 3
+MIGRATIONS = 3  # times one request may move to another decode node
+# Failures of the decode side after which the request moves (a dead node, KV unreadable or corrupt).
+MIGRATE_ON = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DATA_LOSS, grpc.StatusCode.ABORTED,
+              grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN}
 
 
 class Router(Frontend):
     def __init__(self, model: str, prefill: list[str], decode: list[str], host: str = "127.0.0.1", port: int = 0,
-                 max_model_len: int | None = None, check_interval_s: float = 1.0, metrics: Metrics | None = None):
-        super().__init__(model, max_model_len, metrics)
-        self.prefill_pool = EndpointPool("prefill", prefill, check_interval_s)
-        self.decode_pool = EndpointPool("decode", decode, check_interval_s)
-        self.server = GrpcServer(host, port)
+                 max_model_len: int | None = None, check_interval_s: float = 1.0, metrics: Metrics | None = None,
+                 public_security: Security = NONE, internal_security: Security = NONE, **limits):
+        super().__init__(model, max_model_len, metrics, **limits)
+        self.prefill_pool = EndpointPool("prefill", prefill, check_interval_s, security=internal_security)
+        self.decode_pool = EndpointPool("decode", decode, check_interval_s, security=internal_security)
+        self.server = GrpcServer(host, port, public_security)
         self.server.add(generate_pb2_grpc.add_GenerationServicer_to_server, self,
                         generate_pb2.DESCRIPTOR.services_by_name["Generation"])
 
@@ -51,57 +57,75 @@ class Router(Frontend):
     # ---- a request's life ---------------------------------------------------------------
     async def _serve(self, request: generate_pb2.GenerateRequest,
                      deadline: float = 0.0) -> AsyncIterator[generate_pb2.GenerateResponse]:
-        """1. check, 2. remote prefill (first token; KV leased there), 3. remote decode (the decode
+        """1. check, 2. remote prefill (next token; KV leased there), 3. remote decode (the decode
         node pulls the KV from the prefill node), 4. stream, with usage and timings at the end.
+        If the decode side fails (its node dies, the KV cannot be read or is corrupt), the request
+        migrates: a new prefill of prompt + every token streamed so far, then a decode elsewhere;
+        the client's stream goes on with no token missing or repeated.
         Raises RequestError; deadline is unix seconds (0: none)."""
         timings = common_pb2.Timings(queued=time.time())
         rid = request.request_id or uuid.uuid4().hex
         # 1. check
         prompt, params = self._check(request)
         sampling = sampling_to_proto(params)
+        generated: list[int] = []  # every token streamed to the client so far
+        emitted = 0  # characters of text streamed so far
+        for attempt in range(MIGRATIONS + 1):
+            # 2. remote prefill on the least busy healthy prefill node (another if one is gone)
+            prefill, first = await self._prefill(nodes_pb2.PrefillRequest(
+                request_id=rid, prompt_token_ids=prompt, sampling=sampling, deadline=deadline,
+                output_token_ids=generated, num_emitted_chars=emitted))
+            if attempt == 0:
+                timings.prefill_start, timings.prefill_end = first.prefill_start, first.prefill_end
+                timings.first_token = time.time()
+            generated.append(first.first_token_id)
+            emitted += len(first.text)
+            head = generate_pb2.GenerateResponse(request_id=rid, token_ids=[first.first_token_id], text=first.text)
+            if first.HasField("logprobs"):
+                head.logprobs.append(first.logprobs)
+            if first.finished:
+                yield final_message(head, first.finish_reason, len(prompt), len(generated), timings)
+                return
+            yield head
 
-        # 2. remote prefill on the least busy healthy prefill node (another if that one is gone)
-        prefill, first = await self._prefill(
-            nodes_pb2.PrefillRequest(request_id=rid, prompt_token_ids=prompt, sampling=sampling, deadline=deadline))
-        timings.prefill_start, timings.prefill_end = first.prefill_start, first.prefill_end
-        timings.first_token = time.time()
-        head = generate_pb2.GenerateResponse(request_id=rid, token_ids=[first.first_token_id], text=first.text)
-        if first.HasField("logprobs"):
-            head.logprobs.append(first.logprobs)
-        if first.finished:
-            yield final_message(head, first.finish_reason, len(prompt), 1, timings)
-            return
-        yield head
-
-        # 3. remote decode on the least busy healthy decode node; it reads the KV itself
-        num_generated = 1
-        decode_started = False  # once it streams, the decode node has read the KV and released it
-        call = None
-        try:
-            decode = _pick(self.decode_pool)
-            with decode.track(), self._outstanding(decode):
-                call = decode.stub.Decode(nodes_pb2.DecodeRequest(
-                    request_id=rid, prompt_token_ids=prompt, output_token_ids=[first.first_token_id],
-                    sampling=sampling, kv=first.kv, deadline=deadline, num_emitted_chars=len(first.text)),
-                    timeout=remaining(deadline))
-                # 4. stream
-                async for part in call:
-                    if not decode_started:
-                        decode_started = True
-                        timings.transfer_start, timings.transfer_end = part.transfer_start, part.transfer_end
-                        timings.decode_admitted, timings.kv_transport = part.decode_admitted, part.kv_transport
-                        timings.kv_bytes = part.kv_bytes
-                    num_generated += len(part.token_ids)
-                    msg = generate_pb2.GenerateResponse(request_id=rid, token_ids=part.token_ids, text=part.text,
-                                                        logprobs=part.logprobs)
-                    yield final_message(msg, part.finish_reason, len(prompt), num_generated, timings) if part.finished else msg
-        except grpc.aio.AioRpcError as e:
-            raise RequestError(e.code(), f"decode: {e.details()}") from None
-        finally:
-            if call is not None and not call.done():
-                call.cancel()  # a cancelled client, or a deadline: the decode node stops and frees
-            if not decode_started:  # nobody read the KV: free it on the prefill node now
-                await asyncio.shield(self._release_kv(prefill, first.kv.lease_id))
+            # 3. remote decode on the least busy healthy decode node; it reads the KV itself
+            decode_started = False  # once it streams, the decode node has read the KV and released it
+            call = None
+            try:
+                decode = _pick(self.decode_pool)
+                with decode.track(), self._outstanding(decode):
+                    call = decode.stub.Decode(nodes_pb2.DecodeRequest(
+                        request_id=f"{rid}#{attempt}", prompt_token_ids=prompt, output_token_ids=generated,
+                        sampling=sampling, kv=first.kv, deadline=deadline, num_emitted_chars=emitted),
+                        timeout=remaining(deadline))
+                    # 4. stream
+                    async for part in call:
+                        if not decode_started:
+                            decode_started = True
+                            timings.transfer_start, timings.transfer_end = part.transfer_start, part.transfer_end
+                            timings.decode_admitted, timings.kv_transport = part.decode_admitted, part.kv_transport
+                            timings.kv_bytes = part.kv_bytes
+                        generated.extend(part.token_ids)
+                        emitted += len(part.text)
+                        msg = generate_pb2.GenerateResponse(request_id=rid, token_ids=part.token_ids, text=part.text,
+                                                            logprobs=part.logprobs)
+                        if part.finished:
+                            yield final_message(msg, part.finish_reason, len(prompt), len(generated), timings)
+                            return
+                        yield msg
+                raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, None, None, "decode stream ended early")
+            except grpc.aio.AioRpcError as e:
+                if e.code() not in MIGRATE_ON or attempt == MIGRATIONS or (deadline and time.time() >= deadline):
+                    raise RequestError(e.code(), f"decode: {e.details()}") from None
+                log.warning("request %s: decode on %s failed (%s: %s) after %d tokens; migrating", rid,
+                            decode.address, e.code().name, e.details(), len(generated))
+                self.metrics.inc("pdserve_migrations_total")
+                await self.decode_pool.check(decode)  # a dead node leaves the pool now
+            finally:
+                if call is not None and not call.done():
+                    call.cancel()  # a cancelled client, or a deadline: the decode node stops and frees
+                if not decode_started:  # nobody read the KV: free it on the prefill node now
+                    await asyncio.shield(self._release_kv(prefill, first.kv.lease_id))
 
     # ---- steps ------------------------------------------------------------------------------
     async def _prefill(self, request: nodes_pb2.PrefillRequest):

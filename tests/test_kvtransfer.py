@@ -198,3 +198,15 @@ def test_grpc_stream_reports_a_missing_lease(tiny_llama):
             await reader.close()
 
     asyncio.run(scenario())
+
+
+def test_buffer_pool_reuses_the_smallest_fitting_buffer():
+    from kvtransfer.buffers import BufferPool
+
+    pool = BufferPool()
+    a, b = pool.acquire(100), pool.acquire(1000)
+    pool.release(a)
+    pool.release(b)
+    assert pool.acquire(500) is b  # not a (too small); no tensor comparisons on the way
+    assert pool.acquire(50) is a
+    assert pool.acquire(10).numel() == 10  # none free: a new one

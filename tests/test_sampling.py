@@ -169,3 +169,17 @@ def test_generation_stops_at_max_model_len(tiny_llama):
     engine = make_engine(tiny_llama, max_model_len=len(PROMPT) + 5)
     out = generate(engine, {"x": PROMPT}, SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))["x"]
     assert out.finish_reason == "length" and len(out.token_ids) == 5
+
+
+def test_a_migrated_request_continues_exactly(tiny_llama):
+    """Recomputing prompt + the tokens generated so far (what a migration does) continues with the
+    same tokens, greedy or seeded, and streams only the new text."""
+    for params in (SamplingParams(max_tokens=16, temperature=0, ignore_eos=True),
+                   SamplingParams(max_tokens=16, temperature=1.0, seed=11, ignore_eos=True)):
+        full = generate(make_engine(tiny_llama), {"x": PROMPT}, params)["x"]
+        engine = make_engine(tiny_llama)
+        engine.add_request("x", PROMPT, params, output_token_ids=full.token_ids[:6])
+        rest = run_to_completion(engine)["x"]
+        assert rest.token_ids == full.token_ids
+    with pytest.raises(ValueError, match="already reach max_tokens"):
+        make_engine(tiny_llama).add_request("y", PROMPT, SamplingParams(max_tokens=3), output_token_ids=[1, 2, 3])

@@ -1,0 +1,136 @@
+"""Who may talk to a pdserve server: TLS (mutual on the internal ports) and a shared bearer token.
+
+- Public port (the router): TLS with the server's certificate; optionally a bearer token.
+- Internal ports (prefill, decode, KV plane): mutual TLS (a client certificate signed by the
+  cluster CA is required) and/or a shared bearer token. An unknown peer cannot submit requests,
+  read KV or push it.
+Certificates and tokens come from files. The standard health service stays open (Kubernetes
+probes); every other method needs the token when one is configured.
+"""
+
+from __future__ import annotations
+
+import hmac
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+OPEN_METHODS = ("/grpc.health.v1.Health/",)
+
+
+def _read(path: str | None) -> bytes | None:
+    return Path(path).read_bytes() if path else None
+
+
+@dataclass(frozen=True)
+class Security:
+    cert: str | None = None  # PEM: this process's certificate (server, and client for mTLS)
+    key: str | None = None
+    ca: str | None = None  # PEM: the CA that signs the peers' certificates
+    token: str | None = None  # shared bearer token
+    require_client_cert: bool = False  # mTLS on this server
+
+    def __post_init__(self):
+        if bool(self.cert) != bool(self.key):
+            raise ValueError("tls: --tls-cert and --tls-key go together")
+        if self.require_client_cert and not (self.cert and self.ca):
+            raise ValueError("tls: mutual TLS needs --tls-cert, --tls-key and --tls-ca")
+
+    @property
+    def tls(self) -> bool:
+        return bool(self.cert)
+
+    @classmethod
+    def from_files(cls, cert=None, key=None, ca=None, token_file=None, require_client_cert=False) -> "Security":
+        token = Path(token_file).read_text().strip() if token_file else None
+        if token_file and not token:
+            raise ValueError(f"token file {token_file} is empty")
+        return cls(cert, key, ca, token, require_client_cert)
+
+    # ---- servers ------------------------------------------------------------------------
+    def server_credentials(self) -> grpc.ServerCredentials | None:
+        if not self.tls:
+            return None
+        return grpc.ssl_server_credentials([(_read(self.key), _read(self.cert))], root_certificates=_read(self.ca),
+                                           require_client_auth=self.require_client_cert)
+
+    def interceptors(self) -> list:
+        return [TokenCheck(self.token)] if self.token else []
+
+    # ---- clients ------------------------------------------------------------------------
+    def channel(self, address: str, options: list | None = None) -> grpc.aio.Channel:
+        # One instance per call type: grpc.aio files an interceptor under its first matching type only.
+        interceptors = [AddTokenUnary(self.token), AddTokenStream(self.token)] if self.token else None
+        if self.tls or self.ca:
+            creds = grpc.ssl_channel_credentials(root_certificates=_read(self.ca), private_key=_read(self.key),
+                                                 certificate_chain=_read(self.cert))
+            return grpc.aio.secure_channel(address, creds, options=options, interceptors=interceptors)
+        return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
+
+    def sync_channel(self, address: str, options: list | None = None) -> grpc.Channel:
+        """A blocking channel (the sync client); the token goes in each call's metadata()."""
+        if self.tls or self.ca:
+            creds = grpc.ssl_channel_credentials(root_certificates=_read(self.ca), private_key=_read(self.key),
+                                                 certificate_chain=_read(self.cert))
+            return grpc.secure_channel(address, creds, options=options)
+        return grpc.insecure_channel(address, options=options)
+
+    def metadata(self) -> list[tuple[str, str]]:
+        return [("authorization", f"Bearer {self.token}")] if self.token else []
+
+
+NONE = Security()
+
+
+class TokenCheck(grpc.aio.ServerInterceptor):
+    """Refuses calls without the bearer token (UNAUTHENTICATED), except the health service."""
+
+    def __init__(self, token: str):
+        self.expected = f"Bearer {token}".encode()
+
+    async def intercept_service(self, continuation, details):
+        if details.method.startswith(OPEN_METHODS):
+            return await continuation(details)
+        given = dict(details.invocation_metadata or ()).get("authorization", "")
+        if hmac.compare_digest(given.encode(), self.expected):
+            return await continuation(details)
+        return _deny(await continuation(details))
+
+
+def _deny(handler):
+    async def unary(request, context):
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+
+    async def stream(request, context):
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+        yield  # pragma: no cover
+
+    if handler is None:
+        return None
+    if handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(stream, handler.request_deserializer, handler.response_serializer)
+    return grpc.unary_unary_rpc_method_handler(unary, handler.request_deserializer, handler.response_serializer)
+
+
+class _Token:
+    def __init__(self, token: str):
+        self.header = ("authorization", f"Bearer {token}")
+
+    def _details(self, details):
+        metadata = list(details.metadata or []) + [self.header]
+        return details._replace(metadata=grpc.aio.Metadata(*metadata))
+
+
+class AddTokenUnary(_Token, grpc.aio.UnaryUnaryClientInterceptor):
+    """Adds the bearer token to every unary call of a channel."""
+
+    async def intercept_unary_unary(self, continuation, details, request):
+        return await continuation(self._details(details), request)
+
+
+class AddTokenStream(_Token, grpc.aio.UnaryStreamClientInterceptor):
+    """Adds the bearer token to every server-streaming call of a channel."""
+
+    async def intercept_unary_stream(self, continuation, details, request):
+        return await continuation(self._details(details), request)
