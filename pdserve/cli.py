@@ -158,6 +158,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pin-cpus", action="store_true", help="give each node process its own core (round robin)")
     p.add_argument("--max-tokens", type=int, default=256, help="with --ask")
     p.add_argument("--rate-limit", type=float, default=None, help="requests/s per client at the router")
+    p.add_argument("--http-port", type=int, default=None,
+                   help="also serve the OpenAI-compatible HTTP API on this port (0: any)")
+    p.add_argument("--api-key-file", default=None,
+                   help="HTTP API keys, one per line: clients must send Authorization: Bearer <key>")
     p.add_argument("--max-outstanding", type=int, default=1024,
                    help="requests in flight at the router before RESOURCE_EXHAUSTED")
     add_engine_args(p)

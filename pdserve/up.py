@@ -53,6 +53,10 @@ class Node:
             self._pump.cancel()
 
 
+def read_keys(path: str | None) -> tuple[str, ...]:
+    return tuple(line.strip() for line in open(path) if line.strip()) if path else ()
+
+
 def security_args(args) -> list[str]:
     from pdserve.cli import security_args as flags
 
@@ -106,8 +110,12 @@ async def up(args) -> int:
         router = Router(args.model, [n.address for n in nodes if n.role == "prefill"],
                         [n.address for n in nodes if n.role == "decode"], args.host, args.port, args.max_model_len,
                         public_security=public_security(args), internal_security=internal_security(args),
-                        max_outstanding=args.max_outstanding, rate_limit=args.rate_limit)
+                        max_outstanding=args.max_outstanding, rate_limit=args.rate_limit, http_port=args.http_port,
+                        api_keys=read_keys(args.api_key_file))
         await router.start()
+        if router.http_address:
+            print(f"pdserve up: OpenAI-compatible HTTP API on http://{router.http_address}/v1", file=sys.stderr,
+                  flush=True)
         metrics = f"; metrics on ports {router.metrics.serve(args.metrics_port)}-{args.metrics_port + len(nodes)}" \
             if args.metrics_port else ""
         print(f"pdserve up: router on {router.address} serving {args.model}{metrics}; "

@@ -16,6 +16,7 @@ def main() -> None:
     ap.add_argument("--decode", required=True, help="comma-separated decode node addresses")
     ap.add_argument("--max-model-len", type=int, default=None)
     ap.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics here (0: any port)")
+    ap.add_argument("--http-port", type=int, default=None, help="also serve the OpenAI-compatible HTTP API here")
     add_security_args(ap, public=True)
     args = ap.parse_args()
     setup_logging()
@@ -24,7 +25,8 @@ def main() -> None:
     asyncio.run(run_until_signalled(lambda: Router(args.model, args.prefill.split(","), args.decode.split(","),
                                                    args.host, args.port, args.max_model_len,
                                                    public_security=public_security(args),
-                                                   internal_security=internal_security(args)),
+                                                   internal_security=internal_security(args),
+                                                   http_port=args.http_port),
                                     metrics_port=args.metrics_port))
 
 

@@ -9,18 +9,19 @@ Clients reach it two ways, both speaking the same Generation service:
 Node addresses come from the registry (through Ray), refreshed every `discovery_interval_s`.
 """
 
-from __future__ import annotations
 
 import asyncio
 import logging
 import typing
 from collections.abc import AsyncIterator
 
+from fastapi import FastAPI, Request
 from ray import serve
 
 from pdserve.metrics import Metrics
 from pdserve.registry import registry
 from pdserve_api import generate_pb2
+from router.openai_api import OpenAIAPI
 from router.server import RequestError, Router
 
 log = logging.getLogger(__name__)
@@ -69,7 +70,22 @@ def _merge(a: generate_pb2.GenerateResponse, b: generate_pb2.GenerateResponse) -
     return merged
 
 
+def _set_error(grpc_context, e: RequestError) -> typing.NoReturn:
+    """Serve's proxy answers with the status set on grpc_context when the method then raises."""
+    if grpc_context is not None:
+        grpc_context.set_code(e.code)
+        grpc_context.set_details(e.details)
+    raise e
+
+
+# The OpenAI-compatible HTTP API, through Serve's HTTP proxy (http_options.port). (No
+# `from __future__ import annotations` in this module: FastAPI resolves `Request` from the
+# methods' annotations, which must be real classes once Serve ships the class to a replica.)
+http_app = FastAPI(title="pdserve OpenAI-compatible API", docs_url=None, redoc_url=None)
+
+
 @serve.deployment(name="Router", ray_actor_options={"num_cpus": 0})
+@serve.ingress(http_app)
 class RouterDeployment:
     async def __init__(self, app_name: str, model: str, pools=(), direct_port: int = 50051, host: str = "0.0.0.0",
                        max_model_len: int | None = None, discovery_interval_s: float = 0.5):
@@ -77,6 +93,7 @@ class RouterDeployment:
         self.router = Router(model, [], [], host=host, port=direct_port, max_model_len=max_model_len,
                              check_interval_s=1.0, metrics=Metrics("ray"))
         await self.router.start()
+        self.openai = OpenAIAPI(self.router)
         self.registry = registry(app_name)
         self.discovery_interval_s = discovery_interval_s
         await self._discover()
@@ -97,6 +114,23 @@ class RouterDeployment:
 
     async def direct_address(self) -> str:
         return self.router.address
+
+    # ---- the OpenAI-compatible HTTP API, through Serve's HTTP proxy ----------------------------
+    @http_app.post("/v1/completions")
+    async def completions(self, request: Request):
+        return await self.openai.completions(request)
+
+    @http_app.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request):
+        return await self.openai.chat_completions(request)
+
+    @http_app.get("/v1/models")
+    async def models(self, request: Request):
+        return await self.openai.models(request)
+
+    @http_app.get("/health")
+    async def health(self, request: Request):
+        return await self.openai.health(request)
 
     # ---- the Generation service, through Serve's gRPC proxy --------------------------------
     async def Generate(self, request: generate_pb2.GenerateRequest, grpc_context=None):
@@ -124,11 +158,3 @@ class RouterDeployment:
     async def __del__(self):
         self._watch.cancel()
         await self.router.stop(5.0)
-
-
-def _set_error(grpc_context, e: RequestError) -> typing.NoReturn:
-    """Serve's proxy answers with the status set on grpc_context when the method then raises."""
-    if grpc_context is not None:
-        grpc_context.set_code(e.code)
-        grpc_context.set_details(e.details)
-    raise e

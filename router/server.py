@@ -34,8 +34,12 @@ MIGRATE_ON = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DATA_LOSS, grpc.Statu
 class Router(Frontend):
     def __init__(self, model: str, prefill: list[str], decode: list[str], host: str = "127.0.0.1", port: int = 0,
                  max_model_len: int | None = None, check_interval_s: float = 1.0, metrics: Metrics | None = None,
-                 public_security: Security = NONE, internal_security: Security = NONE, **limits):
+                 public_security: Security = NONE, internal_security: Security = NONE, http_port: int | None = None,
+                 api_keys: tuple[str, ...] = (), **limits):
+        """http_port: also serve the OpenAI-compatible HTTP API (router/openai_api.py) there, with
+        these API keys (none: open)."""
         super().__init__(model, max_model_len, metrics, **limits)
+        self.http_port, self.api_keys, self._http = http_port, api_keys, None
         self.prefill_pool = EndpointPool("prefill", prefill, check_interval_s, security=internal_security)
         self.decode_pool = EndpointPool("decode", decode, check_interval_s, security=internal_security)
         self.server = GrpcServer(host, port, public_security)
@@ -46,11 +50,23 @@ class Router(Frontend):
     def address(self) -> str:
         return self.server.address
 
+    @property
+    def http_address(self) -> str | None:
+        return f"{self.server.host}:{self._http[2]}" if self._http else None
+
     async def start(self) -> None:
         await asyncio.gather(self.prefill_pool.start(), self.decode_pool.start())
         await self.server.start()
+        if self.http_port is not None:
+            from router.openai_api import OpenAIAPI, build_app, serve_http
+
+            self._http = await serve_http(build_app(OpenAIAPI(self, self.api_keys)), self.server.host,
+                                          self.http_port)
 
     async def stop(self, grace: float = 1.0) -> None:
+        if self._http:
+            self._http[0].should_exit = True
+            await self._http[1]
         await self.server.stop(grace)
         await asyncio.gather(self.prefill_pool.close(), self.decode_pool.close())
 

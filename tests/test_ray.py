@@ -69,6 +69,17 @@ def test_generate_through_the_proxy_and_the_direct_port_equals_pdserve_up(deploy
         via_proxy.generate(PROMPT, max_tokens=0)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "max_tokens" in err.value.details()
     assert via_proxy.models() == [str(tiny_llama)]
+    # The OpenAI-compatible HTTP API through Serve's HTTP ingress: the same tokens.
+    import openai
+
+    http = openai.OpenAI(base_url=f"http://127.0.0.1:{config['http_options']['port']}/v1", api_key="none",
+                         max_retries=0)
+    completion = http.completions.create(model=str(tiny_llama), prompt=PROMPT, max_tokens=24, temperature=0,
+                                         extra_body={"ignore_eos": True})
+    assert completion.choices[0].text == via_direct.text and completion.usage.completion_tokens == 24
+    chunks = list(http.completions.create(model=str(tiny_llama), prompt=PROMPT, max_tokens=24, temperature=0,
+                                          stream=True, extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].text for c in chunks) == via_direct.text
 
 
 def run_load(address: str, concurrency: int, stop: threading.Event, prompt: list[int], **params) -> list:

@@ -1,0 +1,299 @@
+"""An OpenAI-compatible HTTP API over the same request path as the gRPC one.
+
+POST /v1/completions, POST /v1/chat/completions (both with `stream: true` as server-sent events
+ending in `data: [DONE]`), GET /v1/models, GET /health. Each request becomes a pdserve
+GenerateRequest and goes through `Frontend.serve` (the router's disaggregated path, or the
+colocated baseline's): same checks, same metrics, same tokens.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import grpc
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from pdserve_api import common_pb2, generate_pb2
+from router.frontend import Frontend, RequestError
+
+HTTP_STATUS = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.FAILED_PRECONDITION: 400,
+               grpc.StatusCode.OUT_OF_RANGE: 400, grpc.StatusCode.UNAUTHENTICATED: 401,
+               grpc.StatusCode.PERMISSION_DENIED: 403, grpc.StatusCode.NOT_FOUND: 404,
+               grpc.StatusCode.RESOURCE_EXHAUSTED: 429, grpc.StatusCode.CANCELLED: 499,
+               grpc.StatusCode.UNAVAILABLE: 503, grpc.StatusCode.DEADLINE_EXCEEDED: 504}
+ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+              429: "rate_limit_error", 503: "service_unavailable", 504: "timeout"}
+# OpenAI parameters with no pdserve meaning: accepted at their neutral value, refused otherwise.
+NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0, "best_of": 1, "echo": False, "suffix": None,
+           "logit_bias": None, "tools": None, "tool_choice": None, "response_format": None}
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": ERROR_TYPE.get(self.status, "server_error"),
+                          "param": self.param, "code": self.code}}
+
+
+class OpenAIAPI:
+    def __init__(self, frontend: Frontend, api_keys: tuple[str, ...] = ()):
+        self.frontend = frontend
+        self.api_keys = tuple(f"Bearer {k}".encode() for k in api_keys)
+
+    # ---- endpoints --------------------------------------------------------------------------
+    async def completions(self, request: Request):
+        return await self._handle(request, chat=False)
+
+    async def chat_completions(self, request: Request):
+        return await self._handle(request, chat=True)
+
+    async def models(self, request: Request):
+        try:
+            self._authorize(request)
+        except APIError as e:
+            return JSONResponse(e.body(), status_code=e.status)
+        return JSONResponse({"object": "list", "data": [
+            {"id": self.frontend.model_id, "object": "model", "created": 0, "owned_by": "pdserve",
+             "max_model_len": self.frontend.max_model_len}]})
+
+    async def health(self, request: Request):
+        return JSONResponse({"status": "ok"})
+
+    # ---- one request ------------------------------------------------------------------------
+    async def _handle(self, request: Request, chat: bool):
+        try:
+            self._authorize(request)
+            body = await _json(request)
+            req, stream, include_usage, logprobs = self._to_pdserve(body, chat)
+            client = request.headers.get("x-client-id") or (request.client.host if request.client else "")
+            parts = self.frontend.serve(req, _deadline(request), client)
+            if stream:
+                first = await _first(parts)  # errors before the first token get a proper status
+                return StreamingResponse(self._sse(first, parts, chat, include_usage, logprobs, body),
+                                         media_type="text/event-stream")
+            whole = await self._collect(parts)
+            return JSONResponse(self._response(whole, chat, logprobs, body))
+        except APIError as e:
+            return JSONResponse(e.body(), status_code=e.status)
+        except RequestError as e:
+            status = HTTP_STATUS.get(e.code, 500)
+            return JSONResponse(APIError(status, e.details, _param_of(e.details)).body(), status_code=status)
+
+    def _authorize(self, request: Request) -> None:
+        if not self.api_keys:
+            return
+        given = request.headers.get("authorization", "").encode()
+        if not any(hmac.compare_digest(given, k) for k in self.api_keys):
+            raise APIError(401, "invalid or missing API key (Authorization: Bearer <key>)", code="invalid_api_key")
+
+    def _to_pdserve(self, body: dict, chat: bool):
+        for name, neutral in NEUTRAL.items():
+            if body.get(name, neutral) not in (neutral, None):
+                raise APIError(400, f"{name} is not supported (only {neutral!r})", name)
+        if body.get("n", 1) != 1:
+            raise APIError(400, "n must be 1", "n")
+        req = generate_pb2.GenerateRequest(model=_field(body, "model", str, ""))
+        if chat:
+            messages = body.get("messages")
+            if not isinstance(messages, list) or not messages:
+                raise APIError(400, "messages must be a non-empty list", "messages")
+            try:
+                req.messages.CopyFrom(generate_pb2.ChatMessages(messages=[
+                    generate_pb2.ChatMessage(role=m["role"], content=_content(m["content"])) for m in messages]))
+            except (KeyError, TypeError, ValueError) as e:
+                raise APIError(400, f"messages: each needs a role and a text content ({e})", "messages") from None
+            logprobs = body.get("top_logprobs", 0) if body.get("logprobs") else None
+            max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+        else:
+            prompt = body.get("prompt")
+            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+                prompt = prompt[0]  # a batch of one
+            if isinstance(prompt, str):
+                req.prompt = prompt
+            elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+                req.prompt_token_ids.CopyFrom(common_pb2.TokenIds(ids=prompt))
+            else:
+                raise APIError(400, "prompt must be a string or a list of token ids (one prompt per request)",
+                               "prompt")
+            logprobs = body.get("logprobs")
+            max_tokens = body.get("max_tokens", 16)
+        sampling = req.sampling
+        for name, value, kind in (("max_tokens", max_tokens, int), ("temperature", body.get("temperature"), float),
+                                  ("top_p", body.get("top_p"), float), ("seed", body.get("seed"), int),
+                                  ("logprobs", logprobs, int)):
+            if value is not None:
+                setattr(sampling, name, _typed(name, value, kind))
+        sampling.top_k = _typed("top_k", body.get("top_k", 0) or 0, int)
+        stop = body.get("stop") or []
+        stop = [stop] if isinstance(stop, str) else stop
+        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+            raise APIError(400, "stop must be a string or a list of strings", "stop")
+        sampling.stop.extend(stop)
+        sampling.ignore_eos = bool(body.get("ignore_eos", False))
+        options = body.get("stream_options") or {}
+        return req, bool(body.get("stream", False)), bool(options.get("include_usage")), logprobs
+
+    async def _collect(self, parts) -> generate_pb2.GenerateResponse:
+        whole = generate_pb2.GenerateResponse()
+        async for msg in parts:
+            whole.token_ids.extend(msg.token_ids)
+            whole.text += msg.text
+            whole.logprobs.extend(msg.logprobs)
+            if msg.finished:
+                whole.finished, whole.finish_reason = True, msg.finish_reason
+                whole.usage.CopyFrom(msg.usage)
+        return whole
+
+    # ---- OpenAI shapes ----------------------------------------------------------------------
+    def _response(self, whole: generate_pb2.GenerateResponse, chat: bool, logprobs, body: dict) -> dict:
+        choice: dict = {"index": 0, "finish_reason": whole.finish_reason or "stop",
+                        "logprobs": self._logprobs(whole, chat) if logprobs is not None else None}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": whole.text}
+        else:
+            choice["text"] = whole.text
+        return {"id": _id(chat), "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+                "model": body.get("model") or self.frontend.model_id, "choices": [choice], "usage": _usage(whole.usage)}
+
+    async def _sse(self, first, parts, chat: bool, include_usage: bool, logprobs, body: dict) -> AsyncIterator[str]:
+        rid, created = _id(chat), int(time.time())
+        model = body.get("model") or self.frontend.model_id
+        kind = "chat.completion.chunk" if chat else "text_completion"
+
+        def event(choices: list, usage=None) -> str:
+            chunk = {"id": rid, "object": kind, "created": created, "model": model, "choices": choices}
+            if include_usage:
+                chunk["usage"] = usage
+            return f"data: {json.dumps(chunk)}\n\n"
+
+        usage = None
+        if chat:
+            yield event([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
+        try:
+            msg = first
+            while msg is not None:
+                lp = self._logprobs(msg, chat) if logprobs is not None else None
+                reason = msg.finish_reason if msg.finished else None
+                if chat:
+                    delta = {"content": msg.text} if msg.text else {}
+                    yield event([{"index": 0, "delta": delta, "logprobs": lp, "finish_reason": reason}])
+                else:
+                    yield event([{"index": 0, "text": msg.text, "logprobs": lp, "finish_reason": reason}])
+                if msg.finished:
+                    usage = _usage(msg.usage)
+                msg = await anext(parts, None)
+        except RequestError as e:
+            status = HTTP_STATUS.get(e.code, 500)
+            yield f"data: {json.dumps(APIError(status, e.details).body())}\n\n"
+        if include_usage and usage is not None:
+            yield event([], usage)
+        yield "data: [DONE]\n\n"
+
+    def _logprobs(self, msg: generate_pb2.GenerateResponse, chat: bool) -> dict:
+        tok = self.frontend.tokenizer
+
+        def text(t: int) -> str:
+            return tok.decode([t]) if tok is not None else str(t)
+
+        entries = [dict(zip(lp.token_ids, lp.logprobs)) for lp in msg.logprobs]
+        if chat:
+            return {"content": [{"token": text(t), "logprob": e.get(t), "bytes": list(text(t).encode()),
+                                 "top_logprobs": [{"token": text(k), "logprob": v, "bytes": list(text(k).encode())}
+                                                  for k, v in sorted(e.items(), key=lambda kv: -kv[1])]}
+                                for t, e in zip(msg.token_ids, entries)]}
+        return {"tokens": [text(t) for t in msg.token_ids], "token_logprobs": [e.get(t) for t, e in
+                                                                              zip(msg.token_ids, entries)],
+                "top_logprobs": [{text(k): v for k, v in e.items()} for e in entries], "text_offset": []}
+
+
+def build_app(api: OpenAIAPI) -> FastAPI:
+    app = FastAPI(title="pdserve OpenAI-compatible API", docs_url=None, redoc_url=None)
+    app.add_api_route("/v1/completions", api.completions, methods=["POST"])
+    app.add_api_route("/v1/chat/completions", api.chat_completions, methods=["POST"])
+    app.add_api_route("/v1/models", api.models, methods=["GET"])
+    app.add_api_route("/health", api.health, methods=["GET"])
+    return app
+
+
+async def serve_http(app: FastAPI, host: str, port: int):
+    """Runs the app with uvicorn on the current event loop; returns (server, task, bound port)."""
+    import asyncio
+
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off"))
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        if task.done():
+            task.result()  # raises why it could not start
+        await asyncio.sleep(0.01)
+    bound = server.servers[0].sockets[0].getsockname()[1]
+    return server, task, bound
+
+
+# ---- helpers ------------------------------------------------------------------------------
+async def _json(request: Request) -> dict:
+    try:
+        body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise APIError(400, "the request body must be a JSON object") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    return body
+
+
+async def _first(parts):
+    return await anext(parts, None)
+
+
+def _field(body: dict, name: str, kind, default):
+    value = body.get(name, default)
+    if value is not None and not isinstance(value, kind):
+        raise APIError(400, f"{name} must be a {kind.__name__}", name)
+    return value or default
+
+
+def _typed(name: str, value, kind):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not float(value).is_integer()):
+        raise APIError(400, f"{name} must be {'an integer' if kind is int else 'a number'}, got {value!r}", name)
+    if kind is int and not -(2**31) <= value < 2**31:
+        raise APIError(400, f"{name} is out of range: {value!r}", name)
+    return kind(value)
+
+
+def _content(content) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # [{"type": "text", "text": ...}]
+        return "".join(part["text"] for part in content if part.get("type") == "text")
+    raise ValueError("content must be a string or a list of text parts")
+
+
+def _param_of(message: str) -> str | None:
+    head = message.split(" ", 1)[0].rstrip(":")
+    return head if head.replace("_", "").isalpha() else None
+
+
+def _usage(u: common_pb2.Usage) -> dict:
+    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+            "total_tokens": u.prompt_tokens + u.completion_tokens}
+
+
+def _id(chat: bool) -> str:
+    return f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+
+
+def _deadline(request: Request) -> float:
+    timeout = request.headers.get("x-request-timeout")
+    try:
+        return time.time() + float(timeout) if timeout else 0.0
+    except ValueError:
+        return 0.0

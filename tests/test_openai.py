@@ -1,0 +1,151 @@
+"""The OpenAI-compatible HTTP API, driven by the official `openai` package and a plain HTTP
+client, against `pdserve up` with the tiny model."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+
+import httpx
+import openai
+import pytest
+
+from router.client import Client
+
+PROMPT_IDS = [5, 17, 33, 8, 90, 41, 7]
+
+
+@pytest.fixture(scope="module")
+def up(tiny_llama, tmp_path_factory):
+    keys = tmp_path_factory.mktemp("keys") / "keys"
+    keys.write_text("sk-test-1\nsk-test-2\n")
+    proc = subprocess.Popen([sys.executable, "-m", "pdserve", "up", "--model", str(tiny_llama), "--port", "0",
+                             "--http-port", "0", "--api-key-file", str(keys), "--dtype", "float32",
+                             "--kv-cache-gb", "0.01", "--block-size", "4", "--num-threads", "1"],
+                            stderr=subprocess.PIPE, text=True)
+    http = grpc = None
+    for line in proc.stderr:
+        if "OpenAI-compatible HTTP API on" in line:
+            http = line.split("on ")[-1].strip()
+        if line.startswith("pdserve up: router on "):
+            grpc = line.split()[4]
+            break
+    threading.Thread(target=proc.stderr.read, daemon=True).start()
+    assert http and grpc, "pdserve up did not come up"
+    yield http, grpc, str(tiny_llama)
+    proc.terminate()
+    proc.wait(timeout=60)
+
+
+@pytest.fixture
+def client(up):
+    return openai.OpenAI(base_url=up[0], api_key="sk-test-1", max_retries=0)
+
+
+def test_completions_equal_the_grpc_path(up, client):
+    _, grpc_addr, model = up
+    expected = Client(grpc_addr).generate(PROMPT_IDS, max_tokens=12, temperature=0, ignore_eos=True)
+    result = client.completions.create(model=model, prompt=PROMPT_IDS, max_tokens=12, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    assert result.choices[0].text == expected.text
+    assert result.usage.prompt_tokens == len(PROMPT_IDS) and result.usage.completion_tokens == 12
+    assert result.usage.total_tokens == len(PROMPT_IDS) + 12
+    assert result.choices[0].finish_reason == "length" and result.object == "text_completion"
+    streamed = client.completions.create(model=model, prompt=PROMPT_IDS, max_tokens=12, temperature=0, stream=True,
+                                         stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    chunks = list(streamed)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == expected.text
+    assert chunks[-1].usage.completion_tokens == 12
+
+
+def test_chat_equals_the_grpc_path(up, client):
+    _, grpc_addr, model = up
+    messages = [{"role": "user", "content": "Hello world"}]
+    expected = Client(grpc_addr).generate(messages=messages, max_tokens=10, temperature=0, ignore_eos=True)
+    result = client.chat.completions.create(model=model, messages=messages, max_tokens=10, temperature=0,
+                                            extra_body={"ignore_eos": True}, logprobs=True, top_logprobs=2)
+    assert result.choices[0].message.role == "assistant"
+    assert result.choices[0].message.content == expected.text
+    assert result.usage.completion_tokens == 10 and result.object == "chat.completion"
+    assert len(result.choices[0].logprobs.content) == 10
+    assert all(len(c.top_logprobs) >= 2 for c in result.choices[0].logprobs.content)
+    stream = client.chat.completions.create(model=model, messages=messages, max_tokens=10, temperature=0,
+                                            stream=True, extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected.text
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_models_and_health(up, client):
+    assert [m.id for m in client.models.list()] == [up[2]]
+    assert httpx.get(f"{up[0].removesuffix('/v1')}/health").json() == {"status": "ok"}
+
+
+def test_sse_framing_with_a_plain_http_client(up):
+    http, _, model = up
+    body = {"model": model, "prompt": PROMPT_IDS, "max_tokens": 5, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", f"{http}/completions", json=body, headers={"Authorization": "Bearer sk-test-2"}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        raw = "".join(r.iter_text())
+    events = [e for e in raw.split("\n\n") if e]
+    assert all(e.startswith("data: ") for e in events)
+    assert events[-1] == "data: [DONE]"
+    payloads = [json.loads(e[len("data: "):]) for e in events[:-1]]
+    assert payloads[-1]["choices"][0]["finish_reason"] == "length"
+    assert all(p["object"] == "text_completion" for p in payloads)
+
+
+@pytest.mark.parametrize("kwargs, status, words", [
+    (dict(prompt="hi", max_tokens=0), 400, "max_tokens"),
+    (dict(prompt="hi", temperature=-1), 400, "temperature"),
+    (dict(prompt="hi", top_p=1.5), 400, "top_p"),
+    (dict(prompt="", max_tokens=3), 400, "prompt"),
+    (dict(prompt="hi", n=2), 400, "n must be 1"),
+    (dict(prompt="hi", model="gpt-17"), 404, "gpt-17"),
+])
+def test_errors_in_openai_shape(up, client, kwargs, status, words):
+    kwargs.setdefault("model", up[2])
+    with pytest.raises(openai.APIStatusError) as err:
+        client.completions.create(**kwargs)
+    assert err.value.status_code == status
+    body = err.value.response.json()["error"]
+    assert words in body["message"] and body["type"]
+
+
+def test_api_keys(up):
+    bad = openai.OpenAI(base_url=up[0], api_key="sk-wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+    r = httpx.post(f"{up[0]}/completions", json={"model": up[2], "prompt": "hi"})
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+
+
+def test_overload_is_429_and_no_node_is_503(tiny_llama):
+    import asyncio
+
+    from cluster import local_cluster
+
+    async def scenario():
+        async with local_cluster(tiny_llama) as (router, prefills, decodes):
+            from router.openai_api import OpenAIAPI, build_app, serve_http
+
+            server, task, port = await serve_http(build_app(OpenAIAPI(router)), "127.0.0.1", 0)
+            try:
+                async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}/v1") as http:
+                    router.max_outstanding = 0
+                    r = await http.post("/completions", json={"prompt": "hi", "max_tokens": 2})
+                    assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limit_error"
+                    router.max_outstanding = 100
+                    for e in router.decode_pool.endpoints:
+                        e.healthy = False
+                    router.decode_pool.check_interval_s = 3600
+                    r = await http.post("/completions", json={"prompt": "hi", "max_tokens": 2})
+                    assert r.status_code == 503 and "no healthy decode node" in r.json()["error"]["message"]
+            finally:
+                server.should_exit = True
+                await task
+
+    asyncio.run(scenario())
