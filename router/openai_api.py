@@ -74,13 +74,13 @@ class OpenAIAPI:
             body = await _json(request)
             req, stream, include_usage, logprobs = self._to_pdserve(body, chat)
             client = request.headers.get("x-client-id") or (request.client.host if request.client else "")
+            if not stream:
+                whole = await self.frontend.generate_unary(req, _deadline(request), client)
+                return JSONResponse(self._response(whole, chat, logprobs, body))
             parts = self.frontend.serve(req, _deadline(request), client)
-            if stream:
-                first = await _first(parts)  # errors before the first token get a proper status
-                return StreamingResponse(self._sse(first, parts, chat, include_usage, logprobs, body),
-                                         media_type="text/event-stream")
-            whole = await self._collect(parts)
-            return JSONResponse(self._response(whole, chat, logprobs, body))
+            first = await anext(parts, None)  # errors before the first token get a proper status
+            return StreamingResponse(self._sse(first, parts, chat, include_usage, logprobs, body),
+                                     media_type="text/event-stream")
         except APIError as e:
             return JSONResponse(e.body(), status_code=e.status)
         except RequestError as e:
@@ -140,17 +140,6 @@ class OpenAIAPI:
         sampling.ignore_eos = bool(body.get("ignore_eos", False))
         options = body.get("stream_options") or {}
         return req, bool(body.get("stream", False)), bool(options.get("include_usage")), logprobs
-
-    async def _collect(self, parts) -> generate_pb2.GenerateResponse:
-        whole = generate_pb2.GenerateResponse()
-        async for msg in parts:
-            whole.token_ids.extend(msg.token_ids)
-            whole.text += msg.text
-            whole.logprobs.extend(msg.logprobs)
-            if msg.finished:
-                whole.finished, whole.finish_reason = True, msg.finish_reason
-                whole.usage.CopyFrom(msg.usage)
-        return whole
 
     # ---- OpenAI shapes ----------------------------------------------------------------------
     def _response(self, whole: generate_pb2.GenerateResponse, chat: bool, logprobs, body: dict) -> dict:
@@ -248,10 +237,6 @@ async def _json(request: Request) -> dict:
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
     return body
-
-
-async def _first(parts):
-    return await anext(parts, None)
 
 
 def _field(body: dict, name: str, kind, default):
