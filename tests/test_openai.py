@@ -139,9 +139,11 @@ def test_overload_is_429_and_no_node_is_503(tiny_llama):
                     r = await http.post("/completions", json={"prompt": "hi", "max_tokens": 2})
                     assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limit_error"
                     router.max_outstanding = 100
-                    for e in router.decode_pool.endpoints:
-                        e.healthy = False
-                    router.decode_pool.check_interval_s = 3600
+                    await decodes[0].server.set_serving(False)  # the only decode node drains
+                    for _ in range(100):
+                        if not router.decode_pool.endpoints[0].healthy:
+                            break
+                        await asyncio.sleep(0.05)
                     r = await http.post("/completions", json={"prompt": "hi", "max_tokens": 2})
                     assert r.status_code == 503 and "no healthy decode node" in r.json()["error"]["message"]
             finally:
