@@ -18,7 +18,7 @@ from pdserve import serve_config
 
 ROOT = Path(__file__).resolve().parent.parent
 K8S = ROOT / "deploy" / "k8s"
-CRDS = ROOT.parent / "shared" / "k8s"
+CRDS = K8S / "crds"  # vendored KubeRay CRDs (see its README.md)
 KUSTOMIZATIONS = ["base", "overlays/gpu", "overlays/hf-model-pvc", "overlays/gguf-file"]
 K8S_VERSION = "1.32"
 
