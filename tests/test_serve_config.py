@@ -25,6 +25,9 @@ def test_the_shipped_config_validates(config):
     policies = {d["name"]: d["autoscaling_config"]["policy"]["policy_function"]
                 for d in config["applications"][0]["deployments"] if "autoscaling_config" in d}
     assert policies == {"Prefill": "pdserve.autoscaling:PrefillPolicy", "Decode": "pdserve.autoscaling:DecodePolicy"}
+    # Each node resolves auto for its own machine (bf16 with native support or on CUDA, else fp32).
+    args = config["applications"][0]["args"]
+    assert args["prefill"]["engine"]["dtype"] == args["decode"]["engine"]["dtype"] == "auto"
 
 
 @pytest.mark.parametrize("mutate, key", [
