@@ -1,5 +1,10 @@
 """A grpc.aio server with what every pdserve server carries: the standard health service,
-server reflection, explicit message size limits."""
+server reflection, explicit message size limits.
+
+Health: the overall status ("") and each service's say whether the server takes work
+(`set_serving`: a draining node, a router without a healthy node in a pool); `liveness` is
+SERVING for as long as the server runs, for probes that should restart a hung process but not
+one that is merely unable to serve."""
 
 from __future__ import annotations
 
@@ -9,6 +14,7 @@ from grpc_reflection.v1alpha import reflection
 
 from pdserve.security import NONE, Security
 
+LIVENESS = "liveness"
 MAX_MESSAGE_BYTES = 8 << 20
 SERVER_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                   ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -41,12 +47,13 @@ class GrpcServer:
     async def start(self) -> None:
         reflection.enable_server_reflection(self.service_names, self.server)
         await self.server.start()
-        for name in self.service_names + [""]:
+        for name in self.service_names + ["", LIVENESS]:
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
 
-    async def set_serving(self, serving: bool) -> None:
+    async def set_serving(self, serving: bool, names: list[str] | None = None) -> None:
+        """Sets these services' health (default: all of them and ""; never `liveness`)."""
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-        for name in self.service_names + [""]:
+        for name in (self.service_names + [""]) if names is None else names:
             await self.health.set(name, status)
 
     async def stop(self, grace: float | None = 1.0) -> None:

@@ -77,6 +77,11 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
         raise NotImplementedError
         yield
 
+    def health(self) -> dict:
+        """What GET /health reports: {"status": "ok"}, or {"status": "unavailable", "message": why};
+        a router adds each pool's healthy and total nodes."""
+        return {"status": "ok"}
+
     # ---- a request's life ---------------------------------------------------------------
     async def serve(self, request: generate_pb2.GenerateRequest, deadline: float = 0.0,
                     client: str = "") -> AsyncIterator[generate_pb2.GenerateResponse]:

@@ -65,7 +65,9 @@ class OpenAIAPI:
              "max_model_len": self.frontend.max_model_len}]})
 
     async def health(self, request: Request):
-        return JSONResponse({"status": "ok"})
+        """200 when a request can be served now, else 503 naming the pool without a healthy node."""
+        report = self.frontend.health()
+        return JSONResponse(report, status_code=200 if report["status"] == "ok" else 503)
 
     # ---- one request ------------------------------------------------------------------------
     async def _handle(self, request: Request, chat: bool):

@@ -3,7 +3,8 @@
 A node is chosen by the fewest requests this router has in flight on it, then by the load it
 last reported (waiting + running sequences), then round robin. A node that fails
 `failure_threshold` health checks in a row (or answers NOT_SERVING) gets no new requests until
-a check passes again.
+a check passes again. `on_change` is awaited after each round of checks and each update, so the
+router's own health can follow its pools.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -49,7 +51,7 @@ class Endpoint:
 
 class EndpointPool:
     def __init__(self, role: str, addresses: list[str], check_interval_s: float = 1.0, failure_threshold: int = 2,
-                 security: Security = NONE):
+                 security: Security = NONE, on_change: Callable[[], Awaitable[None]] | None = None):
         self.security = security
         self.stub_cls = {"prefill": nodes_pb2_grpc.PrefillNodeStub, "decode": nodes_pb2_grpc.DecodeNodeStub}[role]
         self.role = role
@@ -59,6 +61,7 @@ class EndpointPool:
         self.failure_threshold = failure_threshold
         self._turn = itertools.count()
         self._task: asyncio.Task | None = None
+        self.on_change = on_change
 
     def _endpoint(self, address: str) -> Endpoint:
         channel = self.security.channel(address, CHANNEL_OPTIONS)
@@ -79,12 +82,19 @@ class EndpointPool:
         for e in [e for e in self.retired if e.outstanding == 0]:
             self.retired.remove(e)
             await e.channel.close()
+        await self._changed()
+
+    def healthy(self, exclude: set[str] = frozenset()) -> list[Endpoint]:
+        return [e for e in self.endpoints if e.healthy and e.address not in exclude]
+
+    def no_healthy_node(self) -> str:
+        return (f"no healthy {self.role} node (of {len(self.endpoints)}: "
+                f"{', '.join(e.address for e in self.endpoints) or 'none configured'})")
 
     def pick(self, exclude: set[str] = frozenset()) -> Endpoint:
-        healthy = [e for e in self.endpoints if e.healthy and e.address not in exclude]
+        healthy = self.healthy(exclude)
         if not healthy:
-            raise NoHealthyNode(f"no healthy {self.role} node (of {len(self.endpoints)}: "
-                                f"{', '.join(e.address for e in self.endpoints) or 'none configured'})")
+            raise NoHealthyNode(self.no_healthy_node())
         turn = next(self._turn)
         return min(healthy, key=lambda e: (e.outstanding, e.load.num_waiting + e.load.num_running,
                                            (self.endpoints.index(e) - turn) % len(self.endpoints)))
@@ -108,9 +118,15 @@ class EndpointPool:
         """Checks one node now (after a failure): a dead one leaves the pool at once."""
         endpoint.failures = self.failure_threshold - 1
         await self._check(endpoint)
+        await self._changed()
 
     async def check_all(self) -> None:
         await asyncio.gather(*(self._check(e) for e in self.endpoints))
+        await self._changed()
+
+    async def _changed(self) -> None:
+        if self.on_change is not None:
+            await self.on_change()
 
     async def _check(self, e: Endpoint) -> None:
         timeout = max(0.2, min(1.0, self.check_interval_s))

@@ -26,6 +26,7 @@ from router.pool import EndpointPool, NoHealthyNode
 log = logging.getLogger(__name__)
 PREFILL_ATTEMPTS = 3
 MIGRATIONS = 3  # times one request may move to another decode node
+GENERATION = generate_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 # Failures of the decode side after which the request moves (a dead node, KV unreadable or corrupt).
 MIGRATE_ON = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DATA_LOSS, grpc.StatusCode.ABORTED,
               grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN}
@@ -40,8 +41,11 @@ class Router(Frontend):
         these API keys (none: open)."""
         super().__init__(model, max_model_len, metrics, **limits)
         self.http_port, self.api_keys, self._http = http_port, api_keys, None
-        self.prefill_pool = EndpointPool("prefill", prefill, check_interval_s, security=internal_security)
-        self.decode_pool = EndpointPool("decode", decode, check_interval_s, security=internal_security)
+        self._serving: bool | None = None  # what the gRPC health service last said
+        self.prefill_pool = EndpointPool("prefill", prefill, check_interval_s, security=internal_security,
+                                         on_change=self._follow_pools)
+        self.decode_pool = EndpointPool("decode", decode, check_interval_s, security=internal_security,
+                                        on_change=self._follow_pools)
         self.server = GrpcServer(host, port, public_security)
         self.server.add(generate_pb2_grpc.add_GenerationServicer_to_server, self,
                         generate_pb2.DESCRIPTOR.services_by_name["Generation"])
@@ -56,7 +60,9 @@ class Router(Frontend):
 
     async def start(self) -> None:
         await asyncio.gather(self.prefill_pool.start(), self.decode_pool.start())
-        await self.server.start()
+        await self.server.start()  # says SERVING: correct it at once
+        self._serving = None
+        await self._follow_pools()
         if self.http_port is not None:
             from router.openai_api import OpenAIAPI, build_app, serve_http
 
@@ -69,6 +75,24 @@ class Router(Frontend):
             await self._http[1]
         await self.server.stop(grace)
         await asyncio.gather(self.prefill_pool.close(), self.decode_pool.close())
+
+    def health(self) -> dict:
+        pools = (self.prefill_pool, self.decode_pool)
+        missing = [p.no_healthy_node() for p in pools if not p.healthy()]
+        report = {"status": "unavailable" if missing else "ok"}
+        if missing:
+            report["message"] = "; ".join(missing)
+        for p in pools:
+            report[p.role] = {"healthy": len(p.healthy()), "nodes": len(p.endpoints)}
+        return report
+
+    async def _follow_pools(self) -> None:
+        """The gRPC health ("" and the Generation service) says NOT_SERVING while a pool has no
+        healthy node; `liveness` stays SERVING (pdserve/grpc_server.py)."""
+        serving = self.health()["status"] == "ok"
+        if serving != self._serving:
+            self._serving = serving
+            await self.server.set_serving(serving, ["", GENERATION])
 
     # ---- a request's life ---------------------------------------------------------------
     async def _serve(self, request: generate_pb2.GenerateRequest,

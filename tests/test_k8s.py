@@ -15,6 +15,7 @@ import pytest
 import yaml
 
 from pdserve import serve_config
+from pdserve.grpc_server import LIVENESS
 
 ROOT = Path(__file__).resolve().parent.parent
 K8S = ROOT / "deploy" / "k8s"
@@ -125,6 +126,9 @@ def test_pools_pinned_to_their_worker_groups_with_probes_and_drain(rendered):
         assert container["resources"]["requests"] and container["resources"]["limits"]
     head_container = head["template"]["spec"]["containers"][0]
     assert head_container["readinessProbe"]["grpc"]["port"] == app["args"]["router"]["direct_port"]
+    # The router's overall health follows its pools; the head pod's probes only ask whether it runs.
+    assert head_container["readinessProbe"]["grpc"]["service"] == head_container["livenessProbe"]["grpc"]["service"] \
+        == LIVENESS
     # The decode pods outlive Serve's drain of their streams.
     grace = groups["decode"]["template"]["spec"]["terminationGracePeriodSeconds"]
     assert grace >= deployments["Decode"]["graceful_shutdown_timeout_s"]

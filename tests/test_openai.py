@@ -3,14 +3,18 @@ client, against `pdserve up` with the tiny model."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import subprocess
 import sys
 import threading
 
+import grpc
 import httpx
 import openai
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from router.client import Client
 
@@ -81,7 +85,7 @@ def test_chat_equals_the_grpc_path(up, client):
 
 def test_models_and_health(up, client):
     assert [m.id for m in client.models.list()] == [up[2]]
-    assert httpx.get(f"{up[0].removesuffix('/v1')}/health").json() == {"status": "ok"}
+    assert httpx.get(f"{up[0].removesuffix('/v1')}/health").json()["status"] == "ok"
 
 
 def test_sse_framing_with_a_plain_http_client(up):
@@ -123,31 +127,79 @@ def test_api_keys(up):
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
 
 
-def test_overload_is_429_and_no_node_is_503(tiny_llama):
-    import asyncio
-
+@contextlib.asynccontextmanager
+async def http_over_local_cluster(model):
+    """An in-process cluster (nodes whose health a test can change) with the HTTP API on it."""
     from cluster import local_cluster
 
-    async def scenario():
-        async with local_cluster(tiny_llama) as (router, prefills, decodes):
-            from router.openai_api import OpenAIAPI, build_app, serve_http
+    from router.openai_api import OpenAIAPI, build_app, serve_http
 
-            server, task, port = await serve_http(build_app(OpenAIAPI(router)), "127.0.0.1", 0)
-            try:
-                async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}/v1") as http:
-                    router.max_outstanding = 0
-                    r = await http.post("/completions", json={"prompt": "hi", "max_tokens": 2})
-                    assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limit_error"
-                    router.max_outstanding = 100
-                    await decodes[0].server.set_serving(False)  # the only decode node drains
-                    for _ in range(100):
-                        if not router.decode_pool.endpoints[0].healthy:
-                            break
-                        await asyncio.sleep(0.05)
-                    r = await http.post("/completions", json={"prompt": "hi", "max_tokens": 2})
-                    assert r.status_code == 503 and "no healthy decode node" in r.json()["error"]["message"]
-            finally:
-                server.should_exit = True
-                await task
+    async with local_cluster(model) as (router, prefills, decodes):
+        server, task, port = await serve_http(build_app(OpenAIAPI(router)), "127.0.0.1", 0)
+        try:
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as http:
+                yield router, prefills, decodes, http
+        finally:
+            server.should_exit = True
+            await task
+
+
+async def until(condition, timeout_s: float = 10.0) -> None:
+    """Health checks run every 0.2 s in local_cluster: wait for the router to notice."""
+    for _ in range(int(timeout_s / 0.05)):
+        if condition():
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("the router did not notice in time")
+
+
+def test_overload_is_429_and_no_node_is_503(tiny_llama):
+    async def scenario():
+        async with http_over_local_cluster(tiny_llama) as (router, prefills, decodes, http):
+            body = {"model": str(tiny_llama), "prompt": "hi", "max_tokens": 2}
+            router.max_outstanding = 0
+            r = await http.post("/v1/completions", json=body)
+            assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limit_error"
+            router.max_outstanding = 100
+            await decodes[0].server.set_serving(False)  # the only decode node drains
+            await until(lambda: not router.decode_pool.endpoints[0].healthy)
+            r = await http.post("/v1/completions", json=body)
+            error = r.json()["error"]
+            assert r.status_code == 503 and "no healthy decode node" in error["message"]
+
+    asyncio.run(scenario())
+
+
+def test_health_is_503_and_not_serving_without_a_healthy_node_in_a_pool(tiny_llama):
+    async def grpc_health(address: str, service: str = "") -> str:
+        async with grpc.aio.insecure_channel(address) as channel:
+            reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service))
+            return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+    async def scenario():
+        async with http_over_local_cluster(tiny_llama) as (router, prefills, decodes, http):
+            r = await http.get("/health")
+            assert r.status_code == 200
+            assert r.json() == {"status": "ok", "prefill": {"healthy": 1, "nodes": 1},
+                                "decode": {"healthy": 1, "nodes": 1}}
+            assert await grpc_health(router.address) == "SERVING"
+            await decodes[0].server.set_serving(False)
+            await until(lambda: not router.decode_pool.healthy())
+            r = await http.get("/health")
+            assert r.status_code == 503 and r.json()["status"] == "unavailable"
+            assert r.json()["message"].startswith("no healthy decode node (of 1: ")
+            assert r.json()["decode"] == {"healthy": 0, "nodes": 1}
+            for service in ("", "pdserve.v1.Generation"):
+                assert await grpc_health(router.address, service) == "NOT_SERVING"
+            assert await grpc_health(router.address, "liveness") == "SERVING"  # the process itself runs
+            await prefills[0].server.stop(0)  # the prefill node's port goes away too
+            await until(lambda: not router.prefill_pool.healthy())
+            r = await http.get("/health")
+            assert "no healthy prefill node" in r.json()["message"]
+            assert "no healthy decode node" in r.json()["message"]
+            await decodes[0].server.set_serving(True)  # decode comes back; prefill is still gone
+            await until(lambda: router.decode_pool.healthy())
+            assert (await http.get("/health")).status_code == 503
+            assert await grpc_health(router.address) == "NOT_SERVING"
 
     asyncio.run(scenario())
