@@ -21,7 +21,7 @@ from ray import serve
 from pdserve.metrics import Metrics
 from pdserve.registry import registry
 from pdserve_api import generate_pb2
-from router.openai_api import OpenAIAPI
+from router.openai_api import OpenAIAPI, add_error_handlers
 from router.server import RequestError, Router
 
 log = logging.getLogger(__name__)
@@ -82,6 +82,7 @@ def _set_error(grpc_context, e: RequestError) -> typing.NoReturn:
 # `from __future__ import annotations` in this module: FastAPI resolves `Request` from the
 # methods' annotations, which must be real classes once Serve ships the class to a replica.)
 http_app = FastAPI(title="pdserve OpenAI-compatible API", docs_url=None, redoc_url=None)
+add_error_handlers(http_app)
 
 
 @serve.deployment(name="Router", ray_actor_options={"num_cpus": 0})

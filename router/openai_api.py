@@ -4,12 +4,17 @@ POST /v1/completions, POST /v1/chat/completions (both with `stream: true` as ser
 ending in `data: [DONE]`), GET /v1/models, GET /health. Each request becomes a pdserve
 GenerateRequest and goes through `Frontend.serve` (the router's disaggregated path, or the
 colocated baseline's): same checks, same metrics, same tokens.
+
+Errors have OpenAI's shape, {"error": {"message", "type", "param", "code"}}, unknown URLs and
+wrong methods included; `param` names the request field at fault, or is null when none is (an
+overloaded or unavailable cluster).
 """
 
 from __future__ import annotations
 
 import hmac
 import json
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -17,6 +22,7 @@ from collections.abc import AsyncIterator
 import grpc
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException
 
 from pdserve_api import common_pb2, generate_pb2
 from router.frontend import Frontend, RequestError
@@ -26,11 +32,16 @@ HTTP_STATUS = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.FAILED_PRE
                grpc.StatusCode.PERMISSION_DENIED: 403, grpc.StatusCode.NOT_FOUND: 404,
                grpc.StatusCode.RESOURCE_EXHAUSTED: 429, grpc.StatusCode.CANCELLED: 499,
                grpc.StatusCode.UNAVAILABLE: 503, grpc.StatusCode.DEADLINE_EXCEEDED: 504}
-ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-              429: "rate_limit_error", 503: "service_unavailable", 504: "timeout"}
+ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
+              405: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable", 504: "timeout"}
 # OpenAI parameters with no pdserve meaning: accepted at their neutral value, refused otherwise.
 NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0, "best_of": 1, "echo": False, "suffix": None,
            "logit_bias": None, "tools": None, "tool_choice": None, "response_format": None}
+# The request fields an error's `param` may name: pdserve's error messages start with the field at
+# fault ("max_tokens must be ...", "messages[2].content ..."), or with anything else when none is.
+PARAMS = {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
+          "seed", "stop", "stop_token_ids", "logprobs", "top_logprobs", "n", "stream", "stream_options",
+          "ignore_eos", *NEUTRAL}
 
 
 class APIError(Exception):
@@ -86,8 +97,8 @@ class OpenAIAPI:
         except APIError as e:
             return JSONResponse(e.body(), status_code=e.status)
         except RequestError as e:
-            status = HTTP_STATUS.get(e.code, 500)
-            return JSONResponse(APIError(status, e.details, _param_of(e.details)).body(), status_code=status)
+            error = _api_error(e)
+            return JSONResponse(error.body(), status_code=error.status)
 
     def _authorize(self, request: Request) -> None:
         if not self.api_keys:
@@ -102,16 +113,9 @@ class OpenAIAPI:
                 raise APIError(400, f"{name} is not supported (only {neutral!r})", name)
         if body.get("n", 1) != 1:
             raise APIError(400, "n must be 1", "n")
-        req = generate_pb2.GenerateRequest(model=_field(body, "model", str, ""))
+        req = generate_pb2.GenerateRequest(model=_model(body))
         if chat:
-            messages = body.get("messages")
-            if not isinstance(messages, list) or not messages:
-                raise APIError(400, "messages must be a non-empty list", "messages")
-            try:
-                req.messages.CopyFrom(generate_pb2.ChatMessages(messages=[
-                    generate_pb2.ChatMessage(role=m["role"], content=_content(m["content"])) for m in messages]))
-            except (KeyError, TypeError, ValueError) as e:
-                raise APIError(400, f"messages: each needs a role and a text content ({e})", "messages") from None
+            req.messages.CopyFrom(generate_pb2.ChatMessages(messages=_messages(body.get("messages"))))
             logprobs = body.get("top_logprobs", 0) if body.get("logprobs") else None
             max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
         else:
@@ -182,8 +186,7 @@ class OpenAIAPI:
                     usage = _usage(msg.usage)
                 msg = await anext(parts, None)
         except RequestError as e:
-            status = HTTP_STATUS.get(e.code, 500)
-            yield f"data: {json.dumps(APIError(status, e.details).body())}\n\n"
+            yield f"data: {json.dumps(_api_error(e).body())}\n\n"
         if include_usage and usage is not None:
             yield event([], usage)
         yield "data: [DONE]\n\n"
@@ -211,7 +214,26 @@ def build_app(api: OpenAIAPI) -> FastAPI:
     app.add_api_route("/v1/chat/completions", api.chat_completions, methods=["POST"])
     app.add_api_route("/v1/models", api.models, methods=["GET"])
     app.add_api_route("/health", api.health, methods=["GET"])
+    add_error_handlers(app)
     return app
+
+
+def add_error_handlers(app: FastAPI) -> None:
+    """Unknown URLs (404) and wrong methods (405) answer in OpenAI's error shape, not FastAPI's
+    {"detail": ...}; OpenAI says "Invalid URL (GET /v1/foo)"."""
+
+    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        where = f"{request.method} {request.url.path}"
+        if exc.status_code == 404:
+            message = f"Invalid URL ({where})"
+        elif exc.status_code == 405:
+            message = f"Invalid method for URL ({where}): use {(exc.headers or {}).get('Allow', 'another method')}"
+        else:
+            message = str(exc.detail)
+        return JSONResponse(APIError(exc.status_code, message).body(), status_code=exc.status_code,
+                            headers=exc.headers)
+
+    app.add_exception_handler(HTTPException, http_error)
 
 
 async def serve_http(app: FastAPI, host: str, port: int):
@@ -241,11 +263,30 @@ async def _json(request: Request) -> dict:
     return body
 
 
-def _field(body: dict, name: str, kind, default):
-    value = body.get(name, default)
-    if value is not None and not isinstance(value, kind):
-        raise APIError(400, f"{name} must be a {kind.__name__}", name)
-    return value or default
+def _model(body: dict) -> str:
+    model = body.get("model")
+    if model is None or model == "":
+        raise APIError(400, "you must provide a model parameter", "model")  # OpenAI's words
+    if not isinstance(model, str):
+        raise APIError(400, f"model must be a string, got {model!r}", "model")
+    return model
+
+
+def _messages(messages) -> list[generate_pb2.ChatMessage]:
+    """Chat messages as pdserve's. As in OpenAI's API, an empty string is a valid content (the
+    template renders it); a missing or null content, or one that is neither a string nor a list of
+    text parts, is refused naming messages[i].content. Roles are checked by the chat template."""
+    if not isinstance(messages, list) or not messages:
+        raise APIError(400, "messages must be a non-empty list", "messages")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise APIError(400, f"messages[{i}] must be an object with a role and a content", f"messages[{i}]")
+        role = m.get("role")
+        if not isinstance(role, str):
+            raise APIError(400, f"messages[{i}].role must be a string, got {role!r}", f"messages[{i}].role")
+        out.append(generate_pb2.ChatMessage(role=role, content=_content(m.get("content"), f"messages[{i}].content")))
+    return out
 
 
 def _typed(name: str, value, kind):
@@ -256,17 +297,27 @@ def _typed(name: str, value, kind):
     return kind(value)
 
 
-def _content(content) -> str:
+def _content(content, param: str) -> str:
     if isinstance(content, str):
         return content
-    if isinstance(content, list):  # [{"type": "text", "text": ...}]
-        return "".join(part["text"] for part in content if part.get("type") == "text")
-    raise ValueError("content must be a string or a list of text parts")
+    if isinstance(content, list) and all(isinstance(part, dict) and part.get("type") == "text"
+                                         and isinstance(part.get("text"), str) for part in content):
+        return "".join(part["text"] for part in content)  # [{"type": "text", "text": ...}, ...]
+    given = "it is missing or null" if content is None else f"got {json.dumps(content)[:200]}"
+    raise APIError(400, f"{param} must be a string (it may be empty) or a list of text parts "
+                        f"[{{\"type\": \"text\", \"text\": ...}}]; {given}", param)
+
+
+def _api_error(e: RequestError) -> APIError:
+    status = HTTP_STATUS.get(e.code, 500)
+    code = "model_not_found" if e.code == grpc.StatusCode.NOT_FOUND else None
+    return APIError(status, e.details, _param_of(e.details), code)
 
 
 def _param_of(message: str) -> str | None:
+    """The field an error message names first (see PARAMS), else None."""
     head = message.split(" ", 1)[0].rstrip(":")
-    return head if head.replace("_", "").isalpha() else None
+    return head if head in PARAMS or re.fullmatch(r"messages\[\d+\](\.\w+)?", head) else None
 
 
 def _usage(u: common_pb2.Usage) -> dict:

@@ -102,21 +102,74 @@ def test_sse_framing_with_a_plain_http_client(up):
     assert all(p["object"] == "text_completion" for p in payloads)
 
 
-@pytest.mark.parametrize("kwargs, status, words", [
-    (dict(prompt="hi", max_tokens=0), 400, "max_tokens"),
-    (dict(prompt="hi", temperature=-1), 400, "temperature"),
-    (dict(prompt="hi", top_p=1.5), 400, "top_p"),
-    (dict(prompt="", max_tokens=3), 400, "prompt"),
-    (dict(prompt="hi", n=2), 400, "n must be 1"),
-    (dict(prompt="hi", model="gpt-17"), 404, "gpt-17"),
+@pytest.mark.parametrize("kwargs, status, words, param", [
+    (dict(prompt="hi", max_tokens=0), 400, "max_tokens", "max_tokens"),
+    (dict(prompt="hi", temperature=-1), 400, "temperature", "temperature"),
+    (dict(prompt="hi", top_p=1.5), 400, "top_p", "top_p"),
+    (dict(prompt="", max_tokens=3), 400, "prompt", "prompt"),
+    (dict(prompt="hi", n=2), 400, "n must be 1", "n"),
+    (dict(prompt="hi", model="gpt-17"), 404, "gpt-17", "model"),
 ])
-def test_errors_in_openai_shape(up, client, kwargs, status, words):
+def test_errors_in_openai_shape(up, client, kwargs, status, words, param):
     kwargs.setdefault("model", up[2])
     with pytest.raises(openai.APIStatusError) as err:
         client.completions.create(**kwargs)
     assert err.value.status_code == status
     body = err.value.response.json()["error"]
-    assert words in body["message"] and body["type"]
+    assert words in body["message"] and body["type"] == "invalid_request_error" and body["param"] == param
+    assert body["code"] == ("model_not_found" if status == 404 else None)
+
+
+def post(up, path: str, body: dict) -> httpx.Response:
+    return httpx.post(f"{up[0]}{path}", json=body, headers={"Authorization": "Bearer sk-test-1"}, timeout=60)
+
+
+@pytest.mark.parametrize("method, path, status, message", [
+    ("GET", "/v1/foo", 404, "Invalid URL (GET /v1/foo)"),
+    ("POST", "/v2/completions", 404, "Invalid URL (POST /v2/completions)"),
+    ("GET", "/v1/completions", 405, "Invalid method for URL (GET /v1/completions): use POST"),
+    ("DELETE", "/v1/models", 405, "Invalid method for URL (DELETE /v1/models): use GET"),
+])
+def test_unknown_urls_and_methods_in_openai_shape(up, method, path, status, message):
+    r = httpx.request(method, f"{up[0].removesuffix('/v1')}{path}", headers={"Authorization": "Bearer sk-test-1"})
+    assert r.status_code == status
+    assert r.json() == {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": None}}
+
+
+@pytest.mark.parametrize("path, extra", [("/completions", {"prompt": "hi"}),
+                                         ("/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})])
+@pytest.mark.parametrize("model, message", [(None, "you must provide a model parameter"),
+                                            ("", "you must provide a model parameter"),
+                                            (5, "model must be a string")])
+def test_model_is_required(up, path, extra, model, message):
+    body = {**extra, "max_tokens": 2} | ({} if model is None else {"model": model})
+    r = post(up, path, body)
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert error["message"].startswith(message) and error["param"] == "model"
+    assert error["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("message, param", [
+    ({"role": "user"}, "messages[0].content"),
+    ({"role": "user", "content": None}, "messages[0].content"),
+    ({"role": "user", "content": 5}, "messages[0].content"),
+    ({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}, "messages[0].content"),
+    ({"content": "hi"}, "messages[0].role"),
+    ("hi", "messages[0]"),
+])
+def test_chat_content_must_be_text(up, message, param):
+    r = post(up, "/chat/completions", {"model": up[2], "max_tokens": 2, "messages": [message]})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param and r.json()["error"]["message"].startswith(param)
+
+
+def test_chat_content_may_be_empty_as_in_openai(up, client):
+    """OpenAI's API takes "" as a content (it is a string); so does pdserve: the template renders it."""
+    for content in ("", [{"type": "text", "text": ""}]):
+        result = client.chat.completions.create(model=up[2], max_tokens=2, messages=[
+            {"role": "system", "content": content}, {"role": "user", "content": content}])
+        assert result.usage.completion_tokens >= 1 and result.usage.prompt_tokens > 0
 
 
 def test_api_keys(up):
@@ -166,6 +219,7 @@ def test_overload_is_429_and_no_node_is_503(tiny_llama):
             r = await http.post("/v1/completions", json=body)
             error = r.json()["error"]
             assert r.status_code == 503 and "no healthy decode node" in error["message"]
+            assert error["param"] is None  # no request field is at fault (it was "no")
 
     asyncio.run(scenario())
 
