@@ -80,6 +80,13 @@ def test_generate_through_the_proxy_and_the_direct_port_equals_pdserve_up(deploy
     chunks = list(http.completions.create(model=str(tiny_llama), prompt=PROMPT, max_tokens=24, temperature=0,
                                           stream=True, extra_body={"ignore_eos": True}))
     assert "".join(c.choices[0].text for c in chunks) == via_direct.text
+    # Serve's ingress keeps the app's OpenAI-shaped 404s and health.
+    import httpx
+
+    base = f"http://127.0.0.1:{config['http_options']['port']}"
+    missing = httpx.get(f"{base}/v1/foo")
+    assert missing.status_code == 404 and missing.json()["error"]["message"] == "Invalid URL (GET /v1/foo)"
+    assert httpx.get(f"{base}/health").json()["status"] == "ok"
 
 
 def run_load(address: str, concurrency: int, stop: threading.Event, prompt: list[int], **params) -> list:
