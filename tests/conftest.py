@@ -23,6 +23,13 @@ def tiny_qwen2(tmp_path_factory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"), "qwen2", seed=1)
 
 
+def pytest_report_header(config) -> str:
+    from engine.hardware import cpu_features
+
+    cpu = cpu_features()
+    return f"pdserve CPU class: {cpu.isa} ({cpu.reason}); native bf16: {cpu.native_bf16}"
+
+
 def make_engine(model: Path, **kwargs) -> LLMEngine:
     kwargs.setdefault("dtype", "float32")
     kwargs.setdefault("device", "cpu")

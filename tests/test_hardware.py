@@ -1,0 +1,102 @@
+"""The CPU class, dtype `auto` and the guarded fast paths (engine/hardware.py), checked in fresh
+processes so that each sees its own environment: the machine as it is, and the same machine told
+to act as an AVX2-only CPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+AVX2 = {"PDSERVE_CPU_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+AS_IS = ("PDSERVE_CPU_ISA", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")
+x86_only = pytest.mark.skipif(os.uname().machine not in ("x86_64", "AMD64"), reason="x86 CPU classes")
+
+PROBE = """
+import json, sys, torch
+from engine.hardware import can_prepack, cpu_features, resolve_dtype
+from engine import LLMEngine, EngineConfig
+cpu = cpu_features()
+out = {"isa": cpu.isa, "native_bf16": cpu.native_bf16, "flags": cpu.kernel_flags,
+       "auto": str(resolve_dtype("auto", torch.device("cpu"))),
+       "prepack_bf16": can_prepack(torch.bfloat16), "prepack_fp32": can_prepack(torch.float32)}
+if len(sys.argv) > 1:
+    for dtype in ("auto", "bfloat16"):
+        e = LLMEngine(EngineConfig(model=sys.argv[1], dtype=dtype, device="cpu", num_kv_blocks=32, block_size=4))
+        from engine import SamplingParams
+        e.add_request("r", [1, 2, 3], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+        while e.has_unfinished():
+            e.step()
+        out[dtype] = {"dtype": str(e.dtype), "packed": e.runner.model.w.layers[0].qkv.packed is not None,
+                      "kernels": e.runner.use_cpu_kernels}
+print(json.dumps(out))
+"""
+
+
+def probe(env: dict, *args: str) -> dict:
+    full = {k: v for k, v in os.environ.items() if k not in AS_IS} | env
+    r = subprocess.run([sys.executable, "-c", PROBE, *args], capture_output=True, text=True, env=full,
+                       cwd=ROOT, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1]) | {"stderr": r.stderr}
+
+
+@x86_only
+def test_acting_as_avx2_picks_fp32_and_skips_bf16_prepack():
+    got = probe(AVX2)
+    assert got["isa"] == "avx2" and not got["native_bf16"]
+    assert got["auto"] == "torch.float32"
+    assert not got["prepack_bf16"] and got["prepack_fp32"]
+    assert "-mavx2" in got["flags"] and not any(f.startswith("-mavx512") for f in got["flags"])
+
+
+@x86_only
+def test_acting_as_avx2_runs_both_dtypes(tiny_llama):
+    got = probe(AVX2, str(tiny_llama))
+    assert got["auto"]["dtype"] == "torch.float32" and got["auto"]["packed"]
+    assert got["bfloat16"]["dtype"] == "torch.bfloat16" and not got["bfloat16"]["packed"]
+    assert "without native bfloat16" in got["stderr"] and "several times slower" in got["stderr"]
+
+
+def test_the_machine_as_it_is():
+    got = probe({})
+    assert got["auto"] == ("torch.bfloat16" if got["native_bf16"] else "torch.float32")
+    if got["isa"] in ("amx", "avx512_bf16"):
+        assert got["native_bf16"] and got["prepack_bf16"]
+    if got["isa"] in ("avx2", "generic"):
+        assert not got["native_bf16"] and not got["prepack_bf16"]
+
+
+@x86_only
+def test_the_override_lowers_the_class_never_raises_it():
+    real = probe({})["isa"]
+    assert probe({"PDSERVE_CPU_ISA": "amx"})["isa"] == real
+    generic = probe({"PDSERVE_CPU_ISA": "generic"})
+    assert generic["isa"] == "generic" and generic["flags"] == [] and generic["auto"] == "torch.float32"
+
+
+def test_a_bad_override_names_the_variable():
+    full = os.environ | {"PDSERVE_CPU_ISA": "avx9000"}
+    r = subprocess.run([sys.executable, "-c", "from engine.hardware import cpu_features; cpu_features()"],
+                       capture_output=True, text=True, env=full, cwd=ROOT, timeout=120)
+    assert r.returncode != 0 and "PDSERVE_CPU_ISA must be one of" in r.stderr and "avx9000" in r.stderr
+
+
+def test_auto_is_logged_once_with_its_reason(caplog):
+    import logging
+
+    import torch
+
+    from engine.hardware import cpu_features, resolve_dtype
+
+    caplog.set_level(logging.INFO, logger="engine.hardware")
+    for _ in range(3):
+        resolve_dtype("auto", torch.device("cpu"))
+    lines = [r.getMessage() for r in caplog.records if "dtype auto" in r.getMessage()]
+    assert len(lines) <= 1  # logged once per process: an earlier test may already have
+    assert all(cpu_features().isa in line for line in lines)
