@@ -32,6 +32,7 @@ from engine.model_source import resolve_model
 from kvtransfer.grpc_stream import GrpcStreamReader
 from kvtransfer.layout import KVLayout, aligned_runs, model_fingerprint
 from kvtransfer.shm import ShmReader
+from pdserve.cli import HelpFormatter
 from pdserve_api import common_pb2, nodes_pb2, nodes_pb2_grpc
 
 NODE_ARGS = ["--dtype", "bfloat16", "--kv-cache-gb", "0.25", "--block-size", "16"]
@@ -181,10 +182,10 @@ async def bench_transports(args, prefill_addr: str, model_dir, prompt: list[int]
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(prog="python -m kvtransfer.bench")
-    ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--tokens", type=int, default=1000)
-    ap.add_argument("--repeat", type=int, default=10)
+    ap = argparse.ArgumentParser(prog="python -m kvtransfer.bench", formatter_class=HelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m", help="whose KV to move")
+    ap.add_argument("--tokens", type=int, default=1000, help="prompt length: the KV of this many tokens moves")
+    ap.add_argument("--repeat", type=int, default=10, help="reads per transport (the median is reported)")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
     model_dir = resolve_model(args.model)

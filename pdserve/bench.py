@@ -153,17 +153,18 @@ async def bench(args) -> list[dict]:
 
 def add_args(p) -> None:
     p.add_argument("--addr", required=True, help="HOST:PORT of a pdserve router (or Ray Serve proxy)")
-    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--num-requests", type=int, default=64, help="requests per rate (or in the closed loop)")
     p.add_argument("--rate", default=None,
                    help="requests/s (open loop); 'inf' sends all at once; a comma-separated list sweeps")
-    p.add_argument("--arrival", choices=["poisson", "constant"], default="poisson")
+    p.add_argument("--arrival", choices=["poisson", "constant"], default="poisson",
+                   help="inter-arrival times at a --rate")
     p.add_argument("--concurrency", type=int, default=None,
                    help="closed loop without --rate; with --rate, a cap on requests in flight")
     p.add_argument("--prompt-len", default="uniform:200:400", help="N, uniform:A:B or normal:MEAN:STD tokens")
     p.add_argument("--output-len", default="128", help="N, uniform:A:B or normal:MEAN:STD tokens")
     p.add_argument("--dataset", help="JSONL of prompts: {'prompt': text} or {'prompt_token_ids': [...]}, "
                                      "optional 'max_tokens'")
-    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 is greedy")
     p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
                    help="stop at EOS (default: generate exactly the output length)")
     p.add_argument("--slo-ttft", type=float, default=None, help="seconds; goodput counts requests within it")
@@ -172,7 +173,7 @@ def add_args(p) -> None:
     p.add_argument("--plot", help="write PNG plots into this directory")
     p.add_argument("--application", help="Ray Serve application name (metadata through Serve's proxy)")
     p.add_argument("--timeout", type=float, default=600.0, help="per-request deadline in seconds")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the workload's draws (prompts, lengths, arrivals)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 

@@ -6,19 +6,42 @@ import argparse
 import sys
 import time
 
+DTYPE_HELP = "auto: bfloat16 on CUDA and on CPUs with native bf16 (AMX or AVX512_BF16), float32 on other CPUs"
 
-def add_engine_args(p: argparse.ArgumentParser) -> None:
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """--help shows every option's default: a help text that names its default in words
+    ("default: torch's choice") keeps it; unset means "none", a flag's default is "off"; a
+    required option says so."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.required:
+            return f"{text} (required)".lstrip()
+        if "default:" in text or not action.option_strings or action.default is argparse.SUPPRESS:
+            return text
+        if action.nargs == 0:  # store_true / store_false: the flag is not given
+            shown = "off"
+        elif action.default is None or action.default == []:
+            shown = "none"
+        else:
+            shown = "%(default)s"
+        return f"{text} (default: {shown})".lstrip()
+
+
+def add_engine_args(p: argparse.ArgumentParser, num_threads_default: str = "torch's choice") -> None:
     p.add_argument("--model", default="smollm2-135m",
                    help="short name (smollm2-135m), a Hugging Face directory, or a .gguf file")
-    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"], help=DTYPE_HELP)
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     p.add_argument("--kv-cache-gb", type=float, default=1.0, help="memory for the KV cache")
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=4096)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    p.add_argument("--cpus", default=None, help="pin the process to these cores, e.g. 0 or 0-1")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="sequences in one decode batch at most")
+    p.add_argument("--max-num-batched-tokens", type=int, default=4096, help="tokens in one forward at most")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt + output in tokens (default: the model's context length)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
+    p.add_argument("--num-threads", type=int, default=None, help=f"torch threads (default: {num_threads_default})")
+    p.add_argument("--cpus", default=None, help="pin the process to these cores, e.g. 0 or 0-1 (default: not pinned)")
 
 
 def add_security_args(p: argparse.ArgumentParser, public: bool = False) -> None:
@@ -62,11 +85,12 @@ def engine_config(args):
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 is greedy")
+    p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens; 0 disables it")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: the smallest set of tokens "
+                   "whose probability reaches p; 1 disables it")
+    p.add_argument("--seed", type=int, default=None, help="per-request seed: the same seed gives the same tokens")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
 
@@ -124,8 +148,8 @@ def cmd_generate(args) -> int:
         security = Security.from_files(ca=args.tls_ca, token_file=args.token_file)
         stream_answer(args.addr, args.prompt, chat=not args.raw, as_json=args.json, timeout=args.timeout,
                       metadata=metadata, security=security, **sampling)
-    except grpc.RpcError as e:
-        print(f"pdserve: error: {e.code().name}: {e.details()}", file=sys.stderr)
+    except grpc.RpcError as e:  # stream_answer ended any streamed text with a newline
+        print(f"pdserve: error: {e.code().name}: {' '.join((e.details() or '').split())}", file=sys.stderr)
         return 1
     return 0
 
@@ -146,13 +170,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode LLM serving.")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("up", help="start a router + prefill and decode node processes on this host")
+    def command(name: str, help: str, description: str = "") -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=help, description=f"{help[0].upper()}{help[1:]}. {description}".strip(),
+                              formatter_class=HelpFormatter)
+
+    p = command("up", "start a router + prefill and decode node processes on this host")
     p.add_argument("--prefill", type=int, default=1, help="prefill node processes")
     p.add_argument("--decode", type=int, default=1, help="decode node processes")
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1", help="the interface every process listens on")
     p.add_argument("--port", type=int, default=50051, help="the router's gRPC port")
-    p.add_argument("--kv-transport", default="auto", choices=["auto", "shm", "grpc"])
-    p.add_argument("--ask", help="ask this question once the cluster is up, stream the answer, then stop")
+    p.add_argument("--kv-transport", default="auto", choices=["auto", "shm", "grpc"],
+                   help="auto: shared memory when prefill and decode nodes share a host, else gRPC")
+    p.add_argument("--ask", help="ask this question once the cluster is up, stream the answer, then stop "
+                   "(default: serve until Ctrl-C)")
     p.add_argument("--metrics-port", type=int, default=None,
                    help="Prometheus /metrics: the router on this port, the nodes on the next ones")
     p.add_argument("--pin-cpus", action="store_true", help="give each node process its own core (round robin)")
@@ -161,42 +191,45 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--http-port", type=int, default=None,
                    help="also serve the OpenAI-compatible HTTP API on this port (0: any)")
     p.add_argument("--api-key-file", default=None,
-                   help="HTTP API keys, one per line: clients must send Authorization: Bearer <key>")
+                   help="HTTP API keys, one per line: clients must send Authorization: Bearer <key> "
+                        "(default: none, the API is open)")
     p.add_argument("--max-outstanding", type=int, default=1024,
                    help="requests in flight at the router before RESOURCE_EXHAUSTED")
-    add_engine_args(p)
+    add_engine_args(p, num_threads_default="the cores divided among the node processes")
     add_security_args(p, public=True)
     p.set_defaults(func=cmd_up)
 
-    p = sub.add_parser("serve", help="deploy pdserve on a Ray cluster (Ray Serve), from a Serve config file")
+    p = command("serve", "deploy pdserve on a Ray cluster (Ray Serve), from a Serve config file")
     p.add_argument("--config", default=None, help="Serve config (default: deploy/serve_config.yaml)")
     p.add_argument("--address", default=None,
-                   help="an existing Ray cluster (e.g. auto or HOST:6379); without it a local one is started "
-                        "and stopped with Ctrl-C")
+                   help="an existing Ray cluster (e.g. auto or HOST:6379) (default: a local one, started here "
+                        "and stopped with Ctrl-C)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the application to run")
     p.set_defaults(func=cmd_serve)
 
-    p = sub.add_parser("bench", help="load-test a pdserve address: TTFT, TPOT, latency, TPS, QPS, goodput")
+    p = command("bench", "load-test a pdserve address: TTFT, TPOT, latency, TPS, QPS, goodput")
     from pdserve.bench import add_args as add_bench_args
 
     add_bench_args(p)
     p.set_defaults(func=cmd_bench)
 
-    p = sub.add_parser("generate", help="ask a running pdserve router; streams the answer")
-    p.add_argument("prompt")
+    p = command("generate", "ask a running pdserve router; streams the answer",
+                "Decoding is greedy (temperature 0) unless --temperature is given.")
+    p.add_argument("prompt", help="the question (sent as a user message unless --raw)")
     p.add_argument("--addr", default="127.0.0.1:50051", help="the router's HOST:PORT")
     p.add_argument("--json", action="store_true", help="print one JSON object (text, token_ids, usage) at the end")
     p.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
     p.add_argument("--application", default=None,
                    help="through Ray Serve's gRPC proxy: the application name (sent as metadata)")
-    p.add_argument("--tls-ca", help="trust this CA for a TLS router")
+    p.add_argument("--tls-ca", help="trust this CA for a TLS router (default: plaintext)")
     p.add_argument("--token-file", help="bearer token the router expects")
     add_sampling_args(p)
     p.set_defaults(func=cmd_generate)
 
-    p = sub.add_parser("generate-offline", help="run the engine in this process on one prompt")
-    p.add_argument("prompt")
+    p = command("generate-offline", "run the engine in this process on one prompt",
+                "Decoding is greedy (temperature 0) unless --temperature is given.")
+    p.add_argument("prompt", help="the question (chat template applied unless --raw)")
     p.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     add_engine_args(p)
     add_sampling_args(p)

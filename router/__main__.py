@@ -3,20 +3,23 @@
 import argparse
 import asyncio
 
-from pdserve.cli import add_security_args, internal_security, public_security
+from pdserve.cli import HelpFormatter, add_security_args, internal_security, public_security
 from pdserve.process import run_until_signalled, setup_logging
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(prog="router")
-    ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=50051)
-    ap.add_argument("--model", default="smollm2-135m")
+    ap = argparse.ArgumentParser(prog="router", formatter_class=HelpFormatter)
+    ap.add_argument("--host", default="127.0.0.1", help="the interface to listen on")
+    ap.add_argument("--port", type=int, default=50051, help="the gRPC port (0: any)")
+    ap.add_argument("--model", default="smollm2-135m", help="the model the nodes serve (its tokenizer and limits)")
     ap.add_argument("--prefill", required=True, help="comma-separated prefill node addresses")
     ap.add_argument("--decode", required=True, help="comma-separated decode node addresses")
-    ap.add_argument("--max-model-len", type=int, default=None)
-    ap.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics here (0: any port)")
-    ap.add_argument("--http-port", type=int, default=None, help="also serve the OpenAI-compatible HTTP API here")
+    ap.add_argument("--max-model-len", type=int, default=None,
+                    help="longest prompt + output in tokens (default: the model's context length)")
+    ap.add_argument("--metrics-port", type=int, default=None,
+                    help="serve Prometheus /metrics here (0: any port) (default: no metrics server)")
+    ap.add_argument("--http-port", type=int, default=None,
+                    help="also serve the OpenAI-compatible HTTP API here (default: gRPC only)")
     add_security_args(ap, public=True)
     args = ap.parse_args()
     setup_logging()

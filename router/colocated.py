@@ -73,13 +73,14 @@ class ColocatedServer(Frontend):
 def main() -> None:
     import argparse
 
-    from pdserve.cli import add_engine_args, engine_config
+    from pdserve.cli import HelpFormatter, add_engine_args, engine_config
     from pdserve.process import pin_cpus, run_until_signalled, setup_logging
 
-    ap = argparse.ArgumentParser(prog="router.colocated")
-    ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=0)
-    ap.add_argument("--metrics-port", type=int, default=None)
+    ap = argparse.ArgumentParser(prog="router.colocated", formatter_class=HelpFormatter)
+    ap.add_argument("--host", default="127.0.0.1", help="the interface to listen on")
+    ap.add_argument("--port", type=int, default=0, help="the gRPC port (0: any, printed in the READY line)")
+    ap.add_argument("--metrics-port", type=int, default=None,
+                    help="serve Prometheus /metrics here (0: any port) (default: no metrics server)")
     add_engine_args(ap)
     args = ap.parse_args()
     setup_logging()

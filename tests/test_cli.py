@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import re
 import subprocess
 import sys
+
+import pytest
 
 
 def run(*args):
@@ -64,3 +68,56 @@ def test_up_then_generate_streams_and_stops_cleanly(tiny_llama):
     assert not any(c.is_running() and c.status() != psutil.STATUS_ZOMBIE for c in children)
     pids = {str(c.pid) for c in children}
     assert not [p for p in Path("/dev/shm").glob("pdserve-kv-*") if p.name.split("-")[2] in pids]
+
+
+COMMANDS = [["pdserve", "up"], ["pdserve", "serve"], ["pdserve", "bench"], ["pdserve", "generate"],
+            ["pdserve", "generate-offline"], ["prefill_node"], ["decode_node"], ["router"], ["router.colocated"],
+            ["kvtransfer.bench"]]
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=" ".join)
+def test_help_shows_every_default(command):
+    r = subprocess.run([sys.executable, "-m", *command, "--help"], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "COLUMNS": "200"})
+    assert r.returncode == 0, r.stderr
+    options, block = [], None
+    for line in r.stdout.splitlines():  # an option's block: its "  --flag" line and the indented lines after it
+        if line.startswith("  -"):
+            block = [line]
+            options.append(block)
+        elif line.startswith("   ") and block is not None:
+            block.append(line)
+        else:
+            block = None
+    assert len(options) > 3
+    undocumented = [b[0].split()[0] for b in options
+                    if not b[0].startswith("  -h,") and not re.search(r"\((default: .+|required)\)", " ".join(b))]
+    assert not undocumented, r.stdout
+    if command[-1].startswith("generate"):
+        assert "greedy (temperature 0) unless --temperature is given" in " ".join(r.stdout.split())
+    if "--dtype" in r.stdout:
+        assert ("auto: bfloat16 on CUDA and on CPUs with native bf16 (AMX or AVX512_BF16), float32 on other CPUs"
+                in " ".join(r.stdout.split()))
+
+
+def test_generate_puts_an_error_after_streamed_text_on_its_own_line(tiny_llama):
+    """With every decode node gone, the prefill's first token still streams; then the error."""
+    import asyncio
+
+    from cluster import local_cluster
+
+    async def scenario():
+        async with local_cluster(tiny_llama) as (router, prefills, decodes):
+            await decodes[0].server.set_serving(False)
+            while router.decode_pool.healthy():
+                await asyncio.sleep(0.05)
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "pdserve", "generate", "--addr", router.address, "--raw", "--max-tokens", "8",
+                "Hello world", stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            out, err = await asyncio.wait_for(proc.communicate(), 120)
+            return proc.returncode, out.decode(), err.decode()
+
+    code, out, err = asyncio.run(scenario())
+    assert code == 1
+    assert out.strip() and out.endswith("\n")  # the first token, then a newline before the error
+    assert err.count("\n") == 1 and err.startswith("pdserve: error: UNAVAILABLE: no healthy decode node (of 1: "), err
