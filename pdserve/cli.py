@@ -101,6 +101,11 @@ def sampling_params(args):
                           top_p=args.top_p, seed=args.seed, stop=args.stop)
 
 
+def rpc_error(e) -> str:
+    """A gRPC error as one line: 'STATUS: details'."""
+    return f"{e.code().name}: {' '.join((e.details() or '').split())}"
+
+
 def cmd_generate_offline(args) -> int:
     from engine import LLM
     from engine.tokenizer import apply_chat_template
@@ -125,11 +130,19 @@ def cmd_generate_offline(args) -> int:
 def cmd_up(args) -> int:
     import asyncio
 
+    import grpc
+
     from pdserve.process import setup_logging
-    from pdserve.up import up
+    from pdserve.up import NodeFailed, up
 
     setup_logging("WARNING")
-    return asyncio.run(up(args))
+    try:
+        return asyncio.run(up(args))
+    except (NodeFailed, OSError) as e:  # one line, not a traceback (a node's is in its log)
+        print(f"pdserve up: error: {e}", file=sys.stderr)
+    except grpc.RpcError as e:  # --ask
+        print(f"pdserve up: error: {rpc_error(e)}", file=sys.stderr)
+    return 1
 
 
 def cmd_generate(args) -> int:
@@ -149,7 +162,7 @@ def cmd_generate(args) -> int:
         stream_answer(args.addr, args.prompt, chat=not args.raw, as_json=args.json, timeout=args.timeout,
                       metadata=metadata, security=security, **sampling)
     except grpc.RpcError as e:  # stream_answer ended any streamed text with a newline
-        print(f"pdserve: error: {e.code().name}: {' '.join((e.details() or '').split())}", file=sys.stderr)
+        print(f"pdserve: error: {rpc_error(e)}", file=sys.stderr)
         return 1
     return 0
 
@@ -174,7 +187,8 @@ def main(argv: list[str] | None = None) -> int:
         return sub.add_parser(name, help=help, description=f"{help[0].upper()}{help[1:]}. {description}".strip(),
                               formatter_class=HelpFormatter)
 
-    p = command("up", "start a router + prefill and decode node processes on this host")
+    p = command("up", "start a router + prefill and decode node processes on this host",
+                "Stops everything, exiting 1, when a node process exits; node logs go to --log-dir.")
     p.add_argument("--prefill", type=int, default=1, help="prefill node processes")
     p.add_argument("--decode", type=int, default=1, help="decode node processes")
     p.add_argument("--host", default="127.0.0.1", help="the interface every process listens on")
@@ -195,6 +209,9 @@ def main(argv: list[str] | None = None) -> int:
                         "(default: none, the API is open)")
     p.add_argument("--max-outstanding", type=int, default=1024,
                    help="requests in flight at the router before RESOURCE_EXHAUSTED")
+    p.add_argument("--log-dir", default=None,
+                   help="each node's log (its stderr) goes to <role>-<index>.log here (default: a new temporary "
+                        "directory, printed at start)")
     add_engine_args(p, num_threads_default="the cores divided among the node processes")
     add_security_args(p, public=True)
     p.set_defaults(func=cmd_up)

@@ -31,9 +31,12 @@ class GrpcServer:
         self.host = host
         creds = security.server_credentials()
         target = f"{host}:{port}"
-        self.port = self.server.add_secure_port(target, creds) if creds else self.server.add_insecure_port(target)
+        try:
+            self.port = self.server.add_secure_port(target, creds) if creds else self.server.add_insecure_port(target)
+        except RuntimeError:  # grpc's word for a port in use or an address not on this host
+            self.port = 0
         if self.port == 0:
-            raise OSError(f"could not bind {host}:{port}")
+            raise OSError(f"could not bind {target} (in use, or not an address of this host)")
 
     @property
     def address(self) -> str:

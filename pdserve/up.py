@@ -1,34 +1,55 @@
 """`pdserve up`: a router plus N prefill and M decode node processes on this host.
 
 Each node is its own process (`python -m prefill_node` / `python -m decode_node`, port chosen
-by the OS and announced on its READY line); the router runs in this process. Ctrl-C or SIGTERM
-stops the router, then every node by its PID (SIGTERM, then SIGKILL after a grace period).
+by the OS and announced on its READY line; its stderr, where it logs, goes to
+`<log dir>/<role>-<index>.log`); the router runs in this process. Once every node is ready, one
+line per node gives its role, address, PID and log.
+
+A node that exits, before it is ready or while serving, stops everything: `pdserve up` prints
+one line naming the node (role, index, PID, exit code) with the error line of its log (e.g.
+`ValueError: ...`, not the traceback, which stays in the log), stops the others by PID and exits
+1. Restarting the node instead would hide a crash loop and need the router to learn a new port;
+a supervisor (systemd, Kubernetes) restarts the whole of `pdserve up` better.
+
+Ctrl-C or SIGTERM stops the router, then every node by its PID (SIGTERM, then SIGKILL after a
+grace period).
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import sys
+import tempfile
+from pathlib import Path
 
 READY_TIMEOUT_S = 600.0  # the first start converts the model
 STOP_GRACE_S = 10.0
+# The last line of a Python traceback: "ValueError: ...", "torch.OutOfMemoryError: ...".
+ERROR_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\b")
+
+
+class NodeFailed(RuntimeError):
+    """A node process exited or never became ready; the message is one line saying why."""
 
 
 class Node:
-    def __init__(self, role: str, index: int, proc: asyncio.subprocess.Process):
-        self.role, self.index, self.proc = role, index, proc
+    def __init__(self, role: str, index: int, proc: asyncio.subprocess.Process, log: Path):
+        self.role, self.index, self.proc, self.log = role, index, proc, log
         self.address = ""
         self.metrics = ""
         self._pump: asyncio.Task | None = None
+
+    def __str__(self) -> str:
+        return f"{self.role} node {self.index} (pid {self.proc.pid}{', ' + self.address if self.address else ''})"
 
     async def wait_ready(self) -> str:
         while True:
             line = await self.proc.stdout.readline()
             if not line:
-                raise RuntimeError(f"{self.role} node {self.index} exited (code {await self.proc.wait()}) "
-                                   "before it was ready")
+                raise NodeFailed(self.exit_message(await self.proc.wait(), "before it was ready"))
             text = line.decode().rstrip()
             if text.startswith("READY "):
                 self.address = text.split()[1]
@@ -36,6 +57,12 @@ class Node:
                 self._pump = asyncio.create_task(self._forward_output())
                 return self.address
             print(f"[{self.role}-{self.index}] {text}", file=sys.stderr)
+
+    def exit_message(self, code: int, when: str = "") -> str:
+        """One line: which node, its exit code (or signal), the error line of its log, the log."""
+        how = f"code {code}" + (f" ({signal.Signals(-code).name})" if code < 0 else "")
+        error = last_error(self.log)
+        return f"{self} exited with {how}{' ' + when if when else ''}{': ' + error if error else ''} (log: {self.log})"
 
     async def _forward_output(self) -> None:
         async for line in self.proc.stdout:
@@ -51,6 +78,28 @@ class Node:
                 await self.proc.wait()
         if self._pump:
             self._pump.cancel()
+
+
+def last_error(log: Path, tail_bytes: int = 65536) -> str:
+    """The last line of a node's log that states an exception ("" if none: e.g. it was killed)."""
+    try:
+        with open(log, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - tail_bytes))
+            lines = f.read().decode(errors="replace").splitlines()
+    except OSError:
+        return ""
+    return next((line.strip() for line in reversed(lines) if ERROR_LINE.match(line)), "")
+
+
+async def first_exit(nodes: list[Node]) -> Node:
+    """The first node whose process exits."""
+    waits = {asyncio.ensure_future(n.proc.wait()): n for n in nodes}
+    try:
+        done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        return waits[done.pop()]
+    finally:
+        for w in waits:
+            w.cancel()
 
 
 def read_keys(path: str | None) -> tuple[str, ...]:
@@ -71,8 +120,12 @@ def node_args(args, threads: int, metrics_port: int | None) -> list[str]:
             *(["--metrics-port", str(metrics_port)] if metrics_port is not None else [])]
 
 
-async def start_nodes(args) -> list[Node]:
+async def start_nodes(args, stop: asyncio.Event) -> list[Node]:
+    """Starts every node and waits until all are ready; [] if `stop` is set first. Raises
+    NodeFailed (having stopped the others) when one exits, or is not ready in time."""
     threads = args.num_threads or max(1, (os.cpu_count() or 1) // (args.prefill + args.decode))
+    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="pdserve-up-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
     nodes = []
     for role, count in (("prefill", args.prefill), ("decode", args.decode)):
         module = f"{role}_node"
@@ -82,16 +135,33 @@ async def start_nodes(args) -> list[Node]:
             metrics_port = args.metrics_port + 1 + len(nodes) if args.metrics_port else None
             if args.pin_cpus:
                 extra += ["--cpus", str(len(nodes) % (os.cpu_count() or 1))]
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", module, "--host", args.host, "--port", "0",
-                *node_args(args, threads, metrics_port), *extra, *security_args(args), stdout=asyncio.subprocess.PIPE)
-            nodes.append(Node(role, i, proc))
+            log = log_dir / f"{role}-{i}.log"
+            with open(log, "wb") as stderr:  # the child keeps its own descriptor
+                proc = await asyncio.create_subprocess_exec(
+                    sys.executable, "-m", module, "--host", args.host, "--port", "0",
+                    *node_args(args, threads, metrics_port), *extra, *security_args(args),
+                    stdout=asyncio.subprocess.PIPE, stderr=stderr)
+            nodes.append(Node(role, i, proc, log))
+    ready = [asyncio.ensure_future(n.wait_ready()) for n in nodes]
+    all_ready = asyncio.gather(*ready)
+    stopped = asyncio.ensure_future(stop.wait())
     try:
-        await asyncio.wait_for(asyncio.gather(*(n.wait_ready() for n in nodes)), READY_TIMEOUT_S)
+        done, _ = await asyncio.wait([all_ready, stopped], timeout=READY_TIMEOUT_S,
+                                     return_when=asyncio.FIRST_COMPLETED)
+        if all_ready in done:
+            all_ready.result()  # raises the first node's NodeFailed
+            return nodes
+        if stopped not in done:
+            late = ", ".join(str(n) for n, t in zip(nodes, ready) if not t.done())
+            raise NodeFailed(f"{late} not ready after {READY_TIMEOUT_S:.0f} s (logs in {log_dir})")
     except BaseException:
         await asyncio.gather(*(n.stop() for n in nodes))
         raise
-    return nodes
+    finally:
+        for t in [*ready, stopped]:
+            t.cancel()
+    await asyncio.gather(*(n.stop() for n in nodes))  # Ctrl-C while starting
+    return []
 
 
 async def up(args) -> int:
@@ -104,7 +174,9 @@ async def up(args) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    nodes = await start_nodes(args)
+    nodes = await start_nodes(args, stop)
+    if not nodes:
+        return 0
     router = None
     try:
         router = Router(args.model, [n.address for n in nodes if n.role == "prefill"],
@@ -113,21 +185,33 @@ async def up(args) -> int:
                         max_outstanding=args.max_outstanding, rate_limit=args.rate_limit, http_port=args.http_port,
                         api_keys=read_keys(args.api_key_file))
         await router.start()
+        for n in nodes:
+            print(f"pdserve up: {n.role} node {n.index} on {n.address}, pid {n.proc.pid}, log {n.log}",
+                  file=sys.stderr)
         if router.http_address:
-            print(f"pdserve up: OpenAI-compatible HTTP API on http://{router.http_address}/v1", file=sys.stderr,
-                  flush=True)
+            print(f"pdserve up: OpenAI-compatible HTTP API on http://{router.http_address}/v1", file=sys.stderr)
         metrics = f"; metrics on ports {router.metrics.serve(args.metrics_port)}-{args.metrics_port + len(nodes)}" \
             if args.metrics_port else ""
-        print(f"pdserve up: router on {router.address} serving {args.model}{metrics}; "
-              f"prefill {', '.join(n.address for n in nodes if n.role == 'prefill')}; "
-              f"decode {', '.join(n.address for n in nodes if n.role == 'decode')}", file=sys.stderr, flush=True)
+        print(f"pdserve up: router on {router.address} serving {args.model}{metrics}, pid {os.getpid()}",
+              file=sys.stderr, flush=True)
         if args.ask:
             from pdserve.generate import stream_answer
 
-            await asyncio.to_thread(stream_answer, router.address, args.ask, max_tokens=args.max_tokens)
-            return 0
-        print("Ctrl-C stops everything.", file=sys.stderr, flush=True)
-        await stop.wait()
+            work = asyncio.ensure_future(asyncio.to_thread(stream_answer, router.address, args.ask,
+                                                           max_tokens=args.max_tokens))
+        else:
+            print("Ctrl-C stops everything.", file=sys.stderr, flush=True)
+            work = asyncio.ensure_future(stop.wait())
+        exited = asyncio.ensure_future(first_exit(nodes))
+        await asyncio.wait([work, exited], return_when=asyncio.FIRST_COMPLETED)
+        if exited.done():
+            work.cancel()
+            node = exited.result()
+            print(f"pdserve up: {node.exit_message(node.proc.returncode)}; stopping the others", file=sys.stderr,
+                  flush=True)
+            return 1
+        exited.cancel()
+        work.result()  # the answer's error, if any
         return 0
     finally:
         if router is not None:

@@ -237,19 +237,25 @@ def add_error_handlers(app: FastAPI) -> None:
 
 
 async def serve_http(app: FastAPI, host: str, port: int):
-    """Runs the app with uvicorn on the current event loop; returns (server, task, bound port)."""
+    """Runs the app with uvicorn on the current event loop; returns (server, task, bound port).
+    Raises OSError when the port cannot be bound (uvicorn itself would exit the process)."""
     import asyncio
+    import os
+    import socket
 
     import uvicorn
 
+    try:
+        sock = socket.create_server((host, port))
+    except OSError as e:
+        raise OSError(f"could not serve HTTP on {host}:{port}: {os.strerror(e.errno) if e.errno else e}") from None
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off"))
-    task = asyncio.create_task(server.serve())
+    task = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started:
         if task.done():
             task.result()  # raises why it could not start
         await asyncio.sleep(0.01)
-    bound = server.servers[0].sockets[0].getsockname()[1]
-    return server, task, bound
+    return server, task, sock.getsockname()[1]
 
 
 # ---- helpers ------------------------------------------------------------------------------

@@ -53,7 +53,8 @@ def test_max_concurrency():
 
 def test_bench_end_to_end_against_pdserve_up(tiny_llama, tmp_path):
     up = subprocess.Popen([sys.executable, "-m", "pdserve", "up", "--model", str(tiny_llama), "--port", "0",
-                           "--dtype", "float32", "--kv-cache-gb", "0.01", "--block-size", "4", "--num-threads", "1"],
+                           "--dtype", "float32", "--kv-cache-gb", "0.01", "--block-size", "4", "--num-threads", "1",
+                           "--log-dir", str(tmp_path / "logs")],
                           stderr=subprocess.PIPE, text=True)
     try:
         address = next(line.split()[4] for line in up.stderr if line.startswith("pdserve up: router on "))

@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+
+UP = [sys.executable, "-m", "pdserve", "up", "--port", "0", "--dtype", "float32", "--kv-cache-gb", "0.01",
+      "--block-size", "4", "--num-threads", "1"]
 
 
 def run(*args):
@@ -26,24 +31,22 @@ def test_generate_offline_reports_bad_input():
     assert "unknown model name or path 'nope'" in r.stderr
 
 
-def test_up_then_generate_streams_and_stops_cleanly(tiny_llama):
+def test_up_then_generate_streams_and_stops_cleanly(tiny_llama, tmp_path):
     """`pdserve up` starts real node processes; `pdserve generate` asks it; SIGTERM stops them all."""
     import json
-    import signal
     import threading
-    from pathlib import Path
 
     import psutil
 
     from conftest import make_engine, run_to_completion
     from engine import SamplingParams
 
-    up = subprocess.Popen([sys.executable, "-m", "pdserve", "up", "--model", str(tiny_llama), "--port", "0",
-                           "--dtype", "float32", "--kv-cache-gb", "0.01", "--block-size", "4", "--num-threads", "1"],
+    up = subprocess.Popen([*UP, "--model", str(tiny_llama), "--log-dir", str(tmp_path)],
                           stderr=subprocess.PIPE, text=True)
     try:
-        address = None
+        address, node_lines = None, []
         for line in up.stderr:
+            node_lines += re.findall(r"^pdserve up: (\w+) node 0 on (\S+), pid (\d+), log (\S+)$", line)
             if line.startswith("pdserve up: router on "):
                 address = line.split()[4]
                 break
@@ -51,6 +54,9 @@ def test_up_then_generate_streams_and_stops_cleanly(tiny_llama):
         threading.Thread(target=up.stderr.read, daemon=True).start()  # keep the pipe drained
         children = psutil.Process(up.pid).children(recursive=True)
         assert len(children) == 2
+        assert {role for role, *_ in node_lines} == {"prefill", "decode"}
+        assert {int(pid) for _, _, pid, _ in node_lines} == {c.pid for c in children}
+        assert all(Path(log).is_file() for *_, log in node_lines)
         r = run("generate", "--addr", address, "--json", "--raw", "--max-tokens", "8", "--temperature", "0",
                 "Hello world")
         assert r.returncode == 0, r.stderr
@@ -121,3 +127,54 @@ def test_generate_puts_an_error_after_streamed_text_on_its_own_line(tiny_llama):
     assert code == 1
     assert out.strip() and out.endswith("\n")  # the first token, then a newline before the error
     assert err.count("\n") == 1 and err.startswith("pdserve: error: UNAVAILABLE: no healthy decode node (of 1: "), err
+
+
+def test_up_says_in_one_line_why_a_node_did_not_start(tiny_llama, tmp_path):
+    r = subprocess.run([*UP, "--model", str(tiny_llama), "--max-num-seqs", "0", "--log-dir", str(tmp_path)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1
+    [line] = r.stderr.splitlines()  # no traceback: that stays in the node's log
+    assert re.fullmatch(r"pdserve up: error: (prefill|decode) node 0 \(pid \d+\) exited with code 1 before it was "
+                        r"ready: ValueError: max_num_seqs must be >= 1, got 0 \(log: \S+\.log\)", line), line
+    log = Path(line.rsplit("(log: ", 1)[1].rstrip(")"))
+    assert log.parent == tmp_path and "Traceback" in log.read_text()
+
+
+@pytest.mark.parametrize("flag, words", [("--port", "could not bind 127.0.0.1:"),
+                                         ("--http-port", "could not serve HTTP on 127.0.0.1:")])
+def test_up_says_in_one_line_that_a_port_is_taken(tiny_llama, tmp_path, flag, words):
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = str(taken.getsockname()[1])
+        r = subprocess.run([*UP, "--model", str(tiny_llama), "--log-dir", str(tmp_path), flag, port],
+                           capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1
+    assert "Traceback" not in r.stderr
+    assert r.stderr.splitlines()[-1].startswith(f"pdserve up: error: {words}{port}"), r.stderr
+
+
+def test_up_stops_everything_and_exits_1_when_a_node_exits(tiny_llama, tmp_path):
+    import psutil
+
+    up = subprocess.Popen([*UP, "--model", str(tiny_llama), "--decode", "2", "--log-dir", str(tmp_path)],
+                          stderr=subprocess.PIPE, text=True)
+    try:
+        pids = {}
+        for line in up.stderr:
+            pids.update({role: int(pid) for role, pid in re.findall(r"^pdserve up: (\w+ node \d+) on \S+, pid (\d+)",
+                                                                   line)})
+            if line.startswith("pdserve up: router on "):
+                break
+        assert set(pids) == {"prefill node 0", "decode node 0", "decode node 1"}
+        os.kill(pids["decode node 1"], signal.SIGKILL)
+        assert up.wait(timeout=60) == 1
+        last = up.stderr.read().strip().splitlines()[-1]
+        assert re.fullmatch(rf"pdserve up: decode node 1 \(pid {pids['decode node 1']}, \S+\) exited with code -9 "
+                            r"\(SIGKILL\) \(log: \S+\); stopping the others", last), last
+        assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
+                       for p in pids.values())
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()

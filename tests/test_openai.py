@@ -27,7 +27,8 @@ def up(tiny_llama, tmp_path_factory):
     keys.write_text("sk-test-1\nsk-test-2\n")
     proc = subprocess.Popen([sys.executable, "-m", "pdserve", "up", "--model", str(tiny_llama), "--port", "0",
                              "--http-port", "0", "--api-key-file", str(keys), "--dtype", "float32",
-                             "--kv-cache-gb", "0.01", "--block-size", "4", "--num-threads", "1"],
+                             "--kv-cache-gb", "0.01", "--block-size", "4", "--num-threads", "1",
+                             "--log-dir", str(tmp_path_factory.mktemp("logs"))],
                             stderr=subprocess.PIPE, text=True)
     http = grpc = None
     for line in proc.stderr:
