@@ -4,7 +4,7 @@ continuous batch and streams the tokens.
 Lifecycle of a request here:
   1. prealloc - blocks reserved for the prompt's KV (waits while the pool is full)
   2. transfer - the KV is read from the prefill node straight into those blocks (shared memory
-                on one host, gRPC stream otherwise), digest-checked; the prefill node is told
+                on one host, the raw TCP data plane otherwise), digest-checked; the prefill node is told
                 it may free its copy
   3. running  - the sequence joins the decode batch between two steps
   4. finished - EOS, stop, length, or cancelled: its blocks are freed
@@ -36,11 +36,12 @@ BLOCK_WAIT_S = 30.0  # how long a request may wait for free blocks without a dea
 
 class DecodeNode(nodes_pb2_grpc.DecodeNodeServicer):
     def __init__(self, config: EngineConfig, host: str = "127.0.0.1", port: int = 0, kv_transport: str = "auto",
-                 metrics: Metrics | None = None, security: Security = NONE, max_queued: int = 512):
+                 metrics: Metrics | None = None, security: Security = NONE, max_queued: int = 512,
+                 kv_tcp_connections: int = 2):
         engine = LLMEngine(config)
         self.engine = AsyncEngine(engine)
         self.layout = KVLayout.of(engine.kv_cache, model_fingerprint(engine.model_dir))
-        self.receiver = KVReceiver(engine.kv_cache, self.layout, kv_transport, security)
+        self.receiver = KVReceiver(engine.kv_cache, self.layout, kv_transport, security, kv_tcp_connections)
         self.max_queued = max_queued  # streams waiting for blocks or KV; beyond, RESOURCE_EXHAUSTED
         # Fault injection for chaos tests: a pause before each transfer (PDSERVE_FAULT_DELAY_TRANSFER_S).
         self.fault_delay_transfer_s = float(os.environ.get("PDSERVE_FAULT_DELAY_TRANSFER_S", "0"))

@@ -97,12 +97,13 @@ def block_runs(block_ids: list[int]) -> list[tuple[int, int]]:
     return runs
 
 
-def pieces(kv: torch.Tensor, block_ids: list[int], num_tokens: int) -> Iterator[torch.Tensor]:
+def pieces(kv: torch.Tensor, block_ids: list[int], num_tokens: int,
+           layers: range | None = None) -> Iterator[torch.Tensor]:
     """The layer-ordered stream of a sequence as contiguous views into kv [L, 2, NB, bs, H, D]:
-    for each layer and K/V, one view per run of consecutive blocks."""
+    for each layer (all, or those in `layers`) and K/V, one view per run of consecutive blocks."""
     num_layers, _, _, block_size, kv_heads, head_dim = kv.shape
     runs = block_runs(block_ids)
-    for layer in range(num_layers):
+    for layer in layers if layers is not None else range(num_layers):
         for k_or_v in (0, 1):
             remaining = num_tokens
             for first, count in runs:

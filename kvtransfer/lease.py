@@ -3,6 +3,7 @@ confirms its read (ReleaseKV) or the lease expires, then the blocks are freed.""
 
 from __future__ import annotations
 
+import secrets
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -16,6 +17,8 @@ class Lease:
     digest: int
     expires_at: float
     lease_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    # A secret per lease (as an RDMA rkey): only a holder of the KVSource may read the blocks.
+    access_key: str = field(default_factory=lambda: secrets.token_hex(16))
 
 
 class LeaseTable:

@@ -8,22 +8,25 @@ from kvtransfer.fake import FakeReader
 from kvtransfer.grpc_stream import GrpcStreamReader
 from kvtransfer.layout import KVLayout
 from kvtransfer.shm import ShmReader
+from kvtransfer.tcp import DEFAULT_CONNECTIONS, TcpReader
 from pdserve.security import NONE, Security
 from pdserve_api import nodes_pb2
 
-TRANSPORTS = ("auto", "shm", "grpc")
+TRANSPORTS = ("auto", "shm", "tcp", "grpc")  # auto: shm on one host, else tcp (grpc if no tcp plane)
 
 
 class KVReceiver:
-    def __init__(self, kv_cache: KVCache, layout: KVLayout, transport: str = "auto", security: Security = NONE):
+    def __init__(self, kv_cache: KVCache, layout: KVLayout, transport: str = "auto", security: Security = NONE,
+                 tcp_connections: int = DEFAULT_CONNECTIONS):
         if transport not in TRANSPORTS:
             raise ValueError(f"kv transport must be one of {TRANSPORTS}, got {transport!r}")
         self.kv_cache = kv_cache
         self.layout = layout
         self.transport = transport
         self.grpc = GrpcStreamReader(security=security)
-        # Preference order for "auto": the one-sided read when the source is on this host.
-        self.readers: list[KVReader] = [FakeReader(), ShmReader(), self.grpc]
+        # Preference order for "auto": the one-sided read when the source is on this host, then
+        # the raw TCP data plane, then the gRPC stream.
+        self.readers: list[KVReader] = [FakeReader(), ShmReader(), TcpReader(security, tcp_connections), self.grpc]
 
     def choose(self, source: nodes_pb2.KVSource) -> KVReader:
         for reader in self.readers:
@@ -31,7 +34,8 @@ class KVReceiver:
                 if reader.can_read(source, self.layout):
                     return reader
         raise KVTransferError(f"no {self.transport} transport can read the KV of lease {source.lease_id} "
-                              f"(host {source.host_id!r}, region {source.shm_region!r}, address {source.kv_address!r})")
+                              f"(host {source.host_id!r}, region {source.shm_region!r}, tcp {source.tcp_address!r}, "
+                              f"address {source.kv_address!r})")
 
     def start(self, source: nodes_pb2.KVSource, block_ids: list[int]) -> KVTransfer:
         """Begins moving the source's KV into block_ids; await .wait() or poll .status."""

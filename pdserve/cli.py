@@ -193,8 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--decode", type=int, default=1, help="decode node processes")
     p.add_argument("--host", default="127.0.0.1", help="the interface every process listens on")
     p.add_argument("--port", type=int, default=50051, help="the router's gRPC port")
-    p.add_argument("--kv-transport", default="auto", choices=["auto", "shm", "grpc"],
-                   help="auto: shared memory when prefill and decode nodes share a host, else gRPC")
+    p.add_argument("--kv-transport", default="auto", choices=["auto", "shm", "tcp", "grpc"],
+                   help="auto: shared memory when prefill and decode nodes share a host, else the raw TCP data plane")
     p.add_argument("--ask", help="ask this question once the cluster is up, stream the answer, then stop "
                    "(default: serve until Ctrl-C)")
     p.add_argument("--metrics-port", type=int, default=None,

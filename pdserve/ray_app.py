@@ -8,7 +8,7 @@ passes `args`:
     model: smollm2-135m            # one model: both pools and the router's tokenizer
                                    # (the env var PDSERVE_MODEL, where set, overrides it)
     app_name: pdserve              # the registry the replicas announce themselves in
-    kv_transport: auto             # auto (shm on one Ray node, else gRPC), shm, grpc
+    kv_transport: auto             # auto (shm on one Ray node, else tcp), shm, tcp, grpc
     router:  {direct_port: 50051, max_model_len: null, discovery_interval_s: 0.5}
     prefill: {engine: {...EngineConfig fields...}, lease_ttl_s: 30, shm: true, drain_timeout_s: 60, port: 0}
     decode:  {engine: {...EngineConfig fields...}, drain_timeout_s: 600, port: 0}
@@ -31,7 +31,7 @@ DECODE_KEYS = {"engine", "drain_timeout_s", "port"}
 LOCAL_RESOURCES = {"pdserve_router": 4, "pdserve_prefill": 16, "pdserve_decode": 16}
 TOP_KEYS = {"model", "app_name", "kv_transport", "router", "prefill", "decode"}
 ENGINE_KEYS = {f.name for f in dataclasses.fields(EngineConfig)}
-KV_TRANSPORTS = ("auto", "shm", "grpc")
+KV_TRANSPORTS = ("auto", "shm", "tcp", "grpc")
 
 
 def _check_keys(section: str, given: dict, allowed: set[str]) -> None:

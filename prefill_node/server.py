@@ -24,6 +24,7 @@ from kvtransfer.grpc_stream import KVPlaneServicer
 from kvtransfer.layout import KVLayout, kv_digest, model_fingerprint
 from kvtransfer.lease import LeaseTable
 from kvtransfer.shm import SharedKVRegion, host_id
+from kvtransfer.tcp import TcpKVServer
 from pdserve.grpc_server import GrpcServer
 from pdserve.metrics import EngineExporter, Metrics
 from pdserve.protocol import logprobs_to_proto, sampling_from_proto
@@ -36,7 +37,7 @@ log = logging.getLogger(__name__)
 class PrefillNode(nodes_pb2_grpc.PrefillNodeServicer):
     def __init__(self, config: EngineConfig, host: str = "127.0.0.1", port: int = 0, lease_ttl_s: float = 30.0,
                  shm: bool = True, metrics: Metrics | None = None, security: Security = NONE,
-                 max_pending: int = 512):
+                 max_pending: int = 512, kv_tcp_port: int = 0):
         self.region: SharedKVRegion | None = None
 
         def allocator(nbytes: int):  # register: the whole KV tensor lives in a /dev/shm region
@@ -57,6 +58,8 @@ class PrefillNode(nodes_pb2_grpc.PrefillNodeServicer):
         self.kv_plane = KVPlaneServicer(engine.kv_cache, self.layout, self.leases, self.release)
         self.server.add(nodes_pb2_grpc.add_KVPlaneServicer_to_server, self.kv_plane,
                         nodes_pb2.DESCRIPTOR.services_by_name["KVPlane"])
+        # The raw TCP data plane: decode nodes on other hosts read the leased blocks from it.
+        self.kv_tcp = TcpKVServer(engine.kv_cache, self.layout, self.leases, host, kv_tcp_port, security)
         self._expiry: asyncio.Task | None = None
         self.metrics = metrics or Metrics()
         self.exporter = EngineExporter(self.metrics, "prefill", self.engine, lambda: self.num_pending)
@@ -71,6 +74,7 @@ class PrefillNode(nodes_pb2_grpc.PrefillNodeServicer):
 
     async def start(self) -> None:
         await self.server.start()
+        self.kv_tcp.start()
         self._expiry = asyncio.create_task(self._expire_leases())
         self._export = asyncio.create_task(self.exporter.run())
 
@@ -86,6 +90,7 @@ class PrefillNode(nodes_pb2_grpc.PrefillNodeServicer):
 
     async def stop(self, grace: float = 1.0) -> None:
         await self.server.stop(grace)
+        self.kv_tcp.stop()
         for task in (self._expiry, self._export):
             if task:
                 task.cancel()
@@ -157,7 +162,8 @@ class PrefillNode(nodes_pb2_grpc.PrefillNodeServicer):
             lease_id=lease.lease_id, kv_address=self.address, host_id=self.host_id,
             shm_region=self.region.name if self.region else "", region_bytes=self.region.nbytes if self.region else 0,
             layout=self.layout.to_proto(), block_ids=lease.block_ids, num_tokens=lease.num_tokens, digest=digest,
-            num_bytes=self.layout.num_bytes(lease.num_tokens), lease_expires=lease.expires_at)
+            num_bytes=self.layout.num_bytes(lease.num_tokens), lease_expires=lease.expires_at,
+            tcp_address=self.kv_tcp.address, access_key=lease.access_key)
 
     async def release(self, lease_id: str) -> bool:
         """Ends a kv_lease (the decode side confirmed its read, or gave up): frees its blocks."""

@@ -156,12 +156,12 @@ async def prefill_gone_before(model, prompts, expected, max_tokens) -> Outcome:
     return out
 
 
-async def transfer_fails(model, prompts, expected, max_tokens) -> Outcome:
-    """The prefill node holding the leased KV dies before the decode node reads it (gRPC pulls,
-    delayed by the fault-injection pause)."""
-    out = Outcome("prefill node killed during the KV transfer")
+async def transfer_fails(model, prompts, expected, max_tokens, transport: str = "grpc") -> Outcome:
+    """The prefill node holding the leased KV dies before the decode node reads it (pulls over
+    `transport`, delayed by the fault-injection pause)."""
+    out = Outcome(f"prefill node killed during the KV transfer ({transport})")
     async with cluster(model, 2, 1, decode_env={"PDSERVE_FAULT_DELAY_TRANSFER_S": "1.0"},
-                       decode_extra=["--kv-transport", "grpc"]) as (router, nodes):
+                       decode_extra=["--kv-transport", transport]) as (router, nodes):
         killed = {}
 
         def on_progress(progress):
@@ -184,10 +184,10 @@ async def _kill_one_leasing(prefills: list[NodeProcess]) -> None:
             return
 
 
-async def decode_dies(model, prompts, expected, max_tokens) -> Outcome:
+async def decode_dies(model, prompts, expected, max_tokens, transport: str = "auto") -> Outcome:
     """Two decode nodes; one is killed mid-stream. Its requests move to the other."""
-    out = Outcome("decode node killed mid-stream")
-    async with cluster(model, 1, 2) as (router, nodes):
+    out = Outcome(f"decode node killed mid-stream ({transport})")
+    async with cluster(model, 1, 2, decode_extra=["--kv-transport", transport]) as (router, nodes):
         killed = {}
 
         def on_progress(progress):

@@ -18,7 +18,7 @@ from router.client import AsyncClient
 
 PROMPTS = [[5, 17, 33, 8, 90, 41, 7, 99, 100, 3, 4], [200, 3], list(range(11, 40)), [64, 65, 66]]
 GREEDY = dict(max_tokens=16, temperature=0, ignore_eos=True)
-TRANSPORTS = {"shm": dict(kv_transport="shm"), "grpc": dict(kv_transport="grpc")}
+TRANSPORTS = {"shm": dict(kv_transport="shm"), "tcp": dict(kv_transport="tcp"), "grpc": dict(kv_transport="grpc")}
 
 
 def engine_alone(model, prompts, **params) -> list[list[int]]:
@@ -62,7 +62,7 @@ def test_prefill_and_decode_with_different_block_sizes(tiny_llama, reference):
             async with AsyncClient(router.address) as client:
                 result = await client.generate(PROMPTS[2], **GREEDY)
                 assert result.token_ids == reference[2]
-                assert result.timings["kv_transport"] == "grpc"  # shm needs one block layout
+                assert result.timings["kv_transport"] == "tcp"  # shm needs one block layout; auto then picks tcp
             await wait_for_no_blocks(prefills + decodes)
 
     asyncio.run(scenario())

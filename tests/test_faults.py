@@ -27,10 +27,14 @@ def expected(tiny_llama):
     return [outs[str(i)].token_ids for i in range(len(PROMPTS))]
 
 
-@pytest.mark.parametrize("scenario", [prefill_gone_before, prefill_dies, transfer_fails, decode_dies],
-                         ids=["before-prefill", "during-prefill", "during-transfer", "during-decode"])
-def test_a_killed_node_loses_no_request_and_leaks_no_block(tiny_llama, expected, scenario):
-    out = asyncio.run(scenario(tiny_llama, PROMPTS, expected, MAX_TOKENS))
+@pytest.mark.parametrize("scenario, transport", [
+    (prefill_gone_before, None), (prefill_dies, None), (transfer_fails, "grpc"), (transfer_fails, "tcp"),
+    (decode_dies, "auto"), (decode_dies, "tcp")],
+    ids=["before-prefill", "during-prefill", "during-transfer-grpc", "during-transfer-tcp", "during-decode",
+         "during-decode-tcp"])
+def test_a_killed_node_loses_no_request_and_leaks_no_block(tiny_llama, expected, scenario, transport):
+    extra = {"transport": transport} if transport else {}
+    out = asyncio.run(scenario(tiny_llama, PROMPTS, expected, MAX_TOKENS, **extra))
     assert out.lost == 0 and out.wrong == 0, out
     assert out.completed + sum(out.failed.values()) == out.sent, out
     assert out.completed == out.sent, out  # every request survived this fault transparently

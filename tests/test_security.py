@@ -98,6 +98,34 @@ def test_mutual_tls_on_the_internal_ports(tiny_llama, tmp_path):
     asyncio.run(scenario())
 
 
+def test_mutual_tls_on_the_tcp_kv_plane(tiny_llama, tmp_path):
+    from kvtransfer.base import KVTransferError
+    from kvtransfer.tcp import TcpReader
+
+    pki, other = make_pki(tmp_path, "cluster"), make_pki(tmp_path, "intruder")
+    cluster_tls = Security(pki["cert"], pki["key"], pki["ca"], require_client_cert=True)
+
+    async def scenario():
+        async with local_cluster(tiny_llama, security=cluster_tls, kv_transport="tcp") as (router, prefills, decodes):
+            async with AsyncClient(router.address) as client:
+                result = await client.generate([5, 6, 7, 8], max_tokens=6, ignore_eos=True)
+                assert len(result.token_ids) == 6 and result.timings["kv_transport"] == "tcp"
+            # An intruder that even knows a live lease and its key reads nothing without a
+            # certificate of the cluster's CA.
+            async with cluster_tls.channel(prefills[0].address) as channel:
+                reply = await nodes_pb2_grpc.PrefillNodeStub(channel).Prefill(nodes_pb2.PrefillRequest(
+                    request_id="r", prompt_token_ids=[5, 6, 7], sampling=common_pb2.SamplingParams(max_tokens=4)))
+            dst = decodes[0].engine.engine.kv_cache
+            for intruder in (Security(ca=pki["ca"]), Security(other["cert"], other["key"], pki["ca"]), Security()):
+                with pytest.raises(KVTransferError):
+                    await TcpReader(intruder, timeout_s=5).read(reply.kv, dst, decodes[0].layout, [0])
+            await TcpReader(cluster_tls).read(reply.kv, dst, decodes[0].layout, [0])  # the cluster's own: fine
+            await prefills[0].release(reply.kv.lease_id)
+            await wait_for_no_blocks(prefills + decodes)
+
+    asyncio.run(scenario())
+
+
 def test_shared_token(tiny_llama):
     token = Security(token="s3cret")
 

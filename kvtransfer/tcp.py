@@ -1,0 +1,253 @@
+"""The raw TCP data plane (across hosts): one-sided reads of leased KV blocks over plain sockets.
+
+gRPC stays the control plane (Prefill returns the KVSource descriptor, ReleaseKV ends the lease);
+the bytes move here, without per-chunk Python objects or staging copies:
+- sender (the prefill node's TcpKVServer): for each piece of the layer-ordered stream, one
+  `sendall` of a memoryview straight over the engine's KV tensor;
+- receiver (the decode node's TcpReader): `recv_into` straight into its own reserved blocks, over
+  N parallel connections, each reading one contiguous range of layers.
+
+Wire format of one connection (all integers little-endian):
+    request : b"PDK1" | u32 length | JSON {lease_id, access_key, token, layout, layers: [a, b]}
+    reply   : u32 length | JSON {ok, num_tokens, num_bytes} or {ok: false, code, error}
+    then    : num_bytes raw bytes, layers a..b-1 of the layer-ordered stream
+Security as on the gRPC plane: TLS (mutual when configured) wraps the socket, and the internal
+token is checked when one is configured; besides, every lease has its own random access key
+(as an RDMA rkey), known only to whoever got the KVSource, so a peer that can merely reach the
+port reads nothing. Integrity: the layout and model fingerprint are checked on both ends before a
+byte moves, and the receiver checks the xxh3 digest of the whole stream at the end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import socket
+import socketserver
+import ssl
+import struct
+import threading
+
+from engine.kv_cache import KVCache
+from kvtransfer.base import KVCorrupt, KVTransferError
+from kvtransfer.layout import KVLayout, KVLayoutMismatch, as_bytes, kv_digest, pieces
+from kvtransfer.lease import LeaseTable
+from pdserve.security import NONE, Security
+from pdserve_api import nodes_pb2
+
+log = logging.getLogger(__name__)
+MAGIC = b"PDK1"
+MAX_HEADER = 64 << 10
+SOCKET_BUFFER = 8 << 20  # bytes of kernel buffer per socket: keeps a fast link busy
+DEFAULT_CONNECTIONS = 2
+
+
+# ---- framing ------------------------------------------------------------------------------
+def _recv_exact(sock: socket.socket, view: memoryview) -> None:
+    while view.nbytes:
+        n = sock.recv_into(view)
+        if n == 0:
+            raise ConnectionError("peer closed the connection mid-transfer")
+        view = view[n:]
+
+
+def _recv_json(sock: socket.socket) -> dict:
+    size = bytearray(4)
+    _recv_exact(sock, memoryview(size))
+    (n,) = struct.unpack("<I", size)
+    if n > MAX_HEADER:
+        raise ConnectionError(f"header of {n} bytes")
+    body = bytearray(n)
+    _recv_exact(sock, memoryview(body))
+    return json.loads(body)
+
+
+def _send_json(sock: socket.socket, obj: dict, prefix: bytes = b"") -> None:
+    body = json.dumps(obj).encode()
+    sock.sendall(prefix + struct.pack("<I", len(body)) + body)
+
+
+def _layout_dict(layout: KVLayout) -> dict:
+    return {f: getattr(layout, f) for f in ("num_layers", "num_kv_heads", "head_dim", "dtype", "block_size",
+                                            "model_fingerprint")}
+
+
+def _tune(sock: socket.socket) -> None:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER)
+        except OSError:
+            pass
+
+
+# ---- the prefill side ---------------------------------------------------------------------
+class TcpKVServer:
+    """Serves leased blocks of one KV cache to decode nodes; a thread per connection (the copies
+    into the socket release the GIL)."""
+
+    def __init__(self, kv_cache: KVCache, layout: KVLayout, leases: LeaseTable, host: str = "127.0.0.1",
+                 port: int = 0, security: Security = NONE):
+        self.kv_cache, self.layout, self.leases, self.security = kv_cache, layout, leases, security
+        self.ssl = _server_context(security)
+        plane = self
+
+        class Handler(socketserver.BaseRequestHandler):
+            def handle(self):
+                plane._serve(self.request)
+
+        class Server(socketserver.ThreadingTCPServer):
+            daemon_threads = True
+            allow_reuse_address = True
+            block_on_close = False
+
+        self._server = Server((host, port), Handler)
+        self.host = host
+        self.port = self._server.server_address[1]
+        self._thread = threading.Thread(target=self._server.serve_forever, name="kv-tcp", daemon=True)
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+    def _serve(self, raw: socket.socket) -> None:
+        _tune(raw)
+        try:
+            sock = self.ssl.wrap_socket(raw, server_side=True) if self.ssl else raw
+            magic = bytearray(4)
+            _recv_exact(sock, memoryview(magic))
+            if bytes(magic) != MAGIC:
+                return
+            request = _recv_json(sock)
+            refusal, lease, layers = self._check(request)
+            if refusal:
+                _send_json(sock, {"ok": False, "code": refusal[0], "error": refusal[1]})
+                return
+            num_bytes = self.layout.num_bytes(lease.num_tokens) * len(layers) // self.layout.num_layers
+            _send_json(sock, {"ok": True, "num_tokens": lease.num_tokens, "num_bytes": num_bytes})
+            for piece in pieces(self.kv_cache.kv, lease.block_ids, lease.num_tokens, layers):
+                sock.sendall(as_bytes(piece))
+        except (OSError, ValueError, ssl.SSLError) as e:  # a peer that went away or spoke nonsense
+            log.info("kv tcp: connection ended: %s", e)
+        finally:
+            raw.close()
+
+    def _check(self, request: dict):
+        """(refusal (code, message) or None, lease, layers)."""
+        try:
+            lease_id, key = str(request["lease_id"]), str(request["access_key"])
+            expect = KVLayout(**request["layout"])
+            a, b = (int(x) for x in request["layers"])
+        except (KeyError, TypeError, ValueError) as e:
+            return ("INVALID_ARGUMENT", f"malformed kv request: {e}"), None, None
+        if self.security.token and not hmac.compare_digest(str(request.get("token", "")).encode(),
+                                                           self.security.token.encode()):
+            return ("UNAUTHENTICATED", "missing or wrong bearer token"), None, None
+        lease = self.leases.get(lease_id)
+        if lease is None or not hmac.compare_digest(key.encode(), lease.access_key.encode()):
+            return ("NOT_FOUND", f"no kv_lease {lease_id!r} (released, expired or a wrong key)"), None, None
+        try:
+            self.layout.check(expect, sides=("prefill", "decode"))
+        except KVLayoutMismatch as e:
+            return ("FAILED_PRECONDITION", str(e)), None, None
+        if not 0 <= a < b <= self.layout.num_layers:
+            return ("INVALID_ARGUMENT", f"layers [{a}, {b}) outside [0, {self.layout.num_layers})"), None, None
+        return None, lease, range(a, b)
+
+
+def _server_context(security: Security) -> ssl.SSLContext | None:
+    if not security.tls:
+        return None
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.load_cert_chain(security.cert, security.key)
+    if security.require_client_cert:
+        ctx.verify_mode = ssl.CERT_REQUIRED
+        ctx.load_verify_locations(security.ca)
+    return ctx
+
+
+def _client_context(security: Security) -> ssl.SSLContext | None:
+    if not (security.tls or security.ca):
+        return None
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.load_verify_locations(security.ca)
+    if security.cert:
+        ctx.load_cert_chain(security.cert, security.key)
+    return ctx
+
+
+# ---- the decode side ----------------------------------------------------------------------
+def layer_ranges(num_layers: int, connections: int) -> list[tuple[int, int]]:
+    """Splits [0, num_layers) into at most `connections` contiguous, near-equal ranges."""
+    n = max(1, min(connections, num_layers))
+    bounds = [num_layers * i // n for i in range(n + 1)]
+    return [(bounds[i], bounds[i + 1]) for i in range(n)]
+
+
+class TcpReader:
+    name = "tcp"
+
+    def __init__(self, security: Security = NONE, connections: int = DEFAULT_CONNECTIONS, timeout_s: float = 60.0):
+        if connections < 1:
+            raise ValueError(f"kv tcp connections must be >= 1, got {connections}")
+        self.security = security
+        self.ssl = _client_context(security)
+        self.connections = connections
+        self.timeout_s = timeout_s  # per socket operation: a stalled peer fails the read, never hangs it
+
+    def can_read(self, source: nodes_pb2.KVSource, layout: KVLayout) -> bool:
+        return bool(source.tcp_address)
+
+    async def read(self, source: nodes_pb2.KVSource, kv_cache: KVCache, layout: KVLayout,
+                   block_ids: list[int]) -> None:
+        layout.check(KVLayout.from_proto(source.layout))  # before a byte is written
+        ranges = layer_ranges(layout.num_layers, self.connections)
+        # Every connection runs to its end (or its timeout) before this returns, so that nothing
+        # writes into the blocks after a failure has been reported.
+        results = await asyncio.gather(*(asyncio.to_thread(self._read_layers, source, kv_cache, layout, block_ids,
+                                                           a, b) for a, b in ranges), return_exceptions=True)
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
+        digest = await asyncio.to_thread(kv_digest, kv_cache.kv, block_ids, source.num_tokens)
+        if digest != source.digest:
+            raise KVCorrupt(f"KV digest mismatch after the tcp read (lease {source.lease_id})")
+
+    def _read_layers(self, source: nodes_pb2.KVSource, kv_cache: KVCache, layout: KVLayout, block_ids: list[int],
+                     a: int, b: int) -> None:
+        host, _, port = source.tcp_address.rpartition(":")
+        try:
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=self.timeout_s) as raw:
+                _tune(raw)
+                sock = self.ssl.wrap_socket(raw, server_hostname=host.strip("[]")) if self.ssl else raw
+                _send_json(sock, {"lease_id": source.lease_id, "access_key": source.access_key,
+                                  "token": self.security.token or "", "layout": _layout_dict(layout),
+                                  "layers": [a, b]}, prefix=MAGIC)
+                reply = _recv_json(sock)
+                if not reply.get("ok"):
+                    error = f"{reply.get('code')}: {reply.get('error')}"
+                    if reply.get("code") == "FAILED_PRECONDITION":
+                        raise KVLayoutMismatch(reply.get("error"))
+                    raise KVTransferError(f"KV read from {source.tcp_address} refused: {error}")
+                expected = layout.num_bytes(source.num_tokens) * (b - a) // layout.num_layers
+                if reply.get("num_tokens") != source.num_tokens or reply.get("num_bytes") != expected:
+                    raise KVTransferError(f"KV reply says {reply.get('num_tokens')} tokens / {reply.get('num_bytes')} "
+                                          f"bytes, expected {source.num_tokens} / {expected}")
+                for piece in pieces(kv_cache.kv, block_ids, source.num_tokens, range(a, b)):
+                    _recv_exact(sock, as_bytes(piece))  # straight into the reserved blocks
+        except (OSError, ssl.SSLError, ValueError) as e:
+            if isinstance(e, KVLayoutMismatch):
+                raise
+            raise KVTransferError(f"KV read from {source.tcp_address} (layers {a}-{b - 1}) failed: {e}") from e
+
+    async def close(self) -> None:
+        pass
