@@ -37,7 +37,7 @@ BLOCK_WAIT_S = 30.0  # how long a request may wait for free blocks without a dea
 class DecodeNode(nodes_pb2_grpc.DecodeNodeServicer):
     def __init__(self, config: EngineConfig, host: str = "127.0.0.1", port: int = 0, kv_transport: str = "auto",
                  metrics: Metrics | None = None, security: Security = NONE, max_queued: int = 512,
-                 kv_tcp_connections: int = 2):
+                 kv_tcp_connections: int = 1):
         engine = LLMEngine(config)
         self.engine = AsyncEngine(engine)
         self.layout = KVLayout.of(engine.kv_cache, model_fingerprint(engine.model_dir))

@@ -86,16 +86,22 @@ def bench_tcp(nbytes: int, repeat: int) -> list[float]:
                                                              args=(server.getsockname()[1], nbytes, repeat))
         sender.start()
         conn, _ = server.accept()
-        buf = memoryview(bytearray(nbytes))
-        times = []
         with conn:
-            for _ in range(repeat):
-                got, t = 0, time.perf_counter()
-                while got < nbytes:
-                    got += conn.recv_into(buf[got:], nbytes - got)
-                times.append(time.perf_counter() - t)
-                conn.sendall(b"k")
+            times = receive_repeatedly(conn, nbytes, repeat)
         sender.join()
+    return times
+
+
+def receive_repeatedly(conn: socket.socket, nbytes: int, repeat: int) -> list[float]:
+    """Receives nbytes `repeat` times into one preallocated buffer, acknowledging each; the seconds."""
+    buf = memoryview(bytearray(nbytes))
+    times = []
+    for _ in range(repeat):
+        got, t = 0, time.perf_counter()
+        while got < nbytes:
+            got += conn.recv_into(buf[got:], nbytes - got)
+        times.append(time.perf_counter() - t)
+        conn.sendall(b"k")
     return times
 
 
@@ -206,7 +212,7 @@ def main() -> int:
         gbps = {k: median_gbps(nbytes, r[k + "_s"]) for k in names}
         print(f"KV of a {r['num_tokens']}-token prompt: {nbytes / 1e6:.1f} MB; median of {args.repeat} reads")
         for name, label in [("copy", "in-process tensor copy"), ("shm_bytes", "shm one-sided read, bytes only"),
-                            ("shm", "shm one-sided read + digest check"),
+                            ("shm", "shm one-sided read + integrity check"),
                             ("tcp_raw", "raw TCP loopback"),
                             ("tcp", f"tcp data plane, {args.connections} conn. (+ digest)"),
                             ("grpc", "gRPC stream, 1 MiB chunks (+ digests)")]:

@@ -7,6 +7,7 @@ run of consecutive blocks), so the stream is read and written piece by piece, wi
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -114,13 +115,23 @@ def pieces(kv: torch.Tensor, block_ids: list[int], num_tokens: int,
                 remaining -= n
 
 
-def kv_digest(kv: torch.Tensor, block_ids: list[int], num_tokens: int) -> int:
-    """xxh3_64 of the layer-ordered stream: equal on both sides whatever their block ids and
-    block sizes."""
+def layer_digest(kv: torch.Tensor, block_ids: list[int], num_tokens: int, layer: int) -> int:
+    """xxh3_64 of one layer's part (K, then V) of the layer-ordered stream."""
     h = xxhash.xxh3_64()
-    for piece in pieces(kv, block_ids, num_tokens):
+    for piece in pieces(kv, block_ids, num_tokens, range(layer, layer + 1)):
         h.update(as_bytes(piece.cpu()))
     return h.intdigest()
+
+
+def combine_digests(layer_digests: list[int]) -> int:
+    return xxhash.xxh3_64_intdigest(struct.pack(f"<{len(layer_digests)}Q", *layer_digests))
+
+
+def kv_digest(kv: torch.Tensor, block_ids: list[int], num_tokens: int) -> int:
+    """The digest of a sequence's KV: xxh3_64 over the per-layer xxh3_64s of the layer-ordered
+    stream. Equal on both sides whatever their block ids and block sizes; per layer, so that a
+    reader can check each layer right after it lands, while it is still in cache."""
+    return combine_digests([layer_digest(kv, block_ids, num_tokens, layer) for layer in range(kv.shape[0])])
 
 
 def gather(kv: torch.Tensor, block_ids: list[int], num_tokens: int, out: torch.Tensor) -> torch.Tensor:
@@ -174,10 +185,19 @@ def aligned_runs(src_ids: list[int], dst_ids: list[int]) -> list[tuple[int, int,
 
 
 def copy_blocks(src: torch.Tensor, src_ids: list[int], dst: torch.Tensor, dst_ids: list[int],
-                num_tokens: int) -> int:
-    """Block-for-block copy between two caches of one layout: one strided copy (all layers, K and
-    V) per run of blocks consecutive on both sides. Returns the digest of what landed in dst
-    (compare with the source's kv_digest)."""
-    for s, d, n in aligned_runs(src_ids, dst_ids):
-        dst[:, :, d:d + n].copy_(src[:, :, s:s + n])
-    return kv_digest(dst, dst_ids, num_tokens)
+                num_tokens: int, digest: bool = True) -> int | None:
+    """Block-for-block copy between two caches of one layout. Without digest: one strided copy
+    (all layers, K and V) per run of blocks consecutive on both sides. With it, layer by layer:
+    the copy, then that layer's digest of what landed in dst while it is still in cache; returns
+    the digest (compare with the source's kv_digest)."""
+    runs = aligned_runs(src_ids, dst_ids)
+    if not digest:
+        for s, d, n in runs:
+            dst[:, :, d:d + n].copy_(src[:, :, s:s + n])
+        return None
+    digests = []
+    for layer in range(dst.shape[0]):
+        for s, d, n in runs:
+            dst[layer, :, d:d + n].copy_(src[layer, :, s:s + n])
+        digests.append(layer_digest(dst, dst_ids, num_tokens, layer))
+    return combine_digests(digests)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import platform
 import re
 import socket
 import uuid
@@ -28,6 +29,11 @@ from pdserve_api import nodes_pb2
 SHM_DIR = Path("/dev/shm")
 PREFIX = "pdserve-kv-"
 REGION_NAME = re.compile(r"pdserve-kv-\d+-[0-9a-f]{8}")  # nothing else under /dev/shm is ever opened
+GEN_SUFFIX = "-gen"
+# Generation checks rely on x86's ordering of stores (the prefill side bumps a generation before
+# it reuses the block) and of loads (the reader copies, then reads the generation). Elsewhere the
+# reader hashes what it copied instead.
+GENERATION_CHECK = platform.machine().lower() in ("x86_64", "amd64")
 
 
 def host_id() -> str:
@@ -51,9 +57,26 @@ class SharedKVRegion:
         self.nbytes = nbytes
         self.tensor = torch.from_file(str(self.path), shared=True, size=nbytes, dtype=torch.uint8)
         self.tensor.zero_()  # touch every page now, not during a timed prefill
+        self.generations: torch.Tensor | None = None
+
+    def add_generations(self, num_blocks: int) -> None:
+        """A shared int64 counter per block, bumped when a lease on the block ends (before the
+        block can be reused): a reader that sees a block's generation unchanged before and after
+        its copy read bytes that nobody overwrote, without hashing them."""
+        self.gen_path = SHM_DIR / f"{self.name}{GEN_SUFFIX}"
+        with open(self.gen_path, "wb") as f:
+            f.truncate(num_blocks * 8)
+        self.generations = torch.from_file(str(self.gen_path), shared=True, size=num_blocks, dtype=torch.int64)
+
+    def end_lease(self, block_ids: list[int]) -> None:
+        """Call before the lease's blocks go back to the pool."""
+        if self.generations is not None and block_ids:
+            self.generations[torch.tensor(block_ids)] += 1
 
     def close(self) -> None:
         self.path.unlink(missing_ok=True)
+        if self.generations is not None:
+            self.gen_path.unlink(missing_ok=True)
 
 
 def sweep_stale_regions() -> None:
@@ -100,6 +123,15 @@ class ShmReader:
             self._regions[source.shm_region] = region
         return region
 
+    def _generations(self, source: nodes_pb2.KVSource) -> torch.Tensor | None:
+        path = SHM_DIR / f"{source.shm_region}{GEN_SUFFIX}"
+        key = str(path)
+        if key not in self._regions:
+            if not (GENERATION_CHECK and source.block_generations and path.exists()):
+                return None
+            self._regions[key] = torch.from_file(key, shared=True, size=path.stat().st_size // 8, dtype=torch.int64)
+        return self._regions[key]
+
     async def read(self, source: nodes_pb2.KVSource, kv_cache: KVCache, layout: KVLayout,
                    block_ids: list[int]) -> None:
         layout.check(KVLayout.from_proto(source.layout), same_block_size=True)
@@ -109,9 +141,19 @@ class ShmReader:
             raise KVTransferError(f"{len(src_ids)} source blocks do not hold {source.num_tokens} tokens")
         if max(src_ids, default=0) >= src.shape[2]:
             raise KVTransferError(f"block ids beyond the region {source.shm_region}")
-
-        digest = await asyncio.to_thread(copy_blocks, src, src_ids, kv_cache.kv, block_ids[:len(src_ids)],
-                                         source.num_tokens)
-        if digest != source.digest:
-            raise KVCorrupt(f"KV digest mismatch after the shared-memory read (lease {source.lease_id}): "
-                            "the blocks changed under the read")
+        dst_ids = block_ids[:len(src_ids)]
+        generations = self._generations(source)
+        if generations is None or len(source.block_generations) != len(src_ids):
+            digest = await asyncio.to_thread(copy_blocks, src, src_ids, kv_cache.kv, dst_ids, source.num_tokens)
+            if digest != source.digest:
+                raise KVCorrupt(f"KV digest mismatch after the shared-memory read (lease {source.lease_id}): "
+                                "the blocks changed under the read")
+            return
+        index = torch.tensor(src_ids)
+        expected = torch.tensor(list(source.block_generations), dtype=torch.int64)
+        if not torch.equal(generations[index], expected):
+            raise KVTransferError(f"kv_lease {source.lease_id} ended before the shared-memory read")
+        await asyncio.to_thread(copy_blocks, src, src_ids, kv_cache.kv, dst_ids, source.num_tokens, False)
+        if not torch.equal(generations[index], expected):
+            raise KVCorrupt(f"the lease {source.lease_id} ended during the shared-memory read: "
+                            "its blocks may have changed under it")

@@ -47,6 +47,8 @@ class PrefillNode(nodes_pb2_grpc.PrefillNodeServicer):
         # A KV cache on a GPU is not in host shared memory; decode nodes pull it over gRPC.
         use_shm = shm and resolve_device(config.device).type == "cpu"
         engine = LLMEngine(config, kv_allocator=allocator if use_shm else None)
+        if self.region is not None:
+            self.region.add_generations(engine.kv_cache.num_blocks)
         self.engine = AsyncEngine(engine)
         self.layout = KVLayout.of(engine.kv_cache, model_fingerprint(engine.model_dir))
         self.leases = LeaseTable(lease_ttl_s)
@@ -163,14 +165,15 @@ class PrefillNode(nodes_pb2_grpc.PrefillNodeServicer):
             shm_region=self.region.name if self.region else "", region_bytes=self.region.nbytes if self.region else 0,
             layout=self.layout.to_proto(), block_ids=lease.block_ids, num_tokens=lease.num_tokens, digest=digest,
             num_bytes=self.layout.num_bytes(lease.num_tokens), lease_expires=lease.expires_at,
-            tcp_address=self.kv_tcp.address, access_key=lease.access_key)
+            tcp_address=self.kv_tcp.address, access_key=lease.access_key,
+            block_generations=self.region.generations[lease.block_ids].tolist() if self.region else [])
 
     async def release(self, lease_id: str) -> bool:
         """Ends a kv_lease (the decode side confirmed its read, or gave up): frees its blocks."""
         lease = self.leases.pop(lease_id)
         if lease is None:
             return False
-        await self.engine.call(self.engine.engine.release_kv, lease.request_id)
+        await self._end(lease)
         return True
 
     async def _expire_leases(self) -> None:
@@ -179,7 +182,13 @@ class PrefillNode(nodes_pb2_grpc.PrefillNodeServicer):
             for lease in self.leases.pop_expired():
                 log.warning("kv_lease %s of %s expired unread; freeing %d blocks", lease.lease_id,
                             lease.request_id, len(lease.block_ids))
-                await self.engine.call(self.engine.engine.release_kv, lease.request_id)
+                await self._end(lease)
+
+    async def _end(self, lease) -> None:
+        """The blocks' generations move on before the blocks can be reused (see kvtransfer/shm.py)."""
+        if self.region is not None:
+            self.region.end_lease(lease.block_ids)
+        await self.engine.call(self.engine.engine.release_kv, lease.request_id)
 
     async def GetLoad(self, request, context) -> common_pb2.NodeLoad:
         return common_pb2.NodeLoad(**await self.engine.call(self.engine.engine.load))

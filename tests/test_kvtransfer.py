@@ -11,13 +11,13 @@ import torch
 import xxhash
 
 from engine.kv_cache import KVCache
-from kvtransfer.base import KVCorrupt, TransferStatus
+from kvtransfer.base import KVCorrupt, KVTransferError, TransferStatus
 from kvtransfer.fake import REGISTRY
 from kvtransfer.grpc_stream import GrpcStreamReader
 from kvtransfer.layout import KVLayout, KVLayoutMismatch, StreamWriter, block_runs, copy_blocks, gather, kv_digest
 from kvtransfer.lease import LeaseTable
 from kvtransfer.receiver import KVReceiver
-from kvtransfer.shm import SharedKVRegion, ShmReader, host_id
+from kvtransfer.shm import GENERATION_CHECK, SHM_DIR, SharedKVRegion, ShmReader, host_id
 from pdserve.grpc_server import GrpcServer
 from pdserve_api import nodes_pb2, nodes_pb2_grpc
 
@@ -144,6 +144,36 @@ def test_shm_one_sided_read():
                                                           layout=desc.layout), KVLayout.of(dst, "fp"))
         finally:
             region.close()
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.skipif(not GENERATION_CHECK, reason="generation checks are used on x86 only")
+def test_shm_read_checks_block_generations_instead_of_hashing():
+    async def scenario():
+        layout_bytes = KVLayout.of(cache(1, 4), "fp").num_bytes(4) * 16
+        region = SharedKVRegion(layout_bytes)
+        region.add_generations(16)
+        try:
+            src = cache(16, 4, buffer=region.tensor)
+            src.kv.copy_(torch.randn(src.kv.shape))
+            dst = cache(16, 4)
+            region.end_lease([6])  # an earlier lease on block 6 ended: it is at generation 1
+            gens = region.generations[[6, 7, 1]].tolist()
+            assert gens == [1, 0, 0]
+            # A wrong digest on purpose: with generations the reader hashes nothing.
+            desc = source(src, [6, 7, 1], 11, host_id=host_id(), shm_region=region.name, region_bytes=region.nbytes,
+                          block_generations=gens)
+            desc.digest ^= 1
+            reader = ShmReader()
+            await reader.read(desc, dst, KVLayout.of(dst, "fp"), [2, 3, 4])
+            assert torch.equal(tokens(dst, [2, 3, 4], 11), tokens(src, [6, 7, 1], 11))
+            region.end_lease([7])  # the lease ended: its blocks may be reused, a read now is refused
+            with pytest.raises(KVTransferError, match="ended before"):
+                await reader.read(desc, dst, KVLayout.of(dst, "fp"), [2, 3, 4])
+        finally:
+            region.close()
+        assert not list(SHM_DIR.glob(f"{region.name}*"))
 
     asyncio.run(scenario())
 
