@@ -5,7 +5,8 @@ Lifecycle of a request here:
   1. prealloc - blocks reserved for the prompt's KV (waits while the pool is full)
   2. transfer - the KV is read from the prefill node straight into those blocks (shared memory
                 on one host, the raw TCP data plane otherwise), digest-checked; the prefill node is told
-                it may free its copy
+                it may free its copy. A layer-wise source is read while its prefill still computes,
+                and the first token arrives with its last layer
   3. running  - the sequence joins the decode batch between two steps
   4. finished - EOS, stop, length, or cancelled: its blocks are freed
 """
@@ -24,6 +25,7 @@ from engine.async_engine import AsyncEngine
 from kvtransfer.base import KVCorrupt, KVTransferError
 from kvtransfer.layout import KVLayout, KVLayoutMismatch, model_fingerprint
 from kvtransfer.receiver import KVReceiver
+from kvtransfer.shm import host_id
 from pdserve.grpc_server import GrpcServer
 from pdserve.metrics import EngineExporter, Metrics
 from pdserve.protocol import logprobs_to_proto, sampling_from_proto
@@ -92,13 +94,14 @@ class DecodeNode(nodes_pb2_grpc.DecodeNodeServicer):
 
     async def _decode(self, request: nodes_pb2.DecodeRequest, context):
         engine = self.engine.engine
+        source = request.kv
         try:
             params = sampling_from_proto(request.sampling)
-            if not request.output_token_ids:
+            if not request.output_token_ids and not source.layerwise:  # layer-wise: it comes with the KV
                 raise ValueError("output_token_ids must hold the token sampled by the prefill")
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        source = request.kv
+        output_token_ids, num_emitted_chars = list(request.output_token_ids), request.num_emitted_chars
         # 1. prealloc
         blocks = await self._reserve(source.num_tokens, request.deadline, context)
         owned = True  # until add_prefilled_request takes the blocks over
@@ -116,6 +119,12 @@ class DecodeNode(nodes_pb2_grpc.DecodeNodeServicer):
                 await context.abort(grpc.StatusCode.DATA_LOSS, str(e))
             except KVTransferError as e:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+            if transfer.outcome is not None:  # layer-wise: the prefill's first token, from its trailer
+                if transfer.outcome["finished"]:  # nothing to decode; the prefill node ended the lease
+                    yield nodes_pb2.DecodeResponse(finished=True, finish_reason=transfer.outcome["finish_reason"])
+                    return
+                output_token_ids.append(transfer.outcome["token_id"])
+                num_emitted_chars += transfer.outcome["text_chars"]
             self._background(self._confirm_read(source))
             seconds = transfer.seconds
             self.metrics.observe("pdserve_kv_transfer_seconds", seconds, transport=transfer.transport)
@@ -128,8 +137,7 @@ class DecodeNode(nodes_pb2_grpc.DecodeNodeServicer):
             #    frees them if the admission fails or the request is aborted)
             def admit():
                 engine.add_prefilled_request(request.request_id, list(request.prompt_token_ids),
-                                             list(request.output_token_ids), params, blocks,
-                                             num_emitted_chars=request.num_emitted_chars)
+                                             output_token_ids, params, blocks, num_emitted_chars=num_emitted_chars)
 
             first = True
             owned = False  # no await between this and the admission being queued
@@ -190,4 +198,5 @@ class DecodeNode(nodes_pb2_grpc.DecodeNodeServicer):
             log.warning("ReleaseKV of %s at %s failed: %s", source.lease_id, source.kv_address, e.code().name)
 
     async def GetLoad(self, request, context) -> common_pb2.NodeLoad:
-        return common_pb2.NodeLoad(**await self.engine.call(self.engine.engine.load))
+        return common_pb2.NodeLoad(**await self.engine.call(self.engine.engine.load), host_id=host_id(),
+                                   kv_transport=self.receiver.transport)

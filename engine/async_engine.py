@@ -43,6 +43,8 @@ class AsyncEngine:
         """Runs fn(*args) in the engine thread between two steps; returns or raises its result."""
         if self.error is not None:
             raise EngineDead(f"engine stopped: {self.error}")
+        if self._stopped:
+            raise EngineDead("engine stopped")
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         self._commands.put((fn, args, kwargs, loop, future))
@@ -126,6 +128,7 @@ class AsyncEngine:
                 else:
                     self._wake.wait(0.1)
                     self._wake.clear()
+            self._fail_commands(EngineDead("engine stopped"))  # nothing waits forever on a stopped engine
         except BaseException as e:  # a bug or a device failure: fail every caller, loudly
             log.exception("engine loop died")
             self.error = e
@@ -152,7 +155,10 @@ class AsyncEngine:
                 *_, loop, future = self._commands.get_nowait()
             except queue.Empty:
                 return
-            loop.call_soon_threadsafe(_set_exception, future, EngineDead(str(error)))
+            try:
+                loop.call_soon_threadsafe(_set_exception, future, EngineDead(str(error)))
+            except RuntimeError:  # the caller's event loop is gone
+                pass
 
     def _deliver(self, request_id: str, item) -> None:
         entry = self._streams.get(request_id)

@@ -14,6 +14,7 @@ import torch
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.hardware import resolve_device, resolve_dtype
+from engine.kv_progress import LayerProgress
 from engine.detokenizer import IncrementalDetokenizer
 from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner
@@ -70,9 +71,10 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                     keep_kv: bool = False, output_token_ids: list[int] | None = None,
-                    num_emitted_chars: int | None = None) -> None:
+                    num_emitted_chars: int | None = None, kv_progress: LayerProgress | None = None) -> None:
         """Queues a request. Raises ValueError, naming what is wrong, and changes nothing else.
-        With keep_kv the KV outlives the request under a kv_lease (see export_kv).
+        With keep_kv the KV outlives the request under a kv_lease (see export_kv); kv_progress
+        then follows its KV as each layer is written (engine/kv_progress.py).
         output_token_ids: tokens a request already generated elsewhere (a migration): they are
         recomputed with the prompt, as after a preemption, and generation goes on after them."""
         if not isinstance(params, SamplingParams):
@@ -84,7 +86,9 @@ class LLMEngine:
         self._check_length(len(ids) + len(prior))
         if len(prior) >= params.max_tokens:
             raise ValueError(f"output_token_ids: {len(prior)} tokens already reach max_tokens ({params.max_tokens})")
-        seq = Sequence(request_id, ids, params, output_token_ids=prior, keep_kv=keep_kv)
+        if kv_progress is not None and not keep_kv:
+            raise ValueError("kv_progress needs keep_kv: the KV must outlive the request to be read")
+        seq = Sequence(request_id, ids, params, output_token_ids=prior, keep_kv=keep_kv, kv_progress=kv_progress)
         self.num_prompt_tokens += len(ids)
         self._track(seq, num_emitted_chars)
         self.scheduler.add(seq)
@@ -123,6 +127,9 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch:
             return []
+        for seq, n in zip(batch.seqs, batch.num_scheduled_tokens):
+            if seq.kv_progress is not None and seq.num_computed_tokens + n == seq.num_tokens:
+                seq.kv_progress.scheduled(seq.block_table, seq.num_tokens)  # the last chunk: blocks fixed
         sampled = self.runner.execute(batch)
         self.scheduler.update(batch, sampled.token_ids)
         outputs = []

@@ -9,6 +9,8 @@ modules, so fp32 logits agree with it to 1e-5.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from engine.attention import AttentionMetadata, paged_attention
@@ -31,8 +33,9 @@ class LlamaModel:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_cache: KVCache) -> torch.Tensor:
-        """input_ids, positions: [T] -> hidden states [T, H] after the final norm."""
+                kv_cache: KVCache, layer_done: Callable[[int], None] | None = None) -> torch.Tensor:
+        """input_ids, positions: [T] -> hidden states [T, H] after the final norm.
+        layer_done(i), when given, is called once layer i's KV is in the cache."""
         cfg, ops, eps = self.cfg, self.ops, self.cfg.rms_norm_eps
         num_tokens = input_ids.shape[0]
         residual = torch.nn.functional.embedding(input_ids, self.w.embed)  # [T, H], the residual stream
@@ -47,6 +50,8 @@ class LlamaModel:
                                    k.view(num_tokens, cfg.num_kv_heads, cfg.head_dim),
                                    v.view(num_tokens, cfg.num_kv_heads, cfg.head_dim),
                                    *kv_cache.layer(i), meta)  # [T, Hq, D]
+            if layer_done is not None:
+                layer_done(i)
             h = layer.o(attn.view(num_tokens, self.q_size))
             ops.add_rms_norm_(h, residual, layer.post_norm, eps)
             h = layer.down(ops.silu_mul(layer.gate_up(h)))  # [T, 2 I] -> [T, I] -> [T, H]

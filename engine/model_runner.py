@@ -56,7 +56,11 @@ class ModelRunner:
         meta = build_metadata(starts, lens, [seq.block_table for seq in seqs], lens.count(1),
                               self.block_size, self.cfg.sliding_window, self.device, self.use_cpu_kernels)
         ids = torch.tensor(input_ids, dtype=torch.long).to(self.device)
-        hidden = self.model.forward(ids, meta.positions, meta, self.kv_cache)  # [T, H]
+        # Layer-wise streaming: prompts whose last chunk runs now publish each layer once written.
+        streamed = [seq.kv_progress for seq, start, n in zip(seqs, starts, lens)
+                    if seq.kv_progress is not None and start + n == seq.num_tokens]
+        hidden = self.model.forward(ids, meta.positions, meta, self.kv_cache,
+                                    self._publisher(streamed) if streamed else None)  # [T, H]
 
         rows, last_index, pos = [], [], 0
         for j, (seq, start, n) in enumerate(zip(seqs, starts, lens)):
@@ -67,6 +71,18 @@ class ModelRunner:
         if not rows:
             return [], hidden.new_empty(0, self.cfg.vocab_size, dtype=torch.float32)
         return rows, self.model.compute_logits(hidden[torch.tensor(last_index, device=self.device)])
+
+    def _publisher(self, streamed: list) -> Callable[[int], None]:
+        cuda = self.device.type == "cuda"
+
+        def layer_done(layer: int) -> None:
+            event = None
+            if cuda:
+                event = torch.cuda.Event()
+                event.record()
+            for progress in streamed:
+                progress.layer_done(layer, event)
+        return layer_done
 
     def execute(self, batch: ScheduledBatch) -> SamplerOutput:
         """forward + sample. Per sequence in batch order: the sampled token id (None for a prefill

@@ -11,6 +11,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from engine.kv_progress import LayerProgress
 from engine.sampling_params import SamplingParams
 
 
@@ -39,6 +40,7 @@ class Sequence:
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
     keep_kv: bool = False  # on finish, the blocks pass to a kv_lease instead of the free list
+    kv_progress: LayerProgress | None = None  # layer-wise streaming: the prefill's KV as it is written
     arrival_time: float = field(default_factory=time.monotonic)
 
     @property

@@ -41,25 +41,31 @@ class KVReader(Protocol):
     def can_read(self, source: nodes_pb2.KVSource, layout: KVLayout) -> bool: ...
 
     async def read(self, source: nodes_pb2.KVSource, kv_cache: KVCache, layout: KVLayout,
-                   block_ids: list[int]) -> None:
-        """Fills block_ids with the source's KV, verified against source.digest, or raises."""
+                   block_ids: list[int]) -> dict | None:
+        """Fills block_ids with the source's KV, verified against source.digest (per layer for a
+        layer-wise source), or raises. A transport that can read a layer-wise source (one whose
+        prefill still computes) returns its trailer: {finished, token_id, text_chars} or
+        {finished: true, finish_reason}; others return None and refuse such sources in can_read."""
 
 
 class KVTransfer:
     def __init__(self, reader: KVReader, source: nodes_pb2.KVSource, kv_cache: KVCache, layout: KVLayout,
                  block_ids: list[int]):
-        self.transport = reader.name
+        self.transport = reader.name + ("-layerwise" if source.layerwise else "")
         self.num_bytes = source.num_bytes
         self.status = TransferStatus.WAITING
         self.error: BaseException | None = None
         self.started = self.ended = 0.0
+        self.outcome: dict | None = None  # a layer-wise source's trailer: the prefill's first token
         self._task = asyncio.ensure_future(self._run(reader, source, kv_cache, layout, block_ids))
+        # A transfer whose waiter went away (a cancelled request) may still fail: that is no error.
+        self._task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
     async def _run(self, reader, source, kv_cache, layout, block_ids) -> None:
         self.status = TransferStatus.TRANSFERRING
         self.started = time.time()
         try:
-            await reader.read(source, kv_cache, layout, block_ids)
+            self.outcome = await reader.read(source, kv_cache, layout, block_ids)
         except BaseException as e:
             self.status, self.error = TransferStatus.FAILED, e
             raise

@@ -48,6 +48,9 @@ class KVPlaneServicer(nodes_pb2_grpc.KVPlaneServicer):
         lease = self.leases.get(request.lease_id)
         if lease is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no kv_lease {request.lease_id!r} (released or expired)")
+        if lease.progress is not None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"kv_lease {request.lease_id!r} streams layer by layer: read it over tcp")
         try:
             self.layout.check(KVLayout.from_proto(request.expect), sides=("prefill", "decode"))
         except KVLayoutMismatch as e:
@@ -83,7 +86,7 @@ class GrpcStreamReader:
         self.timeout_s = timeout_s  # a pull that takes longer fails (never a hang)
 
     def can_read(self, source: nodes_pb2.KVSource, layout: KVLayout) -> bool:
-        return bool(source.kv_address)
+        return bool(source.kv_address) and not source.layerwise
 
     def channel(self, address: str) -> grpc.aio.Channel:
         if address not in self.channels:

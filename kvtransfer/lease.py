@@ -1,5 +1,6 @@
 """The prefill side's kv_leases: a finished prefill's KV stays in its blocks until the decode side
-confirms its read (ReleaseKV) or the lease expires, then the blocks are freed."""
+confirms its read (ReleaseKV) or the lease expires, then the blocks are freed. A layer-wise lease
+begins while its prefill still computes (`progress`); its clock starts when the prefill ends."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import secrets
 import time
 import uuid
 from dataclasses import dataclass, field
+
+from engine.kv_progress import LayerProgress
 
 
 @dataclass
@@ -19,6 +22,7 @@ class Lease:
     lease_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     # A secret per lease (as an RDMA rkey): only a holder of the KVSource may read the blocks.
     access_key: str = field(default_factory=lambda: secrets.token_hex(16))
+    progress: LayerProgress | None = None  # layer-wise: the KV as it is written
 
 
 class LeaseTable:
@@ -31,10 +35,16 @@ class LeaseTable:
     def __len__(self) -> int:
         return len(self._leases)
 
-    def add(self, request_id: str, block_ids: list[int], num_tokens: int, digest: int) -> Lease:
-        lease = Lease(request_id, block_ids, num_tokens, digest, time.time() + self.ttl_s)
+    def add(self, request_id: str, block_ids: list[int], num_tokens: int, digest: int,
+            progress: LayerProgress | None = None) -> Lease:
+        """With progress (the prefill still computes) the lease never expires until `start_clock`."""
+        expires = float("inf") if progress is not None else time.time() + self.ttl_s
+        lease = Lease(request_id, block_ids, num_tokens, digest, expires, progress=progress)
         self._leases[lease.lease_id] = lease
         return lease
+
+    def start_clock(self, lease: Lease) -> None:
+        lease.expires_at = time.time() + self.ttl_s
 
     def get(self, lease_id: str) -> Lease | None:
         lease = self._leases.get(lease_id)

@@ -33,7 +33,8 @@ class KVReceiver:
             if self.transport in ("auto", reader.name) or reader.name == "fake":
                 if reader.can_read(source, self.layout):
                     return reader
-        raise KVTransferError(f"no {self.transport} transport can read the KV of lease {source.lease_id} "
+        layerwise = " layer by layer (tcp only)" if source.layerwise else ""
+        raise KVTransferError(f"no {self.transport} transport can read the KV of lease {source.lease_id}{layerwise} "
                               f"(host {source.host_id!r}, region {source.shm_region!r}, tcp {source.tcp_address!r}, "
                               f"address {source.kv_address!r})")
 

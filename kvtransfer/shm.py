@@ -101,7 +101,7 @@ class ShmReader:
         self._regions: dict[str, torch.Tensor] = {}
 
     def can_read(self, source: nodes_pb2.KVSource, layout: KVLayout) -> bool:
-        return (source.host_id == self.host_id and bool(REGION_NAME.fullmatch(source.shm_region))
+        return (not source.layerwise and source.host_id == self.host_id and bool(REGION_NAME.fullmatch(source.shm_region))
                 and source.layout.block_size == layout.block_size and (SHM_DIR / source.shm_region).exists())
 
     def _attach(self, source: nodes_pb2.KVSource, layout: KVLayout) -> torch.Tensor:

@@ -9,8 +9,13 @@ the bytes move here, without per-chunk Python objects or staging copies:
 
 Wire format of one connection (all integers little-endian):
     request : b"PDK1" | u32 length | JSON {lease_id, access_key, token, layout, layers: [a, b]}
-    reply   : u32 length | JSON {ok, num_tokens, num_bytes} or {ok: false, code, error}
+    reply   : u32 length | JSON {ok, num_tokens, num_bytes, layerwise} or {ok: false, code, error}
     then    : num_bytes raw bytes, layers a..b-1 of the layer-ordered stream
+Layer-wise (a lease whose prefill still computes, `layerwise` true): each layer is sent as soon as
+the forward has written it, followed by its u64 xxh3 digest; the connection that ends at the last
+layer then gets the trailer, u32 length | JSON {finished, token_id, text_chars} or {finished,
+finish_reason}: the first token, straight from the prefill node. A prefill that fails or is
+cancelled closes the connection.
 Security as on the gRPC plane: TLS (mutual when configured) wraps the socket, and the internal
 token is checked when one is configured; besides, every lease has its own random access key
 (as an RDMA rkey), known only to whoever got the KVSource, so a peer that can merely reach the
@@ -31,6 +36,7 @@ import struct
 import threading
 
 from engine.kv_cache import KVCache
+from engine.kv_progress import PrefillFailed
 from kvtransfer.base import KVCorrupt, KVTransferError
 from kvtransfer.layout import KVLayout, KVLayoutMismatch, as_bytes, combine_digests, layer_digest, pieces
 from kvtransfer.lease import LeaseTable
@@ -41,6 +47,7 @@ log = logging.getLogger(__name__)
 MAGIC = b"PDK1"
 MAX_HEADER = 64 << 10
 SOCKET_BUFFER = 8 << 20  # bytes of kernel buffer per socket: keeps a fast link busy
+LAYER_WAIT_S = 120.0  # layer-wise: the longest wait for one layer (at most one forward) or the first token
 DEFAULT_CONNECTIONS = 1  # measured best with 2 cores (loopback 0.63 vs 0.52 of raw TCP with 2); more for fast links
 
 
@@ -133,11 +140,23 @@ class TcpKVServer:
                 _send_json(sock, {"ok": False, "code": refusal[0], "error": refusal[1]})
                 return
             num_bytes = self.layout.num_bytes(lease.num_tokens) * len(layers) // self.layout.num_layers
-            _send_json(sock, {"ok": True, "num_tokens": lease.num_tokens, "num_bytes": num_bytes})
-            for piece in pieces(self.kv_cache.kv, lease.block_ids, lease.num_tokens, layers):
-                sock.sendall(as_bytes(piece))
-        except (OSError, ValueError, ssl.SSLError) as e:  # a peer that went away or spoke nonsense
-            log.info("kv tcp: connection ended: %s", e)
+            progress = lease.progress
+            _send_json(sock, {"ok": True, "num_tokens": lease.num_tokens, "num_bytes": num_bytes,
+                              "layerwise": progress is not None})
+            if progress is None:
+                for piece in pieces(self.kv_cache.kv, lease.block_ids, lease.num_tokens, layers):
+                    sock.sendall(as_bytes(piece))
+                return
+            for layer in layers:  # layer-wise: each as soon as it is written, then its digest
+                progress.wait_layer(layer, LAYER_WAIT_S)
+                for piece in pieces(self.kv_cache.kv, lease.block_ids, lease.num_tokens, range(layer, layer + 1)):
+                    sock.sendall(as_bytes(piece))
+                sock.sendall(struct.pack("<Q", layer_digest(self.kv_cache.kv, lease.block_ids, lease.num_tokens,
+                                                            layer)))
+            if layers.stop == self.layout.num_layers:
+                _send_json(sock, progress.wait_outcome(LAYER_WAIT_S))
+        except (OSError, ValueError, ssl.SSLError, PrefillFailed, TimeoutError) as e:
+            log.info("kv tcp: connection ended: %s", e)  # a peer that went away or spoke nonsense, a failed prefill
         finally:
             raw.close()
 
@@ -208,7 +227,8 @@ class TcpReader:
         return bool(source.tcp_address)
 
     async def read(self, source: nodes_pb2.KVSource, kv_cache: KVCache, layout: KVLayout,
-                   block_ids: list[int]) -> None:
+                   block_ids: list[int]) -> dict | None:
+        """Returns the trailer of a layer-wise source (the first token), else None."""
         layout.check(KVLayout.from_proto(source.layout))  # before a byte is written
         ranges = layer_ranges(layout.num_layers, self.connections)
         # Every connection runs to its end (or its timeout) before this returns, so that nothing
@@ -218,13 +238,17 @@ class TcpReader:
         for r in results:
             if isinstance(r, BaseException):
                 raise r
-        digest = combine_digests([d for layer_digests in results for d in layer_digests])  # ranges in order
+        if source.layerwise:  # every layer was checked against the sender's digest as it landed
+            return _check_trailer(results[-1][1], source)
+        digest = combine_digests([d for layer_digests, _ in results for d in layer_digests])  # ranges in order
         if digest != source.digest:
             raise KVCorrupt(f"KV digest mismatch after the tcp read (lease {source.lease_id})")
+        return None
 
     def _read_layers(self, source: nodes_pb2.KVSource, kv_cache: KVCache, layout: KVLayout, block_ids: list[int],
-                     a: int, b: int) -> list[int]:
-        """Reads layers [a, b) into the blocks; returns their digests."""
+                     a: int, b: int) -> tuple[list[int], dict | None]:
+        """Reads layers [a, b) into the blocks; returns their digests, and the trailer of a
+        layer-wise source if b is the last layer."""
         host, _, port = source.tcp_address.rpartition(":")
         try:
             with socket.create_connection((host.strip("[]"), int(port)), timeout=self.timeout_s) as raw:
@@ -240,19 +264,36 @@ class TcpReader:
                         raise KVLayoutMismatch(reply.get("error"))
                     raise KVTransferError(f"KV read from {source.tcp_address} refused: {error}")
                 expected = layout.num_bytes(source.num_tokens) * (b - a) // layout.num_layers
-                if reply.get("num_tokens") != source.num_tokens or reply.get("num_bytes") != expected:
+                if (reply.get("num_tokens") != source.num_tokens or reply.get("num_bytes") != expected
+                        or bool(reply.get("layerwise")) != source.layerwise):
                     raise KVTransferError(f"KV reply says {reply.get('num_tokens')} tokens / {reply.get('num_bytes')} "
-                                          f"bytes, expected {source.num_tokens} / {expected}")
-                digests = []
+                                          f"bytes / layerwise {reply.get('layerwise')}, expected {source.num_tokens} / "
+                                          f"{expected} / {source.layerwise}")
+                digests, sent = [], bytearray(8)
                 for layer in range(a, b):
                     for piece in pieces(kv_cache.kv, block_ids, source.num_tokens, range(layer, layer + 1)):
                         _recv_exact(sock, as_bytes(piece))  # straight into the reserved blocks
                     digests.append(layer_digest(kv_cache.kv, block_ids, source.num_tokens, layer))  # while hot
-                return digests
+                    if source.layerwise:
+                        _recv_exact(sock, memoryview(sent))
+                        if struct.unpack("<Q", sent)[0] != digests[-1]:
+                            raise KVCorrupt(f"KV digest mismatch in layer {layer} of the tcp read "
+                                            f"(lease {source.lease_id})")
+                trailer = _recv_json(sock) if source.layerwise and b == layout.num_layers else None
+                return digests, trailer
         except (OSError, ssl.SSLError, ValueError) as e:
             if isinstance(e, KVLayoutMismatch):
                 raise
-            raise KVTransferError(f"KV read from {source.tcp_address} (layers {a}-{b - 1}) failed: {e}") from e
+            why = " (a layer-wise stream ends so when its prefill fails or is cancelled)" if source.layerwise else ""
+            raise KVTransferError(f"KV read from {source.tcp_address} (layers {a}-{b - 1}) failed: {e}{why}") from e
 
     async def close(self) -> None:
         pass
+
+
+def _check_trailer(trailer, source: nodes_pb2.KVSource) -> dict:
+    ok = isinstance(trailer, dict) and isinstance(trailer.get("finished"), bool) and (
+        trailer["finished"] or isinstance(trailer.get("token_id"), int) and isinstance(trailer.get("text_chars"), int))
+    if not ok:
+        raise KVTransferError(f"malformed layer-wise trailer for lease {source.lease_id}: {trailer!r}")
+    return trailer

@@ -9,7 +9,8 @@ passes `args`:
                                    # (the env var PDSERVE_MODEL, where set, overrides it)
     app_name: pdserve              # the registry the replicas announce themselves in
     kv_transport: auto             # auto (shm on one Ray node, else tcp), shm, tcp, grpc
-    router:  {direct_port: 50051, max_model_len: null, discovery_interval_s: 0.5}
+    router:  {direct_port: 50051, max_model_len: null, discovery_interval_s: 0.5,
+              kv_layerwise: auto}  # auto, on, off: stream the KV layer by layer (tcp)
     prefill: {engine: {...EngineConfig fields...}, lease_ttl_s: 30, shm: true, drain_timeout_s: 60, port: 0}
     decode:  {engine: {...EngineConfig fields...}, drain_timeout_s: 600, port: 0}
 
@@ -23,7 +24,7 @@ import os
 
 from engine import EngineConfig
 
-ROUTER_KEYS = {"direct_port", "max_model_len", "discovery_interval_s", "host"}
+ROUTER_KEYS = {"direct_port", "max_model_len", "discovery_interval_s", "host", "kv_layerwise"}
 PREFILL_KEYS = {"engine", "lease_ttl_s", "shm", "drain_timeout_s", "port"}
 DECODE_KEYS = {"engine", "drain_timeout_s", "port"}
 # Resources a local cluster declares so the deployments' `resources` can be placed (on
@@ -54,6 +55,8 @@ def parse_args(args: dict) -> dict:
         raise ValueError(f"args.kv_transport must be one of {KV_TRANSPORTS}, got {kv_transport!r}")
     router, prefill, decode = args.get("router", {}), args.get("prefill", {}), args.get("decode", {})
     _check_keys("args.router", router, ROUTER_KEYS)
+    if router.get("kv_layerwise", "auto") not in ("auto", "on", "off"):
+        raise ValueError(f"args.router.kv_layerwise must be one of auto, on, off, got {router['kv_layerwise']!r}")
     _check_keys("args.prefill", prefill, PREFILL_KEYS)
     _check_keys("args.decode", decode, DECODE_KEYS)
     engines = {}

@@ -75,18 +75,24 @@ class Timings(_message.Message):
     def __init__(self, queued: _Optional[float] = ..., prefill_start: _Optional[float] = ..., prefill_end: _Optional[float] = ..., transfer_start: _Optional[float] = ..., transfer_end: _Optional[float] = ..., decode_admitted: _Optional[float] = ..., first_token: _Optional[float] = ..., done: _Optional[float] = ..., kv_bytes: _Optional[int] = ..., kv_transport: _Optional[str] = ...) -> None: ...
 
 class NodeLoad(_message.Message):
-    __slots__ = ("num_waiting", "num_running", "num_free_blocks", "num_total_blocks", "num_kv_leases")
+    __slots__ = ("num_waiting", "num_running", "num_free_blocks", "num_total_blocks", "num_kv_leases", "host_id", "kv_transport", "kv_layerwise")
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_LEASES_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    KV_LAYERWISE_FIELD_NUMBER: _ClassVar[int]
     num_waiting: int
     num_running: int
     num_free_blocks: int
     num_total_blocks: int
     num_kv_leases: int
-    def __init__(self, num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_kv_leases: _Optional[int] = ...) -> None: ...
+    host_id: str
+    kv_transport: str
+    kv_layerwise: bool
+    def __init__(self, num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_kv_leases: _Optional[int] = ..., host_id: _Optional[str] = ..., kv_transport: _Optional[str] = ..., kv_layerwise: _Optional[bool] = ...) -> None: ...
 
 class LoadRequest(_message.Message):
     __slots__ = ()

@@ -41,6 +41,11 @@ class PrefillNodeStub:
                 request_serializer=pdserve__api_dot_nodes__pb2.PrefillRequest.SerializeToString,
                 response_deserializer=pdserve__api_dot_nodes__pb2.PrefillResponse.FromString,
                 _registered_method=True)
+        self.StreamPrefill = channel.unary_stream(
+                '/pdserve.v1.PrefillNode/StreamPrefill',
+                request_serializer=pdserve__api_dot_nodes__pb2.PrefillRequest.SerializeToString,
+                response_deserializer=pdserve__api_dot_nodes__pb2.PrefillResponse.FromString,
+                _registered_method=True)
         self.GetLoad = channel.unary_unary(
                 '/pdserve.v1.PrefillNode/GetLoad',
                 request_serializer=pdserve__api_dot_common__pb2.LoadRequest.SerializeToString,
@@ -60,6 +65,17 @@ class PrefillNodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StreamPrefill(self, request, context):
+        """Prefill with the KV streamed layer by layer (layer-wise streaming, over the tcp data plane):
+        the first message carries only `kv` (layerwise = true), sent when the prompt's last chunk is
+        scheduled, so that a decode node can start reading layer 0 while later layers compute; the
+        second is Prefill's answer (without `kv`). The decode node gets the first token in the data
+        plane's trailer, straight from this node.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetLoad(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -71,6 +87,11 @@ def add_PrefillNodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Prefill': grpc.unary_unary_rpc_method_handler(
                     servicer.Prefill,
+                    request_deserializer=pdserve__api_dot_nodes__pb2.PrefillRequest.FromString,
+                    response_serializer=pdserve__api_dot_nodes__pb2.PrefillResponse.SerializeToString,
+            ),
+            'StreamPrefill': grpc.unary_stream_rpc_method_handler(
+                    servicer.StreamPrefill,
                     request_deserializer=pdserve__api_dot_nodes__pb2.PrefillRequest.FromString,
                     response_serializer=pdserve__api_dot_nodes__pb2.PrefillResponse.SerializeToString,
             ),
@@ -106,6 +127,33 @@ class PrefillNode:
             request,
             target,
             '/pdserve.v1.PrefillNode/Prefill',
+            pdserve__api_dot_nodes__pb2.PrefillRequest.SerializeToString,
+            pdserve__api_dot_nodes__pb2.PrefillResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StreamPrefill(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pdserve.v1.PrefillNode/StreamPrefill',
             pdserve__api_dot_nodes__pb2.PrefillRequest.SerializeToString,
             pdserve__api_dot_nodes__pb2.PrefillResponse.FromString,
             options,

@@ -20,6 +20,8 @@ def main() -> None:
                     help="serve Prometheus /metrics here (0: any port) (default: no metrics server)")
     ap.add_argument("--http-port", type=int, default=None,
                     help="also serve the OpenAI-compatible HTTP API here (default: gRPC only)")
+    ap.add_argument("--kv-layerwise", default="auto", choices=["auto", "on", "off"],
+                    help="stream the KV layer by layer while the prompt computes (tcp only); auto: where the decode node reads over tcp (across hosts, or --kv-transport tcp)")
     add_security_args(ap, public=True)
     args = ap.parse_args()
     setup_logging()
@@ -29,7 +31,7 @@ def main() -> None:
                                                    args.host, args.port, args.max_model_len,
                                                    public_security=public_security(args),
                                                    internal_security=internal_security(args),
-                                                   http_port=args.http_port),
+                                                   http_port=args.http_port, kv_layerwise=args.kv_layerwise),
                                     metrics_port=args.metrics_port))
 
 

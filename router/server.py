@@ -25,6 +25,7 @@ from router.pool import EndpointPool, NoHealthyNode
 
 log = logging.getLogger(__name__)
 PREFILL_ATTEMPTS = 3
+KV_LAYERWISE = ("auto", "on", "off")
 MIGRATIONS = 3  # times one request may move to another decode node
 GENERATION = generate_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 # Failures of the decode side after which the request moves (a dead node, KV unreadable or corrupt).
@@ -36,10 +37,13 @@ class Router(Frontend):
     def __init__(self, model: str, prefill: list[str], decode: list[str], host: str = "127.0.0.1", port: int = 0,
                  max_model_len: int | None = None, check_interval_s: float = 1.0, metrics: Metrics | None = None,
                  public_security: Security = NONE, internal_security: Security = NONE, http_port: int | None = None,
-                 api_keys: tuple[str, ...] = (), **limits):
+                 api_keys: tuple[str, ...] = (), kv_layerwise: str = "auto", **limits):
         """http_port: also serve the OpenAI-compatible HTTP API (router/openai_api.py) there, with
-        these API keys (none: open)."""
+        these API keys (none: open). kv_layerwise: auto, on or off (see _layerwise)."""
         super().__init__(model, max_model_len, metrics, **limits)
+        if kv_layerwise not in KV_LAYERWISE:
+            raise ValueError(f"kv_layerwise must be one of {KV_LAYERWISE}, got {kv_layerwise!r}")
+        self.kv_layerwise = kv_layerwise
         self.http_port, self.api_keys, self._http = http_port, api_keys, None
         self._serving: bool | None = None  # what the gRPC health service last said
         self.prefill_pool = EndpointPool("prefill", prefill, check_interval_s, security=internal_security,
@@ -111,33 +115,36 @@ class Router(Frontend):
         generated: list[int] = []  # every token streamed to the client so far
         emitted = 0  # characters of text streamed so far
         for attempt in range(MIGRATIONS + 1):
-            # 2. remote prefill on the least busy healthy prefill node (another if one is gone)
-            prefill, first = await self._prefill(nodes_pb2.PrefillRequest(
+            decode = _pick(self.decode_pool)
+            # 2. remote prefill on the least busy healthy prefill node (another if one is gone).
+            #    Layer-wise, its first answer is the KV's descriptor, while the layers still compute.
+            prefill, reply, replies = await self._prefill(nodes_pb2.PrefillRequest(
                 request_id=rid, prompt_token_ids=prompt, sampling=sampling, deadline=deadline,
-                output_token_ids=generated, num_emitted_chars=emitted))
-            if attempt == 0:
-                timings.prefill_start, timings.prefill_end = first.prefill_start, first.prefill_end
-                timings.first_token = time.time()
-            generated.append(first.first_token_id)
-            emitted += len(first.text)
-            head = generate_pb2.GenerateResponse(request_id=rid, token_ids=[first.first_token_id], text=first.text)
-            if first.HasField("logprobs"):
-                head.logprobs.append(first.logprobs)
-            if first.finished:
-                yield final_message(head, first.finish_reason, len(prompt), len(generated), timings)
-                return
-            yield head
-
-            # 3. remote decode on the least busy healthy decode node; it reads the KV itself
+                output_token_ids=generated, num_emitted_chars=emitted), decode)
+            kv = reply.kv
             decode_started = False  # once it streams, the decode node has read the KV and released it
             call = None
             try:
-                decode = _pick(self.decode_pool)
                 with decode.track(), self._outstanding(decode):
-                    call = decode.stub.Decode(nodes_pb2.DecodeRequest(
-                        request_id=f"{rid}#{attempt}", prompt_token_ids=prompt, output_token_ids=generated,
-                        sampling=sampling, kv=first.kv, deadline=deadline, num_emitted_chars=emitted),
-                        timeout=remaining(deadline))
+                    if kv.layerwise:  # 3a. the decode node reads each layer as it is written
+                        call = self._decode(decode, rid, attempt, prompt, generated, sampling, kv, deadline, emitted)
+                        reply = await _next_reply(replies)  # the first token
+                    if not timings.first_token:
+                        timings.prefill_start, timings.prefill_end = reply.prefill_start, reply.prefill_end
+                        timings.first_token = time.time()
+                    generated.append(reply.first_token_id)
+                    emitted += len(reply.text)
+                    head = generate_pb2.GenerateResponse(request_id=rid, token_ids=[reply.first_token_id],
+                                                         text=reply.text)
+                    if reply.HasField("logprobs"):
+                        head.logprobs.append(reply.logprobs)
+                    if reply.finished:
+                        yield final_message(head, reply.finish_reason, len(prompt), len(generated), timings)
+                        return
+                    yield head
+                    # 3. remote decode on the least busy healthy decode node; it reads the KV itself
+                    if call is None:
+                        call = self._decode(decode, rid, attempt, prompt, generated, sampling, kv, deadline, emitted)
                     # 4. stream
                     async for part in call:
                         if not decode_started:
@@ -154,6 +161,11 @@ class Router(Frontend):
                             return
                         yield msg
                 raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, None, None, "decode stream ended early")
+            except PrefillFailed as e:  # layer-wise, after the descriptor: nothing streamed yet
+                if e.code != grpc.StatusCode.UNAVAILABLE or attempt == MIGRATIONS:
+                    raise RequestError(e.code, f"prefill: {e.details}") from None
+                log.warning("request %s: prefill on %s failed (%s); retrying", rid, prefill.address, e.details)
+                prefill.healthy = False  # until a health check passes again
             except grpc.aio.AioRpcError as e:
                 if e.code() not in MIGRATE_ON or attempt == MIGRATIONS or (deadline and time.time() >= deadline):
                     raise RequestError(e.code(), f"decode: {e.details()}") from None
@@ -162,27 +174,48 @@ class Router(Frontend):
                 self.metrics.inc("pdserve_migrations_total")
                 await self.decode_pool.check(decode)  # a dead node leaves the pool now
             finally:
-                if call is not None and not call.done():
-                    call.cancel()  # a cancelled client, or a deadline: the decode node stops and frees
-                if not decode_started:  # nobody read the KV: free it on the prefill node now
-                    await asyncio.shield(self._release_kv(prefill, first.kv.lease_id))
+                for c in (call, replies):
+                    if c is not None and not c.done():
+                        c.cancel()  # a cancelled client, or a deadline: the nodes stop and free
+                if not decode_started and kv.lease_id and not reply.finished:
+                    # nobody read the KV: free it on the prefill node now (a finished prefill did)
+                    await asyncio.shield(self._release_kv(prefill, kv.lease_id))
 
     # ---- steps ------------------------------------------------------------------------------
-    async def _prefill(self, request: nodes_pb2.PrefillRequest):
-        """Prefill has no effect but a lease that expires, so a node that cannot be reached
+    async def _prefill(self, request: nodes_pb2.PrefillRequest, decode):
+        """Returns (prefill node, its first answer, the rest of a layer-wise answer or None).
+        Prefill has no effect but a lease that expires, so a node that cannot be reached
         (gone, restarting) is retried on another; other errors are the request's."""
         tried: set[str] = set()
         while True:
             prefill = _pick(self.prefill_pool, exclude=tried)
             try:
                 with prefill.track(), self._outstanding(prefill):
-                    return prefill, await prefill.stub.Prefill(request, timeout=remaining(request.deadline))
+                    if not self._layerwise(prefill, decode):
+                        return prefill, await prefill.stub.Prefill(request, timeout=remaining(request.deadline)), None
+                    replies = prefill.stub.StreamPrefill(request, timeout=remaining(request.deadline))
+                    return prefill, await _next_reply(replies, raw=True), replies
             except grpc.aio.AioRpcError as e:
                 if e.code() != grpc.StatusCode.UNAVAILABLE or len(tried) + 1 >= PREFILL_ATTEMPTS:
                     raise RequestError(e.code(), f"prefill: {e.details()}") from None
                 log.warning("prefill node %s unreachable (%s); retrying elsewhere", prefill.address, e.details())
                 prefill.healthy = False  # until a health check passes again
                 tried.add(prefill.address)
+
+    def _layerwise(self, prefill, decode) -> bool:
+        """Whether to stream the KV layer by layer: where the prefill node can and the decode node
+        reads over tcp. auto: across hosts (on one host shared memory moves the whole KV in a few
+        milliseconds) or where the decode node is told to use tcp."""
+        if self.kv_layerwise == "off" or not prefill.load.kv_layerwise or decode.load.kv_transport not in ("auto", "tcp"):
+            return False
+        return (self.kv_layerwise == "on" or decode.load.kv_transport == "tcp"
+                or prefill.load.host_id != decode.load.host_id)
+
+    @staticmethod
+    def _decode(decode, rid, attempt, prompt, generated, sampling, kv, deadline, emitted):
+        return decode.stub.Decode(nodes_pb2.DecodeRequest(
+            request_id=f"{rid}#{attempt}", prompt_token_ids=prompt, output_token_ids=generated, sampling=sampling,
+            kv=kv, deadline=deadline, num_emitted_chars=emitted), timeout=remaining(deadline))
 
     @contextlib.contextmanager
     def _outstanding(self, endpoint):
@@ -201,6 +234,30 @@ class Router(Frontend):
                 nodes_pb2.ReleaseKVRequest(lease_id=lease_id), timeout=5)
         except grpc.aio.AioRpcError as e:  # the lease expires on its own
             log.warning("ReleaseKV %s on %s failed: %s", lease_id, prefill.address, e.code().name)
+
+
+class PrefillFailed(Exception):
+    """A layer-wise prefill failed after it had described its KV."""
+
+    def __init__(self, code: grpc.StatusCode, details: str):
+        super().__init__(details)
+        self.code, self.details = code, details
+
+
+async def _next_reply(replies, raw: bool = False) -> nodes_pb2.PrefillResponse:
+    """The next message of a StreamPrefill call. raw: its errors as they are (before the
+    descriptor, when the prefill may still be retried elsewhere), else as PrefillFailed."""
+    try:
+        reply = await replies.read()
+    except grpc.aio.AioRpcError as e:
+        if raw:
+            raise
+        raise PrefillFailed(e.code(), e.details()) from None
+    if reply is grpc.aio.EOF:
+        if raw:
+            raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, None, None, "prefill stream ended early")
+        raise PrefillFailed(grpc.StatusCode.UNAVAILABLE, "prefill stream ended before the first token")
+    return reply
 
 
 def _pick(pool: EndpointPool, exclude: set[str] = frozenset()):

@@ -133,10 +133,11 @@ async def run_requests(router: Router, prompts: list[list[int]], expected: list[
     outcome.migration_gap_ms = max(gaps) * 1e3
 
 
-async def prefill_dies(model, prompts, expected, max_tokens) -> Outcome:
-    """Two prefill nodes; one is killed while prompts are being prefilled."""
-    out = Outcome("prefill node killed during prefill")
-    async with cluster(model, 2, 1) as (router, nodes):
+async def prefill_dies(model, prompts, expected, max_tokens, transport: str = "auto") -> Outcome:
+    """Two prefill nodes; one is killed while prompts are being prefilled (with tcp, while the
+    decode node reads their KV layer by layer)."""
+    out = Outcome(f"prefill node killed during prefill ({transport})")
+    async with cluster(model, 2, 1, decode_extra=["--kv-transport", transport]) as (router, nodes):
         async def killer():
             await asyncio.sleep(0.05)
             nodes[0].kill()

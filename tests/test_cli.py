@@ -107,7 +107,29 @@ def test_help_shows_every_default(command):
 
 
 def test_generate_puts_an_error_after_streamed_text_on_its_own_line(tiny_llama):
-    """With every decode node gone, the prefill's first token still streams; then the error."""
+    """A deadline that passes mid-answer: the tokens so far are printed, then the error on its own line."""
+    import asyncio
+
+    from cluster import local_cluster
+    from test_cluster import slow_layers
+
+    async def scenario():
+        async with local_cluster(tiny_llama) as (router, prefills, decodes):
+            slow_layers(decodes[0], 0.05)  # 0.1 s a token
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "pdserve", "generate", "--addr", router.address, "--raw", "--max-tokens", "500",
+                "--timeout", "3", "Hello world", stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            out, err = await asyncio.wait_for(proc.communicate(), 120)
+            return proc.returncode, out.decode(), err.decode()
+
+    code, out, err = asyncio.run(scenario())
+    assert code == 1
+    assert out.strip() and out.endswith("\n")  # the tokens so far, then a newline before the error
+    assert err.count("\n") == 1 and err.startswith("pdserve: error: DEADLINE_EXCEEDED"), err
+
+
+def test_generate_without_a_healthy_decode_node_fails_before_any_prefill(tiny_llama):
+    """The router picks the decode node first: with none healthy, the request fails at once."""
     import asyncio
 
     from cluster import local_cluster
@@ -121,11 +143,10 @@ def test_generate_puts_an_error_after_streamed_text_on_its_own_line(tiny_llama):
                 sys.executable, "-m", "pdserve", "generate", "--addr", router.address, "--raw", "--max-tokens", "8",
                 "Hello world", stdout=subprocess.PIPE, stderr=subprocess.PIPE)
             out, err = await asyncio.wait_for(proc.communicate(), 120)
-            return proc.returncode, out.decode(), err.decode()
+            return proc.returncode, out.decode(), err.decode(), prefills[0].num_prefilled
 
-    code, out, err = asyncio.run(scenario())
-    assert code == 1
-    assert out.strip() and out.endswith("\n")  # the first token, then a newline before the error
+    code, out, err, prefilled = asyncio.run(scenario())
+    assert code == 1 and out == "" and prefilled == 0
     assert err.count("\n") == 1 and err.startswith("pdserve: error: UNAVAILABLE: no healthy decode node (of 1: "), err
 
 

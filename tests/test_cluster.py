@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import time
 
 import grpc
 import pytest
@@ -18,7 +20,9 @@ from router.client import AsyncClient
 
 PROMPTS = [[5, 17, 33, 8, 90, 41, 7, 99, 100, 3, 4], [200, 3], list(range(11, 40)), [64, 65, 66]]
 GREEDY = dict(max_tokens=16, temperature=0, ignore_eos=True)
-TRANSPORTS = {"shm": dict(kv_transport="shm"), "tcp": dict(kv_transport="tcp"), "grpc": dict(kv_transport="grpc")}
+# Told to read over tcp, a decode node gets the KV layer by layer (router kv_layerwise auto).
+TRANSPORTS = {"shm": dict(kv_transport="shm"), "tcp-layerwise": dict(kv_transport="tcp"),
+              "tcp": dict(kv_transport="tcp", kv_layerwise="off"), "grpc": dict(kv_transport="grpc")}
 
 
 def engine_alone(model, prompts, **params) -> list[list[int]]:
@@ -284,5 +288,66 @@ def test_an_unreachable_prefill_node_is_retried_on_another(tiny_llama, reference
                 results = [await client.generate(p, **GREEDY) for p in PROMPTS]
             assert [r.token_ids for r in results] == reference
             assert not router.prefill_pool.endpoints[0].healthy
+
+    asyncio.run(scenario())
+
+
+# ---- layer-wise KV streaming -----------------------------------------------------------------
+def slow_layers(node, seconds: float) -> None:
+    """Each layer of the node's forward takes `seconds` longer: time to act inside a prefill."""
+    model = node.engine.engine.runner.model
+    forward = model.forward
+
+    def slowed(ids, positions, meta, kv_cache, layer_done=None):
+        def done(layer):
+            time.sleep(seconds)
+            if layer_done is not None:
+                layer_done(layer)
+        return forward(ids, positions, meta, kv_cache, done)
+
+    model.forward = slowed
+
+
+def test_layerwise_decode_reads_the_kv_while_the_prefill_computes(tiny_llama, reference):
+    async def scenario():
+        async with local_cluster(tiny_llama, kv_transport="tcp") as (router, prefills, decodes):
+            slow_layers(prefills[0], 0.2)
+            async with AsyncClient(router.address) as client:
+                result = await client.generate(PROMPTS[0], **GREEDY)
+            assert result.token_ids == reference[0]
+            t = result.timings
+            assert t["kv_transport"] == "tcp-layerwise"
+            assert t["transfer_start"] < t["prefill_end"] - 0.2  # reading began a layer or more before the end
+            await wait_for_no_blocks(prefills + decodes)
+            assert len(prefills[0].leases) == 0
+
+    asyncio.run(scenario())
+
+
+def test_layerwise_prefill_cancelled_or_finished_at_once_frees_both_sides(tiny_llama):
+    async def scenario():
+        async with local_cluster(tiny_llama, kv_transport="tcp") as (router, prefills, decodes):
+            slow_layers(prefills[0], 0.3)
+            async with AsyncClient(router.address) as client:
+                # cancelled while the decode node reads layer by layer
+                stream = client.stream(PROMPTS[2], max_tokens=50, temperature=0, ignore_eos=True)
+                task = asyncio.ensure_future(stream.__anext__())
+                reading = False
+                for _ in range(100):
+                    reading = len(prefills[0].leases) == 1 and used_blocks(decodes[0]) > 0
+                    if reading:
+                        break
+                    await asyncio.sleep(0.01)
+                assert reading and not task.done()
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+                await wait_for_no_blocks(prefills + decodes)
+                assert len(prefills[0].leases) == 0 and decodes[0].num_active == 0
+                # the first token ends the request: the decode node reads the trailer and stops
+                result = await client.generate(PROMPTS[1], max_tokens=1, temperature=0)
+                assert len(result.token_ids) == 1 and result.finish_reason == "length"
+            await wait_for_no_blocks(prefills + decodes)
+            assert len(prefills[0].leases) == 0 and decodes[0].num_active == 0
 
     asyncio.run(scenario())

@@ -28,10 +28,10 @@ def expected(tiny_llama):
 
 
 @pytest.mark.parametrize("scenario, transport", [
-    (prefill_gone_before, None), (prefill_dies, None), (transfer_fails, "grpc"), (transfer_fails, "tcp"),
-    (decode_dies, "auto"), (decode_dies, "tcp")],
-    ids=["before-prefill", "during-prefill", "during-transfer-grpc", "during-transfer-tcp", "during-decode",
-         "during-decode-tcp"])
+    (prefill_gone_before, None), (prefill_dies, None), (prefill_dies, "tcp"), (transfer_fails, "grpc"),
+    (transfer_fails, "tcp"), (decode_dies, "auto"), (decode_dies, "tcp")],
+    ids=["before-prefill", "during-prefill", "during-layerwise-prefill-tcp", "during-transfer-grpc",
+         "during-transfer-tcp", "during-decode", "during-decode-tcp"])
 def test_a_killed_node_loses_no_request_and_leaks_no_block(tiny_llama, expected, scenario, transport):
     extra = {"transport": transport} if transport else {}
     out = asyncio.run(scenario(tiny_llama, PROMPTS, expected, MAX_TOKENS, **extra))

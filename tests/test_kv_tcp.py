@@ -5,13 +5,18 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import threading
+import time
 
 import pytest
 import torch
 
+from engine.kv_progress import LayerProgress
 from kvtransfer.base import KVCorrupt, KVTransferError
+from kvtransfer.grpc_stream import GrpcStreamReader
 from kvtransfer.layout import KVLayout, KVLayoutMismatch, kv_digest
 from kvtransfer.lease import LeaseTable
+from kvtransfer.shm import ShmReader
 from kvtransfer.tcp import TcpKVServer, TcpReader, layer_ranges
 from pdserve.security import Security
 from pdserve_api import nodes_pb2
@@ -135,3 +140,94 @@ def test_garbage_on_the_port_does_not_hurt_the_server(plane):
     dst = cache(4, 4)
     asyncio.run(TcpReader().read(source, dst, KVLayout.of(dst, "fp"), [2]))
     assert torch.equal(tokens(dst, [2], 4), tokens(src, [3], 4))
+
+
+# ---- layer-wise streaming ------------------------------------------------------------------
+def layerwise_source(src, leases, server, block_ids, num_tokens):
+    progress = LayerProgress(src.kv.shape[0])
+    lease = leases.add("r1", block_ids, num_tokens, 0, progress)
+    layout = KVLayout.of(src, "fp")
+    return progress, nodes_pb2.KVSource(
+        lease_id=lease.lease_id, access_key=lease.access_key, tcp_address=server.address, layout=layout.to_proto(),
+        block_ids=block_ids, num_tokens=num_tokens, num_bytes=layout.num_bytes(num_tokens), layerwise=True)
+
+
+def layer_bytes(c, block_ids, num_tokens, layer):
+    return tokens(c, block_ids, num_tokens)[layer]
+
+
+@pytest.mark.parametrize("connections", [1, 2])
+def test_layerwise_reads_each_layer_as_it_is_written_then_the_trailer(plane, connections):
+    src, leases, server = plane
+    src_ids, dst_ids, n = [7, 2, 3], [5, 1], 10
+    progress, source = layerwise_source(src, leases, server, src_ids, n)
+    dst = cache(8, 8)
+
+    async def scenario():
+        read = asyncio.ensure_future(TcpReader(connections=connections).read(source, dst, KVLayout.of(dst, "fp"),
+                                                                             dst_ids))
+        for layer in range(src.kv.shape[0]):
+            progress.layer_done(layer)
+            # the reader has this layer while the later ones are still "computing"
+            for _ in range(200):
+                if torch.equal(layer_bytes(dst, dst_ids, n, layer), layer_bytes(src, src_ids, n, layer)):
+                    break
+                await asyncio.sleep(0.01)
+            else:
+                raise AssertionError(f"layer {layer} did not arrive before the next was written")
+            if layer + 1 < src.kv.shape[0]:
+                assert layer_bytes(dst, dst_ids, n, layer + 1).abs().sum() == 0
+        await asyncio.sleep(0.05)
+        assert not read.done()  # waits for the first token
+        progress.finish({"finished": False, "token_id": 42, "text_chars": 3})
+        return await read
+
+    assert asyncio.run(scenario()) == {"finished": False, "token_id": 42, "text_chars": 3}
+    assert torch.equal(tokens(dst, dst_ids, n), tokens(src, src_ids, n))
+
+
+def test_a_layerwise_prefill_that_fails_fails_the_read_at_once(plane):
+    src, leases, server = plane
+    progress, source = layerwise_source(src, leases, server, [1, 2], 8)
+    dst = cache(4, 4)
+
+    async def scenario():
+        read = asyncio.ensure_future(TcpReader(timeout_s=30).read(source, dst, KVLayout.of(dst, "fp"), [0, 1]))
+        progress.layer_done(0)
+        await asyncio.sleep(0.1)
+        started = time.monotonic()
+        progress.fail("aborted")
+        with pytest.raises(KVTransferError, match="layer-wise"):
+            await read
+        assert time.monotonic() - started < 5
+
+    asyncio.run(scenario())
+
+
+def test_a_corrupt_layer_is_caught_as_it_lands(plane, monkeypatch):
+    src, leases, server = plane
+    progress, source = layerwise_source(src, leases, server, [1, 2], 8)
+    import kvtransfer.tcp as tcp
+
+    real = tcp.layer_digest
+
+    def sender_flips_layer_1(kv, ids, n, layer):  # the server's handler threads only
+        flip = layer == 1 and "process_request" in threading.current_thread().name
+        return real(kv, ids, n, layer) ^ flip
+
+    monkeypatch.setattr(tcp, "layer_digest", sender_flips_layer_1)
+    for layer in range(src.kv.shape[0]):
+        progress.layer_done(layer)
+    progress.finish({"finished": False, "token_id": 1, "text_chars": 0})
+    dst = cache(4, 4)
+    with pytest.raises(KVCorrupt, match="layer 1"):
+        asyncio.run(TcpReader(timeout_s=5).read(source, dst, KVLayout.of(dst, "fp"), [0, 1]))
+
+
+def test_only_tcp_reads_a_layerwise_source(plane):
+    src, leases, server = plane
+    _, source = layerwise_source(src, leases, server, [1, 2], 8)
+    layout = KVLayout.of(src, "fp")
+    assert not GrpcStreamReader().can_read(source, layout)
+    assert not ShmReader().can_read(source, layout)
+    assert TcpReader().can_read(source, layout)

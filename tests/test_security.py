@@ -109,7 +109,7 @@ def test_mutual_tls_on_the_tcp_kv_plane(tiny_llama, tmp_path):
         async with local_cluster(tiny_llama, security=cluster_tls, kv_transport="tcp") as (router, prefills, decodes):
             async with AsyncClient(router.address) as client:
                 result = await client.generate([5, 6, 7, 8], max_tokens=6, ignore_eos=True)
-                assert len(result.token_ids) == 6 and result.timings["kv_transport"] == "tcp"
+                assert len(result.token_ids) == 6 and result.timings["kv_transport"] == "tcp-layerwise"
             # An intruder that even knows a live lease and its key reads nothing without a
             # certificate of the cluster's CA.
             async with cluster_tls.channel(prefills[0].address) as channel:
