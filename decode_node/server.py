@@ -135,7 +135,10 @@ class DecodeNode(nodes_pb2_grpc.DecodeNodeServicer):
 
             # 3. running: from the moment the admission is queued, the engine owns the blocks (it
             #    frees them if the admission fails or the request is aborted)
-            def admit():
+            admitted = []
+
+            def admit():  # in the engine thread, between two steps: the next step decodes it
+                admitted.append(time.time())
                 engine.add_prefilled_request(request.request_id, list(request.prompt_token_ids),
                                              output_token_ids, params, blocks, num_emitted_chars=num_emitted_chars)
 
@@ -148,7 +151,7 @@ class DecodeNode(nodes_pb2_grpc.DecodeNodeServicer):
                     msg.logprobs.append(logprobs_to_proto(out.logprobs[-1]))
                 if first:
                     msg.transfer_start, msg.transfer_end = transfer.started, transfer.ended
-                    msg.decode_admitted, msg.kv_transport, msg.kv_bytes = time.time(), transfer.transport, transfer.num_bytes
+                    msg.decode_admitted, msg.kv_transport, msg.kv_bytes = admitted[0], transfer.transport, transfer.num_bytes
                     first = False
                 yield msg
         except ValueError as e:  # refused at admission (e.g. the request id is in use)
@@ -198,5 +201,6 @@ class DecodeNode(nodes_pb2_grpc.DecodeNodeServicer):
             log.warning("ReleaseKV of %s at %s failed: %s", source.lease_id, source.kv_address, e.code().name)
 
     async def GetLoad(self, request, context) -> common_pb2.NodeLoad:
-        return common_pb2.NodeLoad(**await self.engine.call(self.engine.engine.load), host_id=host_id(),
+        # plain counters read now, not between two steps: a long step must not look like a dead node
+        return common_pb2.NodeLoad(**self.engine.engine.load(), host_id=host_id(),
                                    kv_transport=self.receiver.transport)

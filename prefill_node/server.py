@@ -248,7 +248,8 @@ class PrefillNode(nodes_pb2_grpc.PrefillNodeServicer):
         await self.engine.call(self.engine.engine.release_kv, lease.request_id)
 
     async def GetLoad(self, request, context) -> common_pb2.NodeLoad:
-        return common_pb2.NodeLoad(**await self.engine.call(self.engine.engine.load), host_id=self.host_id,
+        # plain counters read now, not between two steps: a long step must not look like a dead node
+        return common_pb2.NodeLoad(**self.engine.engine.load(), host_id=self.host_id,
                                    kv_layerwise=self.layerwise)
 
 

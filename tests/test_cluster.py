@@ -351,3 +351,20 @@ def test_layerwise_prefill_cancelled_or_finished_at_once_frees_both_sides(tiny_l
             assert len(prefills[0].leases) == 0 and decodes[0].num_active == 0
 
     asyncio.run(scenario())
+
+
+def test_a_long_step_does_not_make_a_node_look_dead(tiny_llama):
+    """GetLoad (part of the router's health check) answers during a step, however long the step."""
+    async def scenario():
+        async with local_cluster(tiny_llama) as (router, prefills, decodes):
+            slow_layers(prefills[0], 1.0)  # a 2-second prefill step
+            async with AsyncClient(router.address) as client:
+                request = asyncio.ensure_future(client.generate(PROMPTS[0], max_tokens=2, temperature=0))
+                await asyncio.sleep(0.5)
+                async with grpc.aio.insecure_channel(prefills[0].address) as channel:
+                    load = await nodes_pb2_grpc.PrefillNodeStub(channel).GetLoad(common_pb2.LoadRequest(), timeout=0.5)
+                assert load.num_running == 1 and not request.done()
+                assert router.prefill_pool.healthy()
+                await request
+
+    asyncio.run(scenario())
