@@ -32,8 +32,9 @@ def engine_alone(model) -> list[list[int]]:
     return [outs[str(i)].token_ids for i in range(len(PROMPTS))]
 
 
-@pytest.mark.parametrize("rate", [None, "10gbit"], ids=["veth", "veth-10gbit"])
-def test_greedy_requests_across_two_hosts_over_tcp(tiny_llama, rate):
+@pytest.mark.parametrize("rate, layerwise", [(None, "off"), ("10gbit", "off"), ("10gbit", "on")],
+                         ids=["veth", "veth-10gbit", "veth-10gbit-layerwise"])
+def test_greedy_requests_across_two_hosts_over_tcp(tiny_llama, rate, layerwise):
     expected = engine_alone(tiny_llama)
     with two_hosts(rate) as (a, b, addr_a, addr_b):
         procs = []
@@ -44,7 +45,7 @@ def test_greedy_requests_across_two_hosts_over_tcp(tiny_llama, rate):
             procs.append(decode)
             p_addr, d_addr = prefill.ready(), decode.ready()
             router = InNamespace(b, "-m", "router", "--host", "127.0.0.1", "--port", "0", "--model",
-                                 str(tiny_llama), "--prefill", p_addr, "--decode", d_addr)
+                                 str(tiny_llama), "--prefill", p_addr, "--decode", d_addr, "--kv-layerwise", layerwise)
             procs.append(router)
             r_addr = router.ready()
             client = ("import json, sys\nfrom router.client import Client\n"
@@ -57,7 +58,8 @@ def test_greedy_requests_across_two_hosts_over_tcp(tiny_llama, rate):
             assert r.returncode == 0, r.stderr[-3000:]
             results = [json.loads(line) for line in r.stdout.splitlines()]
             assert [x["ids"] for x in results] == expected
-            assert {x["transport"] for x in results} == {"tcp"}  # no shared memory between the hosts
+            # no shared memory between the hosts
+            assert {x["transport"] for x in results} == {"tcp-layerwise" if layerwise == "on" else "tcp"}
         finally:
             for proc in reversed(procs):
                 proc.stop()
