@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import socket
 import statistics
 import sys
@@ -26,7 +27,7 @@ RATES_GBPS = {"10gbit": 1.25, "25gbit": 3.125}  # bytes per second / 1e9
 
 def raw_sender(port: int, nbytes: int, repeat: int) -> None:
     """In the prefill namespace: sends nbytes `repeat` times to whoever connects."""
-    payload = bytes(nbytes)
+    payload = os.urandom(nbytes)  # real pages: bytes(n) maps the shared zero page, which copies from cache
     with socket.create_server(("0.0.0.0", port)) as server:
         print(f"READY 0.0.0.0:{port}", flush=True)
         conn, _ = server.accept()

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import os
 import multiprocessing
 import socket
 import statistics
@@ -58,27 +60,18 @@ def median_gbps(nbytes: int, seconds: list[float]) -> float:
     return nbytes / statistics.median(seconds) / 1e9
 
 
-def bench_copy(nbytes: int, repeat: int) -> list[float]:
-    src = torch.ones(nbytes, dtype=torch.uint8)
-    dst = torch.zeros(nbytes, dtype=torch.uint8)
-    times = []
-    for _ in range(repeat):
-        t = time.perf_counter()
-        dst.copy_(src)
-        times.append(time.perf_counter() - t)
-    return times
-
-
 def _tcp_sender(port: int, nbytes: int, repeat: int) -> None:
-    payload = bytes(nbytes)
+    payload = os.urandom(nbytes)  # real pages: bytes(n) maps the shared zero page, which copies from cache
     with socket.create_connection(("127.0.0.1", port)) as s:
         for _ in range(repeat):
+            s.recv(1)  # go
             s.sendall(payload)
-            s.recv(1)
 
 
-def bench_tcp(nbytes: int, repeat: int) -> list[float]:
-    """A raw TCP loopback socket between two processes, received into a preallocated buffer."""
+@contextlib.contextmanager
+def raw_tcp(nbytes: int, repeat: int):
+    """A raw TCP loopback socket to a sender process; yields receive() -> the seconds from asking
+    for nbytes to having them in a preallocated buffer (the baseline of the tcp transport)."""
     with socket.socket() as server:
         server.bind(("127.0.0.1", 0))
         server.listen(1)
@@ -86,10 +79,22 @@ def bench_tcp(nbytes: int, repeat: int) -> list[float]:
                                                              args=(server.getsockname()[1], nbytes, repeat))
         sender.start()
         conn, _ = server.accept()
-        with conn:
-            times = receive_repeatedly(conn, nbytes, repeat)
-        sender.join()
-    return times
+        buf = memoryview(bytearray(nbytes))
+
+        def receive() -> float:
+            got, t = 0, time.perf_counter()
+            conn.sendall(b"g")
+            while got < nbytes:
+                got += conn.recv_into(buf[got:], nbytes - got)
+            return time.perf_counter() - t
+
+        try:
+            with conn:
+                yield receive
+        finally:
+            sender.join(timeout=10)
+            if sender.is_alive():
+                sender.kill()
 
 
 def receive_repeatedly(conn: socket.socket, nbytes: int, repeat: int) -> list[float]:
@@ -171,19 +176,38 @@ async def bench_transports(args, prefill_addr: str, model_dir, prompt: list[int]
     results = {"num_tokens": source.num_tokens, "num_bytes": source.num_bytes}
     grpc_reader = GrpcStreamReader()
     shm_reader = ShmReader()
-    results["shm_s"] = await bench_reader(shm_reader, source, kv_cache, layout, args.repeat)
-    # The same one-sided read without the digest check: the bytes alone.
+    # The one-sided read, verified as decode nodes run it and bytes alone, interleaved with its
+    # baseline (an in-process copy of as many bytes), so that drift on a shared machine hits all three.
+    blocks = list(range(len(source.block_ids)))
+    await shm_reader.read(source, kv_cache, layout, blocks)  # warm-up: maps the region
     region = shm_reader._attach(source, layout)
-    runs = aligned_runs(list(source.block_ids), list(range(len(source.block_ids))))
-    times = []
+    runs = aligned_runs(list(source.block_ids), blocks)
+    src = torch.ones(source.num_bytes, dtype=torch.uint8)
+    dst = torch.zeros(source.num_bytes, dtype=torch.uint8)
+    for name in ("copy_s", "shm_s", "shm_bytes_s"):
+        results[name] = []
     for _ in range(args.repeat):
+        t = time.perf_counter()
+        dst.copy_(src)
+        results["copy_s"].append(time.perf_counter() - t)
+        t = time.perf_counter()
+        await shm_reader.read(source, kv_cache, layout, blocks)
+        results["shm_s"].append(time.perf_counter() - t)
         t = time.perf_counter()
         for s, d, n in runs:
             kv_cache.kv[:, :, d:d + n].copy_(region[:, :, s:s + n])
-        times.append(time.perf_counter() - t)
-    results["shm_bytes_s"] = times
-    results["tcp_s"] = await bench_reader(TcpReader(connections=args.connections), source, kv_cache, layout,
-                                          args.repeat)
+        results["shm_bytes_s"].append(time.perf_counter() - t)
+    # The tcp transport interleaved with its baseline, raw TCP loopback to another process.
+    tcp_reader = TcpReader(connections=args.connections)
+    await tcp_reader.read(source, kv_cache, layout, blocks)  # warm-up
+    results["tcp_s"], results["tcp_raw_s"] = [], []
+    with raw_tcp(source.num_bytes, args.repeat + 1) as receive:
+        receive()  # warm-up
+        for _ in range(args.repeat):
+            results["tcp_raw_s"].append(receive())
+            t = time.perf_counter()
+            await tcp_reader.read(source, kv_cache, layout, blocks)
+            results["tcp_s"].append(time.perf_counter() - t)
     results["grpc_s"] = await bench_reader(grpc_reader, source, kv_cache, layout, args.repeat)
     await grpc_reader.close()
     await nodes_pb2_grpc.KVPlaneStub(channel).ReleaseKV(nodes_pb2.ReleaseKVRequest(lease_id=source.lease_id))
@@ -206,8 +230,6 @@ def main() -> int:
     try:
         r = asyncio.run(bench_transports(args, prefill_addr, model_dir, prompt))
         nbytes = r["num_bytes"]
-        r["copy_s"] = bench_copy(nbytes, args.repeat)
-        r["tcp_raw_s"] = bench_tcp(nbytes, args.repeat)
         names = ("copy", "shm_bytes", "shm", "tcp_raw", "tcp", "grpc")
         gbps = {k: median_gbps(nbytes, r[k + "_s"]) for k in names}
         print(f"KV of a {r['num_tokens']}-token prompt: {nbytes / 1e6:.1f} MB; median of {args.repeat} reads")

@@ -19,6 +19,7 @@ import socket
 import uuid
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from engine.kv_cache import KVCache
@@ -149,11 +150,16 @@ class ShmReader:
                 raise KVCorrupt(f"KV digest mismatch after the shared-memory read (lease {source.lease_id}): "
                                 "the blocks changed under the read")
             return
-        index = torch.tensor(src_ids)
-        expected = torch.tensor(list(source.block_generations), dtype=torch.int64)
-        if not torch.equal(generations[index], expected):
-            raise KVTransferError(f"kv_lease {source.lease_id} ended before the shared-memory read")
-        await asyncio.to_thread(copy_blocks, src, src_ids, kv_cache.kv, dst_ids, source.num_tokens, False)
-        if not torch.equal(generations[index], expected):
-            raise KVCorrupt(f"the lease {source.lease_id} ended during the shared-memory read: "
-                            "its blocks may have changed under it")
+        index = np.asarray(src_ids)
+        expected = np.asarray(source.block_generations, dtype=np.int64)
+        gens = generations.numpy()
+
+        def checked_copy() -> None:  # one thread hop; the copies release the GIL
+            if not np.array_equal(gens[index], expected):
+                raise KVTransferError(f"kv_lease {source.lease_id} ended before the shared-memory read")
+            copy_blocks(src, src_ids, kv_cache.kv, dst_ids, source.num_tokens, False)
+            if not np.array_equal(gens[index], expected):
+                raise KVCorrupt(f"the lease {source.lease_id} ended during the shared-memory read: "
+                                "its blocks may have changed under it")
+
+        await asyncio.to_thread(checked_copy)

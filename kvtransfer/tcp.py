@@ -6,8 +6,10 @@ the bytes move here, without per-chunk Python objects or staging copies:
   `sendall` of a memoryview straight over the engine's KV tensor;
 - receiver (the decode node's TcpReader): `recv_into` straight into its own reserved blocks, over
   N parallel connections, each reading one contiguous range of layers.
+A KV cache on a GPU goes through a host copy of one layer at a time on either end (host_layers).
 
-Wire format of one connection (all integers little-endian):
+Wire format of one read (all integers little-endian); a connection carries one read after another
+(readers keep a few idle connections per prefill node, so a read costs no connect or handshake):
     request : b"PDK1" | u32 length | JSON {lease_id, access_key, token, layout, layers: [a, b]}
     reply   : u32 length | JSON {ok, num_tokens, num_bytes, layerwise} or {ok: false, code, error}
     then    : num_bytes raw bytes, layers a..b-1 of the layer-ordered stream
@@ -34,11 +36,15 @@ import socketserver
 import ssl
 import struct
 import threading
+import time
+
+import torch
 
 from engine.kv_cache import KVCache
 from engine.kv_progress import PrefillFailed
 from kvtransfer.base import KVCorrupt, KVTransferError
-from kvtransfer.layout import KVLayout, KVLayoutMismatch, as_bytes, combine_digests, layer_digest, pieces
+from kvtransfer.layout import (KVLayout, KVLayoutMismatch, as_bytes, combine_digests, digest_views, layer_views,
+                               pieces)
 from kvtransfer.lease import LeaseTable
 from pdserve.security import NONE, Security
 from pdserve_api import nodes_pb2
@@ -48,7 +54,9 @@ MAGIC = b"PDK1"
 MAX_HEADER = 64 << 10
 SOCKET_BUFFER = 8 << 20  # bytes of kernel buffer per socket: keeps a fast link busy
 LAYER_WAIT_S = 120.0  # layer-wise: the longest wait for one layer (at most one forward) or the first token
-DEFAULT_CONNECTIONS = 1  # measured best with 2 cores (loopback 0.63 vs 0.52 of raw TCP with 2); more for fast links
+IDLE_S = 60.0  # the server closes a connection that asks nothing for this long
+POOL_IDLE_S = 30.0  # readers reuse a connection idle for less (well inside IDLE_S)
+DEFAULT_CONNECTIONS = 1  # measured best on 2 cores (loopback 0.90 of raw TCP vs 0.75 with 2); more for fast links
 
 
 # ---- framing ------------------------------------------------------------------------------
@@ -90,6 +98,24 @@ def _tune(sock: socket.socket) -> None:
             pass
 
 
+def host_layers(kv: torch.Tensor, block_ids: list[int], num_tokens: int, layers: range):
+    """Per layer: the byte views a socket sends from or receives into, and the (host, device)
+    staging pairs, empty for a kv in host memory (the views are the cache itself). A kv on a GPU
+    moves through a host copy of one layer at a time (copied before the send, after the receive)."""
+    if on_host(kv):
+        for views in layer_views(kv, block_ids, num_tokens, layers):
+            yield views, []
+        return
+    for layer in layers:
+        device = list(pieces(kv, block_ids, num_tokens, range(layer, layer + 1)))
+        host = [torch.empty(p.shape, dtype=p.dtype) for p in device]
+        yield [as_bytes(h) for h in host], list(zip(host, device))
+
+
+def on_host(kv: torch.Tensor) -> bool:
+    return kv.device.type == "cpu"
+
+
 # ---- the prefill side ---------------------------------------------------------------------
 class TcpKVServer:
     """Serves leased blocks of one KV cache to decode nodes; a thread per connection (the copies
@@ -114,6 +140,8 @@ class TcpKVServer:
         self.host = host
         self.port = self._server.server_address[1]
         self._thread = threading.Thread(target=self._server.serve_forever, name="kv-tcp", daemon=True)
+        self._lock = threading.Lock()
+        self._open: set[socket.socket] = set()  # connected sockets, closed on stop
 
     @property
     def address(self) -> str:
@@ -125,40 +153,63 @@ class TcpKVServer:
     def stop(self) -> None:
         self._server.shutdown()
         self._server.server_close()
+        with self._lock:  # idle pooled connections too: their handler threads end
+            for raw in self._open:
+                try:
+                    raw.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
 
     def _serve(self, raw: socket.socket) -> None:
+        """One connection: read requests one after another (readers keep their connections), until
+        the peer closes it, stays idle IDLE_S, or anything fails."""
         _tune(raw)
+        with self._lock:
+            self._open.add(raw)
         try:
             sock = self.ssl.wrap_socket(raw, server_side=True) if self.ssl else raw
-            magic = bytearray(4)
-            _recv_exact(sock, memoryview(magic))
-            if bytes(magic) != MAGIC:
-                return
-            request = _recv_json(sock)
-            refusal, lease, layers = self._check(request)
-            if refusal:
-                _send_json(sock, {"ok": False, "code": refusal[0], "error": refusal[1]})
-                return
-            num_bytes = self.layout.num_bytes(lease.num_tokens) * len(layers) // self.layout.num_layers
-            progress = lease.progress
-            _send_json(sock, {"ok": True, "num_tokens": lease.num_tokens, "num_bytes": num_bytes,
-                              "layerwise": progress is not None})
-            if progress is None:
-                for piece in pieces(self.kv_cache.kv, lease.block_ids, lease.num_tokens, layers):
-                    sock.sendall(as_bytes(piece))
-                return
-            for layer in layers:  # layer-wise: each as soon as it is written, then its digest
-                progress.wait_layer(layer, LAYER_WAIT_S)
-                for piece in pieces(self.kv_cache.kv, lease.block_ids, lease.num_tokens, range(layer, layer + 1)):
-                    sock.sendall(as_bytes(piece))
-                sock.sendall(struct.pack("<Q", layer_digest(self.kv_cache.kv, lease.block_ids, lease.num_tokens,
-                                                            layer)))
-            if layers.stop == self.layout.num_layers:
-                _send_json(sock, progress.wait_outcome(LAYER_WAIT_S))
+            while self._serve_one(sock):
+                pass
         except (OSError, ValueError, ssl.SSLError, PrefillFailed, TimeoutError) as e:
             log.info("kv tcp: connection ended: %s", e)  # a peer that went away or spoke nonsense, a failed prefill
         finally:
+            with self._lock:
+                self._open.discard(raw)
             raw.close()
+
+    def _serve_one(self, sock: socket.socket) -> bool:
+        """Serves one read; False when the peer closed the connection instead of asking again."""
+        magic = bytearray(4)
+        sock.settimeout(IDLE_S)
+        got = sock.recv_into(magic)
+        if got == 0:
+            return False
+        _recv_exact(sock, memoryview(magic)[got:])
+        sock.settimeout(None)
+        if bytes(magic) != MAGIC:
+            return False
+        request = _recv_json(sock)
+        refusal, lease, layers = self._check(request)
+        if refusal:
+            _send_json(sock, {"ok": False, "code": refusal[0], "error": refusal[1]})
+            return True
+        num_bytes = self.layout.num_bytes(lease.num_tokens) * len(layers) // self.layout.num_layers
+        progress = lease.progress
+        _send_json(sock, {"ok": True, "num_tokens": lease.num_tokens, "num_bytes": num_bytes,
+                          "layerwise": progress is not None})
+        staged = host_layers(self.kv_cache.kv, lease.block_ids, lease.num_tokens, layers)
+        for layer, (layer_bytes, on_device) in zip(layers, staged):
+            if progress is not None:  # layer-wise: each layer as soon as it is written, then its digest
+                progress.wait_layer(layer, LAYER_WAIT_S)
+            for host, device in on_device:
+                host.copy_(device)
+            for view in layer_bytes:
+                sock.sendall(view)
+            if progress is not None:
+                sock.sendall(struct.pack("<Q", digest_views(layer_bytes)))
+        if progress is not None and layers.stop == self.layout.num_layers:
+            _send_json(sock, progress.wait_outcome(LAYER_WAIT_S))
+        return True
 
     def _check(self, request: dict):
         """(refusal (code, message) or None, lease, layers)."""
@@ -222,6 +273,8 @@ class TcpReader:
         self.ssl = _client_context(security)
         self.connections = connections
         self.timeout_s = timeout_s  # per socket operation: a stalled peer fails the read, never hangs it
+        self._lock = threading.Lock()
+        self._idle: dict[str, list[tuple[socket.socket, float]]] = {}  # address -> (connection, idle since)
 
     def can_read(self, source: nodes_pb2.KVSource, layout: KVLayout) -> bool:
         return bool(source.tcp_address)
@@ -249,46 +302,96 @@ class TcpReader:
                      a: int, b: int) -> tuple[list[int], dict | None]:
         """Reads layers [a, b) into the blocks; returns their digests, and the trailer of a
         layer-wise source if b is the last layer."""
-        host, _, port = source.tcp_address.rpartition(":")
+        address = source.tcp_address
+        request = {"lease_id": source.lease_id, "access_key": source.access_key, "token": self.security.token or "",
+                   "layout": _layout_dict(layout), "layers": [a, b]}
+        sock = None
         try:
-            with socket.create_connection((host.strip("[]"), int(port)), timeout=self.timeout_s) as raw:
-                _tune(raw)
-                sock = self.ssl.wrap_socket(raw, server_hostname=host.strip("[]")) if self.ssl else raw
-                _send_json(sock, {"lease_id": source.lease_id, "access_key": source.access_key,
-                                  "token": self.security.token or "", "layout": _layout_dict(layout),
-                                  "layers": [a, b]}, prefix=MAGIC)
-                reply = _recv_json(sock)
-                if not reply.get("ok"):
-                    error = f"{reply.get('code')}: {reply.get('error')}"
-                    if reply.get("code") == "FAILED_PRECONDITION":
-                        raise KVLayoutMismatch(reply.get("error"))
-                    raise KVTransferError(f"KV read from {source.tcp_address} refused: {error}")
-                expected = layout.num_bytes(source.num_tokens) * (b - a) // layout.num_layers
-                if (reply.get("num_tokens") != source.num_tokens or reply.get("num_bytes") != expected
-                        or bool(reply.get("layerwise")) != source.layerwise):
-                    raise KVTransferError(f"KV reply says {reply.get('num_tokens')} tokens / {reply.get('num_bytes')} "
-                                          f"bytes / layerwise {reply.get('layerwise')}, expected {source.num_tokens} / "
-                                          f"{expected} / {source.layerwise}")
-                digests, sent = [], bytearray(8)
-                for layer in range(a, b):
-                    for piece in pieces(kv_cache.kv, block_ids, source.num_tokens, range(layer, layer + 1)):
-                        _recv_exact(sock, as_bytes(piece))  # straight into the reserved blocks
-                    digests.append(layer_digest(kv_cache.kv, block_ids, source.num_tokens, layer))  # while hot
-                    if source.layerwise:
-                        _recv_exact(sock, memoryview(sent))
-                        if struct.unpack("<Q", sent)[0] != digests[-1]:
-                            raise KVCorrupt(f"KV digest mismatch in layer {layer} of the tcp read "
-                                            f"(lease {source.lease_id})")
-                trailer = _recv_json(sock) if source.layerwise and b == layout.num_layers else None
-                return digests, trailer
+            sock, reply = self._ask(address, request)
+            if not reply.get("ok"):
+                self._give_back(address, sock)  # a refusal leaves the connection usable
+                sock = None
+                error = f"{reply.get('code')}: {reply.get('error')}"
+                if reply.get("code") == "FAILED_PRECONDITION":
+                    raise KVLayoutMismatch(reply.get("error"))
+                raise KVTransferError(f"KV read from {address} refused: {error}")
+            expected = layout.num_bytes(source.num_tokens) * (b - a) // layout.num_layers
+            if (reply.get("num_tokens") != source.num_tokens or reply.get("num_bytes") != expected
+                    or bool(reply.get("layerwise")) != source.layerwise):
+                raise KVTransferError(f"KV reply says {reply.get('num_tokens')} tokens / {reply.get('num_bytes')} "
+                                      f"bytes / layerwise {reply.get('layerwise')}, expected {source.num_tokens} / "
+                                      f"{expected} / {source.layerwise}")
+            digests, sent = [], bytearray(8)
+            staged = host_layers(kv_cache.kv, block_ids, source.num_tokens, range(a, b))
+            for layer, (layer_bytes, on_device) in zip(range(a, b), staged):
+                for view in layer_bytes:
+                    _recv_exact(sock, view)  # straight into the reserved blocks
+                digests.append(digest_views(layer_bytes))  # while the layer is still in cache
+                for host, device in on_device:
+                    device.copy_(host)
+                if source.layerwise:
+                    _recv_exact(sock, memoryview(sent))
+                    if struct.unpack("<Q", sent)[0] != digests[-1]:
+                        raise KVCorrupt(f"KV digest mismatch in layer {layer} of the tcp read "
+                                        f"(lease {source.lease_id})")
+            trailer = _recv_json(sock) if source.layerwise and b == layout.num_layers else None
+            self._give_back(address, sock)
+            sock = None
+            return digests, trailer
         except (OSError, ssl.SSLError, ValueError) as e:
             if isinstance(e, KVLayoutMismatch):
                 raise
             why = " (a layer-wise stream ends so when its prefill fails or is cancelled)" if source.layerwise else ""
-            raise KVTransferError(f"KV read from {source.tcp_address} (layers {a}-{b - 1}) failed: {e}{why}") from e
+            raise KVTransferError(f"KV read from {address} (layers {a}-{b - 1}) failed: {e}{why}") from e
+        finally:
+            if sock is not None:  # a read that failed midway leaves the connection in an unknown state
+                sock.close()
+
+    def _ask(self, address: str, request: dict) -> tuple[socket.socket, dict]:
+        """Sends the request on an idle pooled connection, or on a new one if there is none or the
+        pooled one turns out closed (its server restarted or timed it out); returns it and the reply."""
+        while True:
+            sock = self._take(address)
+            pooled = sock is not None
+            sock = sock or self._connect(address)
+            try:
+                _send_json(sock, request, prefix=MAGIC)
+                return sock, _recv_json(sock)
+            except BaseException as e:
+                sock.close()
+                if not (pooled and isinstance(e, OSError)):
+                    raise
+
+    def _connect(self, address: str) -> socket.socket:
+        host, _, port = address.rpartition(":")
+        raw = socket.create_connection((host.strip("[]"), int(port)), timeout=self.timeout_s)
+        _tune(raw)
+        return self.ssl.wrap_socket(raw, server_hostname=host.strip("[]")) if self.ssl else raw
+
+    def _take(self, address: str) -> socket.socket | None:
+        with self._lock:
+            idle = self._idle.get(address, [])
+            while idle:
+                sock, since = idle.pop()
+                if time.monotonic() - since < POOL_IDLE_S:
+                    return sock
+                sock.close()
+        return None
+
+    def _give_back(self, address: str, sock: socket.socket) -> None:
+        with self._lock:
+            idle = self._idle.setdefault(address, [])
+            if len(idle) < self.connections:
+                idle.append((sock, time.monotonic()))
+                return
+        sock.close()
 
     async def close(self) -> None:
-        pass
+        with self._lock:
+            for idle in self._idle.values():
+                for sock, _ in idle:
+                    sock.close()
+            self._idle.clear()
 
 
 def _check_trailer(trailer, source: nodes_pb2.KVSource) -> dict:

@@ -50,8 +50,13 @@ def test_layer_ranges_cover_every_layer_once():
     assert layer_ranges(5, 1) == [(0, 5)]
 
 
-@pytest.mark.parametrize("connections", [1, 2, 3])
-def test_reads_exact_bytes_into_blocks_of_another_size(plane, connections):
+@pytest.mark.parametrize("connections,staged", [(1, False), (2, False), (3, False), (2, True)])
+def test_reads_exact_bytes_into_blocks_of_another_size(plane, connections, staged, monkeypatch):
+    """staged: both ends move each layer through a host copy, as a KV cache on a GPU does."""
+    import kvtransfer.tcp as tcp
+
+    if staged:
+        monkeypatch.setattr(tcp, "on_host", lambda kv: False)
     src, leases, server = plane
     src_ids, n = [7, 2, 3, 11], 14
     source = lease_source(src, leases, server, src_ids, n)
@@ -60,6 +65,52 @@ def test_reads_exact_bytes_into_blocks_of_another_size(plane, connections):
     assert torch.equal(tokens(dst, dst_ids, n), tokens(src, src_ids, n))
     untouched = [b for b in range(8) if b not in dst_ids]
     assert dst.kv[:, :, untouched].abs().sum() == 0
+
+
+def test_reads_reuse_a_connection_and_survive_its_end(plane, monkeypatch):
+    """One connection carries read after read (no connect per read); a pooled connection the server
+    has since closed (idle too long) is replaced without failing the read; close() and stop() end them."""
+    import kvtransfer.tcp as tcp
+
+    src, leases, server = plane
+    reader, dst = TcpReader(), cache(8, 8)
+
+    async def reads():
+        for i in range(3):
+            n = 5 + i
+            source = lease_source(src, leases, server, [3, 4], n)
+            await reader.read(source, dst, KVLayout.of(dst, "fp"), [0, 1])
+            assert torch.equal(tokens(dst, [0, 1], n), tokens(src, [3, 4], n))
+            assert len(server._open) == 1 and len(reader._idle[server.address]) == 1
+        monkeypatch.setattr(tcp, "IDLE_S", 0.1)
+        await reader.read(lease_source(src, leases, server, [3, 4], 8), dst, KVLayout.of(dst, "fp"), [0, 1])
+        pooled = reader._idle[server.address][0][0]
+        await asyncio.sleep(0.5)  # the server's handler ends that connection
+        assert len(server._open) == 0
+        await reader.read(lease_source(src, leases, server, [3, 4], 8), dst, KVLayout.of(dst, "fp"), [0, 1])
+        assert reader._idle[server.address][0][0] is not pooled
+        await reader.close()
+
+    asyncio.run(reads())
+    assert reader._idle == {}
+    deadline = time.monotonic() + 5
+    while server._open and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not server._open
+
+
+def test_stopping_the_server_ends_pooled_connections(plane):
+    src, leases, server = plane
+    reader, dst = TcpReader(), cache(8, 8)
+    asyncio.run(reader.read(lease_source(src, leases, server, [3, 4], 8), dst, KVLayout.of(dst, "fp"), [0, 1]))
+    assert len(server._open) == 1  # its handler thread waits for the next read
+    server.stop()
+    deadline = time.monotonic() + 5
+    while server._open and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not server._open
+    with pytest.raises(KVTransferError, match="failed"):  # the pooled connection is dead, and so is the port
+        asyncio.run(reader.read(lease_source(src, leases, server, [3, 4], 8), dst, KVLayout.of(dst, "fp"), [0, 1]))
 
 
 def test_a_wrong_access_key_reads_nothing(plane):
@@ -209,13 +260,15 @@ def test_a_corrupt_layer_is_caught_as_it_lands(plane, monkeypatch):
     progress, source = layerwise_source(src, leases, server, [1, 2], 8)
     import kvtransfer.tcp as tcp
 
-    real = tcp.layer_digest
+    real, calls = tcp.digest_views, []
 
-    def sender_flips_layer_1(kv, ids, n, layer):  # the server's handler threads only
-        flip = layer == 1 and "process_request" in threading.current_thread().name
-        return real(kv, ids, n, layer) ^ flip
+    def sender_flips_layer_1(views):  # the server's handler threads only: its second digest is layer 1's
+        if "process_request" not in threading.current_thread().name:
+            return real(views)
+        calls.append(1)
+        return real(views) ^ (len(calls) == 2)
 
-    monkeypatch.setattr(tcp, "layer_digest", sender_flips_layer_1)
+    monkeypatch.setattr(tcp, "digest_views", sender_flips_layer_1)
     for layer in range(src.kv.shape[0]):
         progress.layer_done(layer)
     progress.finish({"finished": False, "token_id": 1, "text_chars": 0})
