@@ -47,9 +47,10 @@ def used_blocks(node) -> int:
 
 
 async def wait_for_no_blocks(nodes, timeout=5.0) -> None:
-    """Blocks are freed asynchronously (lease release, aborts): wait until all are back."""
+    """Blocks are freed asynchronously (lease release, aborts), and a decode node's stream closes
+    just after its last message: wait until all blocks are back and no stream is open."""
     for _ in range(int(timeout / 0.02)):
-        if all(used_blocks(n) == 0 for n in nodes):
+        if all(used_blocks(n) == 0 and getattr(n, "num_active", 0) == 0 for n in nodes):
             return
         await asyncio.sleep(0.02)
-    raise AssertionError({n.address: used_blocks(n) for n in nodes})
+    raise AssertionError({n.address: (used_blocks(n), getattr(n, "num_active", 0)) for n in nodes})
