@@ -1,31 +1,66 @@
-"""Hands out KV blocks: a free list and a reference count per block.
+"""Hands out KV blocks: reference counts, and automatic prefix caching.
 
-A block returns to the free list when its last reference is dropped. A sequence holds one
-reference to each block in its block_table; a kv_lease (the prefill side of a transfer) holds
-another, so a sequence can finish while its KV is still being read.
+A sequence holds one reference to each block in its block_table; a kv_lease (the prefill side of a
+transfer) holds another, so a sequence can finish while its KV is still being read.
+
+Prefix caching (as vLLM's automatic prefix caching): every full block a sequence has computed is
+named by a hash of (the hash of the block before it, its token ids), so a hash names the whole
+prefix up to that block. When its last reference goes, a named block stays in the cache, free but
+evictable, least recently freed first; a new sequence whose prompt starts with the same tokens
+takes those blocks (one more reference each) instead of computing them. Only full blocks are
+shared and a sequence always computes at least its last token, so nothing ever writes into a
+shared block. A block that runs out of free, unnamed company is evicted: its name is forgotten.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import struct
+from collections import OrderedDict, deque
+
+import xxhash
 
 from engine.sequence import Sequence
 
 
+def chain_hash(parent: int, token_ids: list[int]) -> int:
+    """The name of a full block: xxh3 over its parent's name and its tokens (stable across
+    processes, so that nodes can report what they hold)."""
+    return xxhash.xxh3_64_intdigest(struct.pack(f"<Q{len(token_ids)}q", parent, *token_ids))
+
+
+def block_hashes(token_ids: list[int], block_size: int, parent: int = 0) -> list[int]:
+    """The names of the full blocks of a token sequence, in order."""
+    hashes = []
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = chain_hash(parent, token_ids[start:start + block_size])
+        hashes.append(parent)
+    return hashes
+
+
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts = [0] * num_blocks
-        self.free_block_ids: deque[int] = deque(range(num_blocks))
+        self.empty: deque[int] = deque(range(num_blocks))  # free, holding nothing worth keeping
+        self.evictable: OrderedDict[int, None] = OrderedDict()  # free, named: least recently freed first
+        self.block_hash: list[int | None] = [None] * num_blocks
+        self.cached: dict[int, int] = {}  # name -> block id
+        # counters (metrics): tokens of admitted sequences looked up, and found; blocks evicted
+        self.num_query_tokens = self.num_hit_tokens = self.num_evicted_blocks = 0
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_block_ids)
+        return len(self.empty) + len(self.evictable)
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self.free_block_ids)
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self.cached)
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -35,25 +70,30 @@ class BlockManager:
         return max(0, self.blocks_for(num_tokens) - len(seq.block_table))
 
     def can_allocate(self, seq: Sequence, num_tokens: int, reserve: int = 0) -> bool:
-        return self.num_new_blocks(seq, num_tokens) + reserve <= len(self.free_block_ids)
+        return self.num_new_blocks(seq, num_tokens) + reserve <= self.num_free_blocks
 
     def allocate(self, seq: Sequence, num_tokens: int) -> None:
         n = self.num_new_blocks(seq, num_tokens)
-        if n > len(self.free_block_ids):
-            raise RuntimeError(f"out of KV blocks: need {n}, {len(self.free_block_ids)} free")
-        for _ in range(n):
-            block_id = self.free_block_ids.popleft()
-            self.ref_counts[block_id] = 1
-            seq.block_table.append(block_id)
+        if n > self.num_free_blocks:
+            raise RuntimeError(f"out of KV blocks: need {n}, {self.num_free_blocks} free")
+        seq.block_table.extend(self._take() for _ in range(n))
 
     def allocate_blocks(self, num_blocks: int) -> list[int]:
         """Blocks not tied to a sequence yet (a transfer's destination); caller frees them."""
-        if num_blocks > len(self.free_block_ids):
-            raise RuntimeError(f"out of KV blocks: need {num_blocks}, {len(self.free_block_ids)} free")
-        block_ids = [self.free_block_ids.popleft() for _ in range(num_blocks)]
-        for block_id in block_ids:
-            self.ref_counts[block_id] = 1
-        return block_ids
+        if num_blocks > self.num_free_blocks:
+            raise RuntimeError(f"out of KV blocks: need {num_blocks}, {self.num_free_blocks} free")
+        return [self._take() for _ in range(num_blocks)]
+
+    def _take(self) -> int:
+        if self.empty:
+            block_id = self.empty.popleft()
+        else:  # evict the least recently freed named block
+            block_id, _ = self.evictable.popitem(last=False)
+            del self.cached[self.block_hash[block_id]]
+            self.block_hash[block_id] = None
+            self.num_evicted_blocks += 1
+        self.ref_counts[block_id] = 1
+        return block_id
 
     def incref(self, block_ids: list[int]) -> None:
         for block_id in block_ids:
@@ -67,8 +107,54 @@ class BlockManager:
                 raise RuntimeError(f"double free of block {block_id}")
             self.ref_counts[block_id] -= 1
             if self.ref_counts[block_id] == 0:
-                self.free_block_ids.append(block_id)
+                if self.block_hash[block_id] is None:
+                    self.empty.append(block_id)
+                else:
+                    self.evictable[block_id] = None
 
     def free(self, seq: Sequence) -> None:
-        self.decref(seq.block_table)
+        # Last blocks first: they go first when blocks run short (a prefix's head is shared most).
+        self.decref(seq.block_table[::-1])
         seq.block_table = []
+        seq.num_named_blocks = 0
+
+    # ---- prefix caching ----------------------------------------------------------------
+    def _hashes(self, seq: Sequence, num_blocks: int) -> list[int]:
+        """The names of seq's first num_blocks full blocks (kept on seq: tokens of a full block never change)."""
+        hashes, bs = seq.block_hashes, self.block_size
+        while len(hashes) < num_blocks:
+            i = len(hashes)
+            hashes.append(chain_hash(hashes[-1] if hashes else 0, seq.token_ids(i * bs, (i + 1) * bs)))
+        return hashes[:num_blocks]
+
+    def acquire_prefix(self, seq: Sequence) -> int:
+        """For a sequence with no KV yet: takes the cached blocks of the longest cached prefix of its
+        tokens, leaving at least its last token to compute; returns the number of tokens they hold."""
+        assert not seq.block_table and seq.num_computed_tokens == 0
+        if not self.enable_prefix_caching:
+            return 0
+        for name in self._hashes(seq, (seq.num_tokens - 1) // self.block_size):
+            block_id = self.cached.get(name)
+            if block_id is None:
+                break
+            if self.ref_counts[block_id] == 0:
+                del self.evictable[block_id]
+            self.ref_counts[block_id] += 1
+            seq.block_table.append(block_id)
+        seq.num_named_blocks = len(seq.block_table)
+        return len(seq.block_table) * self.block_size
+
+    def cache_computed_blocks(self, seq: Sequence) -> None:
+        """Names seq's full blocks whose KV is computed, so that later sequences can share them."""
+        if not self.enable_prefix_caching:
+            return
+        full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        if full <= seq.num_named_blocks:
+            return
+        names = self._hashes(seq, full)
+        for i in range(seq.num_named_blocks, full):
+            block_id, name = seq.block_table[i], names[i]
+            if self.block_hash[block_id] is None and name not in self.cached:
+                self.block_hash[block_id] = name
+                self.cached[name] = block_id
+        seq.num_named_blocks = full

@@ -26,6 +26,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     scheduling: str = "continuous"  # "static": a new batch only once the whole batch is done
     enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True  # reuse the KV of full blocks of a prompt prefix seen before
     cpu_kernels: bool = True  # C++ attention/fused ops on CPUs where they build; False: plain torch
     num_threads: int | None = None  # torch intra-op threads on CPU; None leaves torch's choice
     seed: int = 0  # seeds the sampler for requests without their own seed

@@ -52,7 +52,7 @@ class LLMEngine:
         self.runner = ModelRunner(cfg, self.model_dir, config, self.dtype, self.device, max_model_len,
                                   kv_allocator)
         self.kv_cache = self.runner.kv_cache
-        self.block_manager = BlockManager(self.kv_cache.num_blocks, config.block_size)
+        self.block_manager = BlockManager(self.kv_cache.num_blocks, config.block_size, config.enable_prefix_caching)
         # A sequence can never outgrow the whole KV pool.
         self.max_model_len = min(max_model_len, self.kv_cache.num_blocks * config.block_size)
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len, cfg.eos_token_ids)
@@ -122,6 +122,11 @@ class LLMEngine:
                 "num_free_blocks": self.block_manager.num_free_blocks,
                 "num_total_blocks": self.block_manager.num_blocks, "num_kv_leases": len(self.kv_leases)}
 
+    def prefix_cache_stats(self) -> dict[str, int]:
+        bm = self.block_manager
+        return {"query_tokens": bm.num_query_tokens, "hit_tokens": bm.num_hit_tokens,
+                "cached_blocks": bm.num_cached_blocks, "evicted_blocks": bm.num_evicted_blocks}
+
     # ---- the step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
@@ -162,7 +167,7 @@ class LLMEngine:
             new_token_ids=[token_id], new_text=new_text, finished=seq.is_finished,
             finish_reason=seq.finish_reason.value if seq.finish_reason else None,
             logprobs=seq.output_logprobs if seq.params.logprobs is not None else None,
-            num_preemptions=seq.num_preemptions)
+            num_preemptions=seq.num_preemptions, num_cached_tokens=seq.num_cached_tokens or 0)
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         self.scheduler.finish(seq, reason)
@@ -222,6 +227,7 @@ class LLMEngine:
         except ValueError:
             self.block_manager.free(seq)
             raise
+        self.block_manager.cache_computed_blocks(seq)  # its imported full blocks serve later prompts too
         self.num_prompt_tokens += seq.num_prompt_tokens
         self._track(seq, num_emitted_chars)
         self.scheduler.add(seq)

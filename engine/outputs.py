@@ -17,3 +17,4 @@ class RequestOutput:
     finish_reason: str | None = None  # "stop", "length", "abort"
     logprobs: list[dict[int, float]] | None = None  # per generated token, when asked
     num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache

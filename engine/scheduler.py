@@ -1,7 +1,7 @@
 """Decides what runs in the next step; returns plain data and never touches tensors.
 
-Lifecycle of a sequence: waiting -> running (prefill, possibly in chunks; then decode one token
-per step) -> finished. When blocks run out, the newest running sequence is preempted: its blocks
+Lifecycle of a sequence: waiting -> running (prefill, possibly in chunks, of what the prefix cache
+does not already hold; then decode one token per step) -> finished. When blocks run out, the newest running sequence is preempted: its blocks
 are freed and it returns to the front of the queue to be recomputed (prompt + output so far).
 """
 
@@ -72,13 +72,22 @@ class Scheduler:
             return batch
         while self.waiting and len(self.running) < cfg.max_num_seqs and budget > 0:
             seq = self.waiting[0]
+            looked_up = not seq.block_table  # a new or preempted sequence: its prefix may be cached
+            if looked_up:
+                seq.num_computed_tokens = bm.acquire_prefix(seq)
             n = seq.num_tokens - seq.num_computed_tokens
-            if n > budget:
-                if not cfg.enable_chunked_prefill:
-                    break
-                n = budget
-            if not bm.can_allocate(seq, seq.num_computed_tokens + n, reserve=self.watermark_blocks):
+            fits = n <= budget or cfg.enable_chunked_prefill
+            n = min(n, budget)
+            if not fits or not bm.can_allocate(seq, seq.num_computed_tokens + n, reserve=self.watermark_blocks):
+                if looked_up:  # wait without holding cached blocks
+                    bm.free(seq)
+                    seq.num_computed_tokens = 0
                 break
+            if looked_up:
+                bm.num_query_tokens += seq.num_tokens
+                bm.num_hit_tokens += seq.num_computed_tokens
+                if seq.num_cached_tokens is None:
+                    seq.num_cached_tokens = seq.num_computed_tokens
             self.waiting.popleft()
             bm.allocate(seq, seq.num_computed_tokens + n)
             seq.status = SequenceStatus.RUNNING
@@ -93,6 +102,7 @@ class Scheduler:
         finished = []
         for seq, n, token_id in zip(batch.seqs, batch.num_scheduled_tokens, sampled):
             seq.num_computed_tokens += n
+            self.block_manager.cache_computed_blocks(seq)
             if token_id is None or seq.is_finished:  # a prefill chunk, or aborted meanwhile
                 continue
             seq.output_token_ids.append(token_id)

@@ -42,6 +42,9 @@ class Sequence:
     keep_kv: bool = False  # on finish, the blocks pass to a kv_lease instead of the free list
     kv_progress: LayerProgress | None = None  # layer-wise streaming: the prefill's KV as it is written
     arrival_time: float = field(default_factory=time.monotonic)
+    num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache at first admission
+    block_hashes: list[int] = field(default_factory=list)  # names of its full blocks (engine/block_manager.py)
+    num_named_blocks: int = 0  # leading blocks of block_table already in the prefix cache
 
     @property
     def num_tokens(self) -> int:

@@ -40,6 +40,9 @@ def add_engine_args(p: argparse.ArgumentParser, num_threads_default: str = "torc
     p.add_argument("--max-model-len", type=int, default=None,
                    help="longest prompt + output in tokens (default: the model's context length)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
+    p.add_argument("--no-prefix-caching", action="store_true",
+                   help="compute every prompt in full (by default the KV of full blocks of a prompt prefix seen "
+                        "before is reused)")
     p.add_argument("--num-threads", type=int, default=None, help=f"torch threads (default: {num_threads_default})")
     p.add_argument("--cpus", default=None, help="pin the process to these cores, e.g. 0 or 0-1 (default: not pinned)")
 
@@ -81,7 +84,8 @@ def engine_config(args):
     return EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
                         kv_cache_bytes=int(args.kv_cache_gb * (1 << 30)), max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-                        block_size=args.block_size, num_threads=args.num_threads)
+                        block_size=args.block_size, num_threads=args.num_threads,
+                        enable_prefix_caching=not args.no_prefix_caching)
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:

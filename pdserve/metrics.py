@@ -50,6 +50,13 @@ DEFINITIONS = {
                                   ("role",), None),
     "pdserve_engine_tokens_total": ("counter", "Tokens through the engine: prompt tokens in, generated out",
                                     ("role", "direction"), None),
+    "pdserve_prefix_cache_query_tokens_total": ("counter", "Tokens of admitted sequences looked up in the prefix cache",
+                                                ("role",), None),
+    "pdserve_prefix_cache_hit_tokens_total": ("counter", "Tokens whose KV the prefix cache already held",
+                                              ("role",), None),
+    "pdserve_prefix_cache_blocks": ("gauge", "KV blocks named in the prefix cache (in use or evictable)",
+                                    ("role",), None),
+    "pdserve_prefix_cache_evicted_blocks_total": ("counter", "Cached KV blocks evicted to make room", ("role",), None),
 }
 
 
@@ -119,7 +126,7 @@ class EngineExporter:
 
     def __init__(self, metrics: Metrics, role: str, async_engine, outstanding):
         self.metrics, self.role, self.async_engine, self.outstanding = metrics, role, async_engine, outstanding
-        self._seen = {"preemptions": 0, "in": 0, "out": 0}
+        self._seen = dict.fromkeys(("preemptions", "in", "out", "query", "hit", "evicted"), 0)
         async_engine.on_step = lambda seconds: metrics.observe("pdserve_engine_step_seconds", seconds, role=role)
 
     def refresh(self) -> None:
@@ -130,11 +137,18 @@ class EngineExporter:
         m.set("pdserve_kv_blocks_used", load["num_total_blocks"] - load["num_free_blocks"], role=role)
         m.set("pdserve_kv_blocks_total", load["num_total_blocks"], role=role)
         m.set("pdserve_node_outstanding", self.outstanding(), role=role)
+        cache = engine.prefix_cache_stats()
+        m.set("pdserve_prefix_cache_blocks", cache["cached_blocks"], role=role)
         now = {"preemptions": engine.scheduler.num_preemptions, "in": engine.num_prompt_tokens,
-               "out": engine.num_generated_tokens}
-        m.inc("pdserve_preemptions_total", now["preemptions"] - self._seen["preemptions"], role=role)
-        m.inc("pdserve_engine_tokens_total", now["in"] - self._seen["in"], role=role, direction="in")
-        m.inc("pdserve_engine_tokens_total", now["out"] - self._seen["out"], role=role, direction="out")
+               "out": engine.num_generated_tokens, "query": cache["query_tokens"], "hit": cache["hit_tokens"],
+               "evicted": cache["evicted_blocks"]}
+        seen = self._seen
+        m.inc("pdserve_preemptions_total", now["preemptions"] - seen["preemptions"], role=role)
+        m.inc("pdserve_engine_tokens_total", now["in"] - seen["in"], role=role, direction="in")
+        m.inc("pdserve_engine_tokens_total", now["out"] - seen["out"], role=role, direction="out")
+        m.inc("pdserve_prefix_cache_query_tokens_total", now["query"] - seen["query"], role=role)
+        m.inc("pdserve_prefix_cache_hit_tokens_total", now["hit"] - seen["hit"], role=role)
+        m.inc("pdserve_prefix_cache_evicted_blocks_total", now["evicted"] - seen["evicted"], role=role)
         self._seen = now
 
     async def run(self, interval_s: float = 1.0) -> None:

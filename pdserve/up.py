@@ -117,6 +117,7 @@ def node_args(args, threads: int, metrics_port: int | None) -> list[str]:
             str(args.kv_cache_gb), "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens",
             str(args.max_num_batched_tokens), "--block-size", str(args.block_size), "--num-threads", str(threads),
             *(["--max-model-len", str(args.max_model_len)] if args.max_model_len else []),
+            *(["--no-prefix-caching"] if args.no_prefix_caching else []),
             *(["--metrics-port", str(metrics_port)] if metrics_port is not None else [])]
 
 

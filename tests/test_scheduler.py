@@ -86,10 +86,13 @@ def test_preemption_takes_the_newest_and_requeues_it_first():
     assert s.num_preemptions == 1
 
 
-def test_random_workload_never_leaks_blocks():
+@pytest.mark.parametrize("caching", [False, True])
+def test_random_workload_never_leaks_blocks(caching):
+    """Prompts share prefixes (1, 2, 3, ...): with caching, blocks are shared, evicted and reused."""
     rng = random.Random(0)
-    s = make(num_blocks=24, block_size=4, max_num_seqs=6, max_num_batched_tokens=16)
-    live = []
+    s = make(num_blocks=24, block_size=4, max_num_seqs=6, max_num_batched_tokens=16, enable_prefix_caching=caching)
+    s.block_manager.enable_prefix_caching = caching
+    bm, live = s.block_manager, []
     for step in range(400):
         if rng.random() < 0.3:
             q = seq(f"r{step}", rng.randint(1, 30), max_tokens=rng.randint(1, 20))
@@ -99,9 +102,13 @@ def test_random_workload_never_leaks_blocks():
             s.finish(rng.choice(live), FinishReason.ABORT)
         if s.has_unfinished():
             fake_step(s)
-        used = sum(len(q.block_table) for q in live)
-        assert used == s.block_manager.num_used_blocks
+        holders = [b for q in live for b in q.block_table]
+        assert len(set(holders)) == bm.num_used_blocks
+        assert all(bm.ref_counts[b] == holders.count(b) for b in set(holders))
+        assert all(bm.ref_counts[b] == 0 for b in list(bm.empty) + list(bm.evictable))
+        assert all(bm.block_hash[b] == name for name, b in bm.cached.items())
     while s.has_unfinished():
         fake_step(s)
-    assert s.block_manager.num_used_blocks == 0
+    assert bm.num_used_blocks == 0
     assert all(q.is_finished for q in live)
+    assert (bm.num_hit_tokens > 0 and bm.num_evicted_blocks > 0) == caching

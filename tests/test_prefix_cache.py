@@ -1,0 +1,115 @@
+"""Automatic prefix caching: the block manager's naming, sharing and LRU eviction, and the engine
+giving the same tokens with and without it while computing only what is not cached."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import assert_no_blocks_used, make_engine, run_to_completion
+
+from engine import SamplingParams
+from engine.block_manager import BlockManager, block_hashes
+from engine.sampling_params import SamplingParams as Params
+from engine.sequence import Sequence
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+SYSTEM = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26, 43, 38, 32, 79, 50, 28, 84, 19, 71, 69, 39]  # 23 tokens
+
+
+def seq(rid, tokens) -> Sequence:
+    return Sequence(rid, list(tokens), Params(max_tokens=4))
+
+
+def computed(bm: BlockManager, q: Sequence, num_tokens: int | None = None) -> None:
+    """As the scheduler does: blocks for the prompt, KV computed, full blocks named."""
+    bm.allocate(q, q.num_tokens)
+    q.num_computed_tokens = q.num_tokens if num_tokens is None else num_tokens
+    bm.cache_computed_blocks(q)
+
+
+def test_a_shared_prefix_is_taken_from_the_cache_and_the_last_token_is_always_computed():
+    bm = BlockManager(16, 4)
+    a = seq("a", range(1, 11))  # 10 tokens: 2 full blocks named
+    computed(bm, a)
+    assert bm.num_cached_blocks == 2
+    b = seq("b", list(range(1, 9)) + [50, 51, 52])  # the same first 8 tokens
+    assert bm.acquire_prefix(b) == 8 and b.block_table == a.block_table[:2]
+    assert [bm.ref_counts[x] for x in b.block_table] == [2, 2]
+    c = seq("c", range(1, 9))  # exactly two blocks: the last token is computed again
+    assert bm.acquire_prefix(c) == 4
+    d = seq("d", [1, 2, 3, 5, 5, 6, 7, 8])  # differs in block 0: nothing, whatever follows
+    assert bm.acquire_prefix(d) == 0 and d.block_table == []
+    assert block_hashes([1, 2, 3, 4, 5], 4) == [a.block_hashes[0]]
+
+
+def test_freed_blocks_stay_cached_until_evicted_least_recently_freed_first_and_empty_ones_go_first():
+    bm = BlockManager(4, 2)
+    a, b = seq("a", [1, 2, 3]), seq("b", [7, 8, 9])  # one full block each
+    computed(bm, a)
+    computed(bm, b)
+    block_a, block_b = a.block_table[0], b.block_table[0]
+    bm.free(a)
+    bm.free(b)
+    assert bm.num_free_blocks == 4 and bm.num_cached_blocks == 2
+    assert bm.allocate_blocks(2) and bm.num_cached_blocks == 2  # the two unnamed blocks first
+    assert bm.allocate_blocks(1) == [block_a] and bm.num_evicted_blocks == 1  # a was freed first
+    again = seq("b2", [7, 8, 9, 10])
+    assert bm.acquire_prefix(again) == 2 and again.block_table == [block_b]  # a hit takes it off the LRU
+    assert bm.num_free_blocks == 0
+    with pytest.raises(RuntimeError, match="out of KV blocks"):
+        bm.allocate_blocks(1)
+
+
+def test_off_means_nothing_is_named_or_found():
+    bm = BlockManager(8, 2, enable_prefix_caching=False)
+    a = seq("a", [1, 2, 3, 4, 5])
+    computed(bm, a)
+    assert bm.num_cached_blocks == 0 and bm.acquire_prefix(seq("b", [1, 2, 3, 4, 5])) == 0
+
+
+def conversation(engine, turns: int = 4) -> tuple[list[list[int]], list[int]]:
+    """A chat: each turn's prompt is the system prompt, every earlier prompt and answer, and a new
+    question; returns the answers and each turn's cached prompt tokens."""
+    history, answers, cached = list(SYSTEM), [], []
+    for turn in range(turns):
+        history += [100 + turn, 101 + turn, 7]
+        engine.add_request(f"t{turn}", history, GREEDY)
+        out = run_to_completion(engine)[f"t{turn}"]
+        answers.append(out.token_ids)
+        cached.append(out.num_cached_tokens)
+        history += out.token_ids
+    return answers, cached
+
+
+def test_a_conversation_gets_the_same_tokens_and_reuses_its_history(tiny_llama):
+    off = make_engine(tiny_llama, enable_prefix_caching=False)
+    on = make_engine(tiny_llama)
+    answers_off, cached_off = conversation(off)
+    answers_on, cached_on = conversation(on)
+    assert answers_on == answers_off
+    assert cached_off == [0, 0, 0, 0]
+    # Turn k+1's prompt holds turn k's prompt and answer: all full blocks of it but the last token's.
+    lengths = [len(SYSTEM) + 3 * (k + 1) + 8 * k for k in range(4)]
+    assert cached_on == [0] + [(lengths[k] + 8 - 1) // 4 * 4 for k in range(3)]
+    stats = on.prefix_cache_stats()
+    assert stats["hit_tokens"] == sum(cached_on) and stats["query_tokens"] == sum(lengths)
+    assert_no_blocks_used(on)
+
+
+def test_shared_system_prompt_across_a_batch_with_preemption_gives_the_same_tokens(tiny_llama):
+    """Many requests on one system prompt in a pool too small for them all: blocks are shared,
+    preempted sequences recompute from the cache, evictions happen; tokens are as without caching."""
+    prompts = {f"r{i}": SYSTEM + [200 + i, 201 + i, 202 + i] * (1 + i % 3) for i in range(8)}
+
+    def run(**kwargs):
+        engine = make_engine(tiny_llama, num_kv_blocks=24, **kwargs)
+        for rid, prompt in prompts.items():
+            engine.add_request(rid, prompt, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+        done = run_to_completion(engine)
+        assert_no_blocks_used(engine)
+        return {rid: out.token_ids for rid, out in done.items()}, engine
+
+    reference, _ = run(enable_prefix_caching=False)
+    tokens, engine = run()
+    assert tokens == reference
+    assert engine.block_manager.num_hit_tokens > 0
+    assert engine.scheduler.num_preemptions > 0 or engine.block_manager.num_evicted_blocks > 0
