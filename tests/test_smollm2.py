@@ -121,3 +121,26 @@ def test_bf16_is_as_close_to_fp32_as_transformers_bf16():
     ours_mean, hf_mean = torch.cat(ours_kl).mean().item(), torch.cat(hf_kl).mean().item()
     print(f"mean KL vs fp32 reference: pdserve bf16 {ours_mean:.2e}, transformers bf16 {hf_mean:.2e}")
     assert ours_mean < 2 * hf_mean + 1e-4
+
+
+def test_a_chat_with_cached_history_gives_the_same_tokens_in_bf16():
+    """Each turn's prompt holds the earlier turns: with prefix caching only the new turn is
+    computed (over the cached KV), and the answers are the same as computing every prompt whole."""
+    answers, cached = {}, {}
+    for caching in (False, True):
+        engine = LLMEngine(EngineConfig(model="smollm2-135m", dtype="bfloat16", device="cpu",
+                                        kv_cache_bytes=64 << 20, enable_prefix_caching=caching))
+        messages, answers[caching], cached[caching] = [{"role": "system", "content": "Answer briefly. " * 20}], [], []
+        for i, question in enumerate(MESSAGES[:4]):
+            messages.append({"role": "user", "content": question})
+            prompt = engine.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            engine.add_request(f"t{i}", prompt, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
+            while engine.has_unfinished():
+                for out in engine.step():
+                    if out.finished:
+                        answers[caching].append(out.token_ids)
+                        cached[caching].append(out.num_cached_tokens)
+                        messages.append({"role": "assistant", "content": out.text})
+    assert answers[True] == answers[False]
+    assert cached[False] == [0] * 4 and cached[True][0] == 0
+    assert 64 <= cached[True][1] < cached[True][2] < cached[True][3]  # the system prompt, then each earlier turn
