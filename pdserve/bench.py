@@ -43,18 +43,61 @@ def length_sampler(spec: str, rng: random.Random):
     raise ValueError(f"length spec must be N, uniform:A:B or normal:MEAN:STD, got {spec!r}")
 
 
+def read_dataset(path: str) -> list[dict]:
+    """JSONL -> items. A line is one prompt ({"prompt": text} or {"prompt_token_ids": [...]}, optional
+    "max_tokens"), or a conversation: a list of turns, {"turns": [...]}, or one turn per line
+    {"conversation_id": id, "turn": k, "prompt": ...}; a turn is text, token ids or {"prompt": ...}.
+    A conversation's turns go out one after another, each after the previous answer, each prompt
+    holding the earlier turns and answers: {"turns": [...], "max_tokens": n}."""
+    items, conversations = [], {}
+    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        row = json.loads(line)
+        where = f"{path}:{number}"
+        if isinstance(row, list) or "turns" in row:
+            turns = row if isinstance(row, list) else row["turns"]
+            items.append({"turns": [_turn(t, where) for t in turns], "max_tokens": _max_tokens(row, where)})
+        elif "conversation_id" in row:
+            conv = conversations.setdefault(row["conversation_id"], {"turns": [], "max_tokens": None})
+            conv["turns"].append((row.get("turn", len(conv["turns"])), _turn(row, where)))
+            conv["max_tokens"] = _max_tokens(row, where) or conv["max_tokens"]
+            if len(conv["turns"]) == 1:
+                items.append(conv)
+        else:
+            items.append({"prompt": _turn(row, where), "max_tokens": _max_tokens(row, where)})
+    for conv in conversations.values():
+        conv["turns"] = [t for _, t in sorted(conv["turns"], key=lambda kt: kt[0])]
+    if any("turns" in it and not it["turns"] for it in items):
+        raise ValueError(f"{path}: a conversation without turns")
+    return items
+
+
+def _turn(turn, where: str):
+    if isinstance(turn, dict):
+        turn = turn.get("prompt_token_ids") or turn.get("prompt")
+    if isinstance(turn, str) and turn or isinstance(turn, list) and turn and all(isinstance(t, int) for t in turn):
+        return turn
+    raise ValueError(f"{where}: each prompt or turn must be non-empty text or token ids "
+                     "('prompt' or 'prompt_token_ids')")
+
+
+def _max_tokens(row, where: str) -> int | None:
+    n = row.get("max_tokens") if isinstance(row, dict) else None
+    if n is not None and (not isinstance(n, int) or n < 1):
+        raise ValueError(f"{where}: max_tokens must be an integer >= 1, got {n!r}")
+    return n
+
+
 async def build_workload(client: AsyncClient, args, rng: random.Random) -> list[dict]:
-    """A list of requests: {"prompt": ids or text, "max_tokens": n}."""
+    """A list of requests, {"prompt": ids or text, "max_tokens": n}, or conversations,
+    {"turns": [ids, ...], "max_tokens": n}."""
     if args.dataset:
-        items = []
-        for line in Path(args.dataset).read_text().splitlines():
-            if line.strip():
-                row = json.loads(line)
-                prompt = row.get("prompt_token_ids") or row.get("prompt")
-                if not prompt:
-                    raise ValueError(f"{args.dataset}: each line needs 'prompt' or 'prompt_token_ids'")
-                items.append({"prompt": prompt, "max_tokens": row.get("max_tokens")})
-        items = [items[i % len(items)] for i in range(args.num_requests)]
+        items = read_dataset(args.dataset)
+        for item in items:  # turns as token ids: each prompt is then exactly the history + the turn
+            if "turns" in item:
+                item["turns"] = [t if isinstance(t, list) else await client.tokenize(t) for t in item["turns"]]
+        items = [dict(items[i % len(items)]) for i in range(args.num_requests)]
     else:
         pool = await client.tokenize(FILLER * 40)  # the server's own tokens
         prompt_len, output_len = length_sampler(args.prompt_len, rng), length_sampler(args.output_len, rng)
@@ -68,7 +111,9 @@ async def build_workload(client: AsyncClient, args, rng: random.Random) -> list[
     return items
 
 
-async def one_request(client: AsyncClient, item: dict, t0: float, args, progress) -> RequestRecord:
+async def one_request(client: AsyncClient, item: dict, t0: float, args, progress,
+                      answer: list[int] | None = None) -> RequestRecord:
+    """Sends one request and times it; its generated ids go into `answer` when given."""
     rec = RequestRecord(sent=time.perf_counter() - t0)
     try:
         async for part in client.stream(item["prompt"], max_tokens=item["max_tokens"], temperature=args.temperature,
@@ -76,9 +121,12 @@ async def one_request(client: AsyncClient, item: dict, t0: float, args, progress
             if part.token_ids and rec.first_token is None:
                 rec.first_token = time.perf_counter() - t0
             rec.num_tokens += len(part.token_ids)
+            if answer is not None:
+                answer.extend(part.token_ids)
             if part.finished:
                 rec.done = time.perf_counter() - t0
                 rec.prompt_tokens = part.usage.prompt_tokens
+                rec.cached_tokens = part.timings.cached_tokens
     except grpc.aio.AioRpcError as e:
         rec.error = e.code().name
     if rec.done is None and rec.error is None:
@@ -86,6 +134,23 @@ async def one_request(client: AsyncClient, item: dict, t0: float, args, progress
     if progress is not None:
         progress.update(1)
     return rec
+
+
+async def one_item(client: AsyncClient, item: dict, t0: float, args, progress) -> list[RequestRecord]:
+    """A request, or a conversation: each turn after the previous answer, its prompt the history
+    (earlier turns and answers) and the turn; a failed turn ends the conversation."""
+    if "turns" not in item:
+        return [await one_request(client, item, t0, args, progress)]
+    history, records = [], []
+    for turn in item["turns"]:
+        answer: list[int] = []
+        prompt = history + turn
+        records.append(await one_request(client, {"prompt": prompt, "max_tokens": item["max_tokens"]}, t0, args,
+                                         progress, answer))
+        if not records[-1].ok:
+            break
+        history = prompt + answer
+    return records
 
 
 def arrival_times(n: int, rate: float, arrival: str, rng: random.Random) -> list[float]:
@@ -104,7 +169,7 @@ async def run_once(args, items: list[dict], rate: float, rng: random.Random) -> 
     if not args.quiet:
         from tqdm import tqdm
 
-        progress = tqdm(total=len(items), desc=f"rate {rate:g}" if rate != float("inf") else "requests",
+        progress = tqdm(total=sum(len(it.get("turns", [None])) for it in items), desc=f"rate {rate:g}" if rate != float("inf") else "requests",
                         unit="req", file=sys.stderr, leave=False)
     async with AsyncClient(args.addr, timeout=args.timeout, metadata=metadata) as client:
         t0 = time.perf_counter()
@@ -114,7 +179,7 @@ async def run_once(args, items: list[dict], rate: float, rng: random.Random) -> 
 
             async def worker():
                 while queue:
-                    records.append(await one_request(client, queue.pop(0), t0, args, progress))
+                    records.extend(await one_item(client, queue.pop(0), t0, args, progress))
 
             await asyncio.gather(*(worker() for _ in range(args.concurrency or 1)))
         else:  # open loop, optionally capped
@@ -123,12 +188,13 @@ async def run_once(args, items: list[dict], rate: float, rng: random.Random) -> 
             async def scheduled(item, at):
                 await asyncio.sleep(max(0.0, at - (time.perf_counter() - t0)))
                 if limit is None:
-                    return await one_request(client, item, t0, args, progress)
+                    return await one_item(client, item, t0, args, progress)
                 async with limit:
-                    return await one_request(client, item, t0, args, progress)
+                    return await one_item(client, item, t0, args, progress)
 
             times = arrival_times(len(items), rate, args.arrival, rng)
-            records = list(await asyncio.gather(*(scheduled(it, at) for it, at in zip(items, times))))
+            records = [r for rs in await asyncio.gather(*(scheduled(it, at) for it, at in zip(items, times)))
+                       for r in rs]
         duration = time.perf_counter() - t0
     if progress is not None:
         progress.close()
@@ -153,7 +219,8 @@ async def bench(args) -> list[dict]:
 
 def add_args(p) -> None:
     p.add_argument("--addr", required=True, help="HOST:PORT of a pdserve router (or Ray Serve proxy)")
-    p.add_argument("--num-requests", type=int, default=64, help="requests per rate (or in the closed loop)")
+    p.add_argument("--num-requests", type=int, default=64,
+                   help="requests (or conversations, from a multi-turn dataset) per rate, or in the closed loop")
     p.add_argument("--rate", default=None,
                    help="requests/s (open loop); 'inf' sends all at once; a comma-separated list sweeps")
     p.add_argument("--arrival", choices=["poisson", "constant"], default="poisson",
@@ -163,7 +230,9 @@ def add_args(p) -> None:
     p.add_argument("--prompt-len", default="uniform:200:400", help="N, uniform:A:B or normal:MEAN:STD tokens")
     p.add_argument("--output-len", default="128", help="N, uniform:A:B or normal:MEAN:STD tokens")
     p.add_argument("--dataset", help="JSONL of prompts: {'prompt': text} or {'prompt_token_ids': [...]}, "
-                                     "optional 'max_tokens'")
+                                     "optional 'max_tokens'; or multi-turn conversations: a list of turns, "
+                                     "{'turns': [...]}, or {'conversation_id': id, 'turn': k, 'prompt': ...} "
+                                     "per line (each turn is sent after the previous answer, with the history)")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 is greedy")
     p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
                    help="stop at EOS (default: generate exactly the output length)")

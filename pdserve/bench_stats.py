@@ -20,6 +20,7 @@ class RequestRecord:
     done: float | None = None
     num_tokens: int = 0
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens the prefilling node's prefix cache held
     error: str | None = None  # a gRPC status name when it failed
 
     @property
@@ -85,6 +86,7 @@ class Report:
     good_requests: int
     goodput_rps: float
     goodput_tps: float
+    prefix_cache_hit_rate: float = 0.0  # cached / prompt tokens of completed requests
     extra: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
@@ -112,7 +114,8 @@ def report(records: list[RequestRecord], duration_s: float, slo_ttft_s: float | 
         e2e_s=summarize([r.e2e for r in ok]), tps=tokens / duration_s, qps=len(ok) / duration_s,
         max_concurrency=max_concurrency(records), slo_ttft_s=slo_ttft_s, slo_tpot_s=slo_tpot_s,
         good_requests=len(good_requests), goodput_rps=len(good_requests) / duration_s,
-        goodput_tps=sum(r.num_tokens for r in good_requests) / duration_s)
+        goodput_tps=sum(r.num_tokens for r in good_requests) / duration_s,
+        prefix_cache_hit_rate=sum(r.cached_tokens for r in ok) / max(1, sum(r.prompt_tokens for r in ok)))
 
 
 def format_report(rep: Report, label: str = "") -> str:
@@ -125,7 +128,8 @@ def format_report(rep: Report, label: str = "") -> str:
     lines = [f"{label}{rep.completed}/{rep.num_requests} requests completed in {rep.duration_s:.2f} s"
              + (f"; errors: {rep.errors}" if rep.errors else ""),
              row("TTFT", rep.ttft_s), row("TPOT", rep.tpot_s), row("E2E", rep.e2e_s),
-             f"  TPS {rep.tps:.1f} output tokens/s, QPS {rep.qps:.2f} requests/s, max concurrency {rep.max_concurrency}",
+             f"  TPS {rep.tps:.1f} output tokens/s, QPS {rep.qps:.2f} requests/s, max concurrency {rep.max_concurrency}, "
+             f"prefix cache hit rate {rep.prefix_cache_hit_rate:.1%} of prompt tokens",
              f"  goodput ({slo}): {rep.good_requests} requests, {rep.goodput_rps:.2f} requests/s, "
              f"{rep.goodput_tps:.1f} tokens/s"]
     return "\n".join(lines)

@@ -24,7 +24,7 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., deadline: _Optional[float] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., num_emitted_chars: _Optional[int] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token_id", "text", "logprobs", "finished", "finish_reason", "kv", "prefill_start", "prefill_end")
+    __slots__ = ("first_token_id", "text", "logprobs", "finished", "finish_reason", "kv", "prefill_start", "prefill_end", "cached_tokens")
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -33,6 +33,7 @@ class PrefillResponse(_message.Message):
     KV_FIELD_NUMBER: _ClassVar[int]
     PREFILL_START_FIELD_NUMBER: _ClassVar[int]
     PREFILL_END_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     first_token_id: int
     text: str
     logprobs: _common_pb2.TokenLogprobs
@@ -41,7 +42,8 @@ class PrefillResponse(_message.Message):
     kv: KVSource
     prefill_start: float
     prefill_end: float
-    def __init__(self, first_token_id: _Optional[int] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., kv: _Optional[_Union[KVSource, _Mapping]] = ..., prefill_start: _Optional[float] = ..., prefill_end: _Optional[float] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, first_token_id: _Optional[int] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., kv: _Optional[_Union[KVSource, _Mapping]] = ..., prefill_start: _Optional[float] = ..., prefill_end: _Optional[float] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class KVLayout(_message.Message):
     __slots__ = ("num_layers", "num_kv_heads", "head_dim", "dtype", "block_size", "model_fingerprint")

@@ -167,7 +167,8 @@ class PrefillNode(nodes_pb2_grpc.PrefillNodeServicer):
             end = time.time()
             self.metrics.observe("pdserve_prefill_compute_seconds", end - start)
             response = nodes_pb2.PrefillResponse(first_token_id=out.token_ids[-1], text=out.new_text,
-                                                 finished=False, prefill_start=start, prefill_end=end)
+                                                 finished=False, prefill_start=start, prefill_end=end,
+                                                 cached_tokens=out.num_cached_tokens)
             if out.logprobs:
                 response.logprobs.CopyFrom(logprobs_to_proto(out.logprobs[-1]))
             total = len(prompt) + len(out.token_ids)

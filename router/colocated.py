@@ -61,6 +61,7 @@ class ColocatedServer(Frontend):
                 if n == 0:
                     timings.prefill_start = timings.queued
                     timings.first_token = timings.prefill_end = time.time()
+                    timings.cached_tokens, timings.prefill_node = out.num_cached_tokens, self.address
                 n += len(out.new_token_ids)
                 msg = generate_pb2.GenerateResponse(request_id=rid, token_ids=out.new_token_ids, text=out.new_text)
                 if out.logprobs:

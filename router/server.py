@@ -131,6 +131,7 @@ class Router(Frontend):
                         reply = await _next_reply(replies)  # the first token
                     if not timings.first_token:
                         timings.prefill_start, timings.prefill_end = reply.prefill_start, reply.prefill_end
+                        timings.cached_tokens, timings.prefill_node = reply.cached_tokens, prefill.address
                         timings.first_token = time.time()
                     generated.append(reply.first_token_id)
                     emitted += len(reply.text)

@@ -80,6 +80,31 @@ def test_bench_end_to_end_against_pdserve_up(tiny_llama, tmp_path):
                             "--concurrency", "2", "--prompt-len", "8", "--output-len", "5000", "--quiet"],
                            capture_output=True, text=True, timeout=300)
         assert "4/4 requests completed" in r.stdout  # generation stops at max_model_len, not an error
+        # Multi-turn: each turn after the previous answer, with the history; the prefix cache hits.
+        system = list(range(10, 30))
+        dataset = tmp_path / "chats.jsonl"
+        dataset.write_text("\n".join([
+            json.dumps([system + [5, 6, 7], [8, 9], [10, 11, 12]]),
+            json.dumps({"turns": [system + [40, 41], {"prompt_token_ids": [42, 43]}, [44]], "max_tokens": 4}),
+            json.dumps({"conversation_id": "c", "turn": 1, "prompt_token_ids": [60, 61]}),
+            json.dumps({"conversation_id": "c", "turn": 0, "prompt_token_ids": system + [50]}),
+        ]))
+        r = subprocess.run([sys.executable, "-m", "pdserve", "bench", "--addr", address, "--dataset", str(dataset),
+                            "--num-requests", "3", "--concurrency", "1", "--output-len", "4", "--json", str(out),
+                            "--quiet"], capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+        assert "8/8 requests completed" in r.stdout and "prefix cache hit rate" in r.stdout
+        run = json.loads(out.read_text())["runs"][0]
+        prompts = [rec["prompt_tokens"] for rec in run["records"]]
+        assert prompts == [23, 23 + 4 + 2, 29 + 4 + 3, 22, 22 + 4 + 2, 28 + 4 + 1, 21, 21 + 4 + 2]
+        cached = [rec["cached_tokens"] for rec in run["records"]]
+        assert cached[0] == 0 and all(c >= 20 for c in cached[1:])  # the system prompt, then the history
+        assert run["report"]["prefix_cache_hit_rate"] > 0.5
+        bad = tmp_path / "bad.jsonl"
+        bad.write_text(json.dumps({"turns": [[1, 2], ""]}))
+        r = subprocess.run([sys.executable, "-m", "pdserve", "bench", "--addr", address, "--dataset", str(bad),
+                            "--quiet"], capture_output=True, text=True, timeout=300)
+        assert r.returncode != 0 and "bad.jsonl:1: each prompt or turn must be non-empty" in r.stderr
     finally:
         up.terminate()
         up.wait(timeout=60)
