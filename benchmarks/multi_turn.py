@@ -56,11 +56,14 @@ def bench(address: str, data: Path, out: Path, name: str, conversations: int) ->
     return json.loads(json_path.read_text())
 
 
-def serve(disaggregated: bool, caching: bool):
+def serve(disaggregated: bool, caching: bool, shared_cores: bool = False):
+    """shared_cores: the disaggregated nodes unpinned with 2 threads each (the prefill node, idle
+    most of the time once prompts are cached, leaves both cores to the decode node)."""
     flags = [] if caching else ["--no-prefix-caching"]
     if disaggregated:
+        cores = ["--num-threads", "2"] if shared_cores else ["--num-threads", "1", "--pin-cpus"]
         proc = subprocess.Popen([sys.executable, "-m", "pdserve", "up", "--prefill", "1", "--decode", "1",
-                                 "--port", "0", "--num-threads", "1", "--pin-cpus", "--kv-cache-gb", "0.5", *flags],
+                                 "--port", "0", *cores, "--kv-cache-gb", "0.5", *flags],
                                 stderr=subprocess.PIPE, text=True)
         return proc, wait_line(proc, proc.stderr, "pdserve up: router on").split()[4]
     proc = subprocess.Popen([sys.executable, "-m", "router.colocated", "--port", "0", "--num-threads", "2",
@@ -92,7 +95,7 @@ def main() -> int:
     dataset(data, args.conversations, args.turns)
     rows = []
     for name in args.only.split(","):
-        proc, address = serve(name.startswith("disaggregated"), name.endswith("-cached"))
+        proc, address = serve(name.startswith("disaggregated"), "-cached" in name, name.endswith("-shared"))
         try:
             rows.append(summary(name, bench(address, data, out, name, args.conversations)))
         finally:
