@@ -202,5 +202,7 @@ class DecodeNode(nodes_pb2_grpc.DecodeNodeServicer):
 
     async def GetLoad(self, request, context) -> common_pb2.NodeLoad:
         # plain counters read now, not between two steps: a long step must not look like a dead node
-        return common_pb2.NodeLoad(**self.engine.engine.load(), host_id=host_id(),
-                                   kv_transport=self.receiver.transport)
+        engine = self.engine.engine
+        return common_pb2.NodeLoad(**engine.load(), host_id=host_id(), kv_transport=self.receiver.transport,
+                                   block_size=engine.config.block_size,
+                                   **engine.block_manager.cache_changes(request.cache_since))

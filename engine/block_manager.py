@@ -21,6 +21,8 @@ import xxhash
 
 from engine.sequence import Sequence
 
+CACHE_EVENTS = 1 << 16  # name changes kept for routers that poll; one further behind gets a snapshot
+
 
 def chain_hash(parent: int, token_ids: list[int]) -> int:
     """The name of a full block: xxh3 over its parent's name and its tokens (stable across
@@ -47,6 +49,9 @@ class BlockManager:
         self.evictable: OrderedDict[int, None] = OrderedDict()  # free, named: least recently freed first
         self.block_hash: list[int | None] = [None] * num_blocks
         self.cached: dict[int, int] = {}  # name -> block id
+        # What routers follow (cache_changes): a version bumped by every name added or evicted.
+        self.cache_version = 0
+        self.cache_events: deque[tuple[int, int, bool]] = deque(maxlen=CACHE_EVENTS)  # (version, name, added)
         # counters (metrics): tokens of admitted sequences looked up, and found; blocks evicted
         self.num_query_tokens = self.num_hit_tokens = self.num_evicted_blocks = 0
 
@@ -90,6 +95,7 @@ class BlockManager:
         else:  # evict the least recently freed named block
             block_id, _ = self.evictable.popitem(last=False)
             del self.cached[self.block_hash[block_id]]
+            self._event(self.block_hash[block_id], added=False)
             self.block_hash[block_id] = None
             self.num_evicted_blocks += 1
         self.ref_counts[block_id] = 1
@@ -157,4 +163,23 @@ class BlockManager:
             if self.block_hash[block_id] is None and name not in self.cached:
                 self.block_hash[block_id] = name
                 self.cached[name] = block_id
+                self._event(name, added=True)
         seq.num_named_blocks = full
+
+    # ---- what the cache holds, for routers ------------------------------------------------
+    def _event(self, name: int, added: bool) -> None:
+        self.cache_version += 1
+        self.cache_events.append((self.cache_version, name, added))
+
+    def cache_changes(self, since: int) -> dict:
+        """The names added and removed after version `since`, or (snapshot) every name held when
+        `since` is 0, in the future (another engine's version) or older than the events kept.
+        Safe to call from another thread than the engine's: each copy is one step under the GIL."""
+        version, events = self.cache_version, list(self.cache_events)
+        if since == version:
+            return {"cache_version": version}
+        if 0 < since < version and events and events[0][0] <= since + 1:
+            added = [name for v, name, is_added in events if v > since and is_added]
+            removed = [name for v, name, is_added in events if v > since and not is_added]
+            return {"cache_version": version, "cached_added": added, "cached_removed": removed}
+        return {"cache_version": version, "cached_added": list(self.cached), "cache_snapshot": True}

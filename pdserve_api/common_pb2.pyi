@@ -79,7 +79,7 @@ class Timings(_message.Message):
     def __init__(self, queued: _Optional[float] = ..., prefill_start: _Optional[float] = ..., prefill_end: _Optional[float] = ..., transfer_start: _Optional[float] = ..., transfer_end: _Optional[float] = ..., decode_admitted: _Optional[float] = ..., first_token: _Optional[float] = ..., done: _Optional[float] = ..., kv_bytes: _Optional[int] = ..., kv_transport: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., prefill_node: _Optional[str] = ...) -> None: ...
 
 class NodeLoad(_message.Message):
-    __slots__ = ("num_waiting", "num_running", "num_free_blocks", "num_total_blocks", "num_kv_leases", "host_id", "kv_transport", "kv_layerwise")
+    __slots__ = ("num_waiting", "num_running", "num_free_blocks", "num_total_blocks", "num_kv_leases", "host_id", "kv_transport", "kv_layerwise", "block_size", "cache_version", "cached_added", "cached_removed", "cache_snapshot")
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -88,6 +88,11 @@ class NodeLoad(_message.Message):
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     KV_LAYERWISE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    CACHE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    CACHED_ADDED_FIELD_NUMBER: _ClassVar[int]
+    CACHED_REMOVED_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
     num_waiting: int
     num_running: int
     num_free_blocks: int
@@ -96,8 +101,15 @@ class NodeLoad(_message.Message):
     host_id: str
     kv_transport: str
     kv_layerwise: bool
-    def __init__(self, num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_kv_leases: _Optional[int] = ..., host_id: _Optional[str] = ..., kv_transport: _Optional[str] = ..., kv_layerwise: _Optional[bool] = ...) -> None: ...
+    block_size: int
+    cache_version: int
+    cached_added: _containers.RepeatedScalarFieldContainer[int]
+    cached_removed: _containers.RepeatedScalarFieldContainer[int]
+    cache_snapshot: bool
+    def __init__(self, num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_kv_leases: _Optional[int] = ..., host_id: _Optional[str] = ..., kv_transport: _Optional[str] = ..., kv_layerwise: _Optional[bool] = ..., block_size: _Optional[int] = ..., cache_version: _Optional[int] = ..., cached_added: _Optional[_Iterable[int]] = ..., cached_removed: _Optional[_Iterable[int]] = ..., cache_snapshot: _Optional[bool] = ...) -> None: ...
 
 class LoadRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("cache_since",)
+    CACHE_SINCE_FIELD_NUMBER: _ClassVar[int]
+    cache_since: int
+    def __init__(self, cache_since: _Optional[int] = ...) -> None: ...

@@ -250,8 +250,10 @@ class PrefillNode(nodes_pb2_grpc.PrefillNodeServicer):
 
     async def GetLoad(self, request, context) -> common_pb2.NodeLoad:
         # plain counters read now, not between two steps: a long step must not look like a dead node
-        return common_pb2.NodeLoad(**self.engine.engine.load(), host_id=self.host_id,
-                                   kv_layerwise=self.layerwise)
+        engine = self.engine.engine
+        return common_pb2.NodeLoad(**engine.load(), host_id=self.host_id, kv_layerwise=self.layerwise,
+                                   block_size=engine.config.block_size,
+                                   **engine.block_manager.cache_changes(request.cache_since))
 
 
 def _signal(progress: LayerProgress | None) -> asyncio.Future | None:

@@ -22,6 +22,9 @@ def main() -> None:
                     help="also serve the OpenAI-compatible HTTP API here (default: gRPC only)")
     ap.add_argument("--kv-layerwise", default="auto", choices=["auto", "on", "off"],
                     help="stream the KV layer by layer while the prompt computes (tcp only); auto: where the decode node reads over tcp (across hosts, or --kv-transport tcp)")
+    ap.add_argument("--cache-affinity-tokens", type=int, default=512,
+                    help="cache-aware routing: cached prompt tokens on a prefill node worth one more request in "
+                         "flight there; 0 ignores the nodes' prefix caches")
     add_security_args(ap, public=True)
     args = ap.parse_args()
     setup_logging()
@@ -31,7 +34,8 @@ def main() -> None:
                                                    args.host, args.port, args.max_model_len,
                                                    public_security=public_security(args),
                                                    internal_security=internal_security(args),
-                                                   http_port=args.http_port, kv_layerwise=args.kv_layerwise),
+                                                   http_port=args.http_port, kv_layerwise=args.kv_layerwise,
+                                                   cache_affinity_tokens=args.cache_affinity_tokens),
                                     metrics_port=args.metrics_port))
 
 

@@ -1,7 +1,11 @@
 """A pool of node endpoints (prefill or decode): least-outstanding choice and health checks.
 
 A node is chosen by the fewest requests this router has in flight on it, then by the load it
-last reported (waiting + running sequences), then round robin. A node that fails
+last reported (waiting + running sequences), then round robin. Cache-aware, for a prompt: each
+node reports the names of the prefix blocks its cache holds (changes since the router's last
+look, with every health check and after each request it served), and a node's cached share of
+the prompt counts against its load: a conversation stays on the node holding its history until
+`affinity_tokens` cached tokens no longer outweigh one more request in flight there. A node that fails
 `failure_threshold` health checks in a row (or answers NOT_SERVING) gets no new requests until
 a check passes again. `on_change` is awaited after each round of checks and each update, so the
 router's own health can follow its pools.
@@ -19,10 +23,12 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from engine.block_manager import block_hashes
 from pdserve.security import NONE, Security
 from pdserve_api import common_pb2, nodes_pb2_grpc
 
 log = logging.getLogger(__name__)
+AFFINITY_TOKENS = 512  # cached prompt tokens on a node worth one more request in flight there
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 8 << 20), ("grpc.max_send_message_length", 8 << 20)]
 
 
@@ -39,6 +45,26 @@ class Endpoint:
     outstanding: int = 0
     failures: int = 0
     load: common_pb2.NodeLoad = field(default_factory=common_pb2.NodeLoad)
+    cached: set[int] = field(default_factory=set)  # names of the prefix blocks its cache holds
+    cache_version: int = 0
+
+    def apply_load(self, load: common_pb2.NodeLoad) -> None:
+        """Takes a GetLoad answer: the counters, and the changes to the node's prefix cache."""
+        self.load = load
+        if load.cache_snapshot:
+            self.cached = set(load.cached_added)
+        else:
+            self.cached.update(load.cached_added)
+            self.cached.difference_update(load.cached_removed)
+        self.cache_version = load.cache_version
+
+    def cached_tokens(self, names_by_block_size: dict[int, list[int]]) -> int:
+        """How many leading tokens of a prompt (given as its block names per block size) it holds."""
+        names = names_by_block_size.get(self.load.block_size, ())
+        n = 0
+        while n < len(names) and names[n] in self.cached:
+            n += 1
+        return n * self.load.block_size
 
     @contextlib.contextmanager
     def track(self):
@@ -51,7 +77,9 @@ class Endpoint:
 
 class EndpointPool:
     def __init__(self, role: str, addresses: list[str], check_interval_s: float = 1.0, failure_threshold: int = 2,
-                 security: Security = NONE, on_change: Callable[[], Awaitable[None]] | None = None):
+                 security: Security = NONE, on_change: Callable[[], Awaitable[None]] | None = None,
+                 affinity_tokens: int = AFFINITY_TOKENS):
+        self.affinity_tokens = affinity_tokens
         self.security = security
         self.stub_cls = {"prefill": nodes_pb2_grpc.PrefillNodeStub, "decode": nodes_pb2_grpc.DecodeNodeStub}[role]
         self.role = role
@@ -91,13 +119,26 @@ class EndpointPool:
         return (f"no healthy {self.role} node (of {len(self.endpoints)}: "
                 f"{', '.join(e.address for e in self.endpoints) or 'none configured'})")
 
-    def pick(self, exclude: set[str] = frozenset()) -> Endpoint:
+    def pick(self, exclude: set[str] = frozenset(), prompt: list[int] | None = None) -> Endpoint:
         healthy = self.healthy(exclude)
         if not healthy:
             raise NoHealthyNode(self.no_healthy_node())
         turn = next(self._turn)
-        return min(healthy, key=lambda e: (e.outstanding, e.load.num_waiting + e.load.num_running,
+        names: dict[int, list[int]] = {}
+        if prompt and self.affinity_tokens:
+            for size in {e.load.block_size for e in healthy if e.cached and e.load.block_size}:
+                names[size] = block_hashes(prompt[:-1], size)  # the last token is always computed
+
+        def cost(e: Endpoint) -> float:
+            return e.outstanding - (e.cached_tokens(names) / self.affinity_tokens if names else 0.0)
+
+        return min(healthy, key=lambda e: (cost(e), e.load.num_waiting + e.load.num_running,
                                            (self.endpoints.index(e) - turn) % len(self.endpoints)))
+
+    async def refresh(self, e: Endpoint) -> None:
+        """Asks a node for its load and cache changes now (after it served a request)."""
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            e.apply_load(await e.stub.GetLoad(common_pb2.LoadRequest(cache_since=e.cache_version), timeout=1.0))
 
     async def start(self) -> None:
         await self.check_all()
@@ -134,7 +175,7 @@ class EndpointPool:
             reply = await health_pb2_grpc.HealthStub(e.channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
             ok = reply.status == health_pb2.HealthCheckResponse.SERVING
             if ok:
-                e.load = await e.stub.GetLoad(common_pb2.LoadRequest(), timeout=timeout)
+                e.apply_load(await e.stub.GetLoad(common_pb2.LoadRequest(cache_since=e.cache_version), timeout=timeout))
         except grpc.aio.AioRpcError:
             ok = False
         if ok:

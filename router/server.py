@@ -21,7 +21,7 @@ from pdserve.protocol import sampling_to_proto
 from pdserve.security import NONE, Security
 from pdserve_api import common_pb2, generate_pb2, generate_pb2_grpc, nodes_pb2, nodes_pb2_grpc
 from router.frontend import Frontend, RequestError, final_message, remaining
-from router.pool import EndpointPool, NoHealthyNode
+from router.pool import AFFINITY_TOKENS, EndpointPool, NoHealthyNode
 
 log = logging.getLogger(__name__)
 PREFILL_ATTEMPTS = 3
@@ -37,9 +37,14 @@ class Router(Frontend):
     def __init__(self, model: str, prefill: list[str], decode: list[str], host: str = "127.0.0.1", port: int = 0,
                  max_model_len: int | None = None, check_interval_s: float = 1.0, metrics: Metrics | None = None,
                  public_security: Security = NONE, internal_security: Security = NONE, http_port: int | None = None,
-                 api_keys: tuple[str, ...] = (), kv_layerwise: str = "auto", **limits):
+                 api_keys: tuple[str, ...] = (), kv_layerwise: str = "auto", cache_affinity_tokens: int = AFFINITY_TOKENS,
+                 **limits):
         """http_port: also serve the OpenAI-compatible HTTP API (router/openai_api.py) there, with
-        these API keys (none: open). kv_layerwise: auto, on or off (see _layerwise)."""
+        these API keys (none: open). kv_layerwise: auto, on or off (see _layerwise).
+        cache_affinity_tokens: cached prompt tokens on a prefill node worth one more request in
+        flight there (router/pool.py); 0 ignores the nodes' caches."""
+        if cache_affinity_tokens < 0:
+            raise ValueError(f"cache_affinity_tokens must be >= 0, got {cache_affinity_tokens}")
         super().__init__(model, max_model_len, metrics, **limits)
         if kv_layerwise not in KV_LAYERWISE:
             raise ValueError(f"kv_layerwise must be one of {KV_LAYERWISE}, got {kv_layerwise!r}")
@@ -47,7 +52,8 @@ class Router(Frontend):
         self.http_port, self.api_keys, self._http = http_port, api_keys, None
         self._serving: bool | None = None  # what the gRPC health service last said
         self.prefill_pool = EndpointPool("prefill", prefill, check_interval_s, security=internal_security,
-                                         on_change=self._follow_pools)
+                                         on_change=self._follow_pools, affinity_tokens=cache_affinity_tokens)
+        self._tasks: set[asyncio.Task] = set()
         self.decode_pool = EndpointPool("decode", decode, check_interval_s, security=internal_security,
                                         on_change=self._follow_pools)
         self.server = GrpcServer(host, port, public_security)
@@ -78,6 +84,8 @@ class Router(Frontend):
             self._http[0].should_exit = True
             await self._http[1]
         await self.server.stop(grace)
+        for task in list(self._tasks):
+            task.cancel()
         await asyncio.gather(self.prefill_pool.close(), self.decode_pool.close())
 
     def health(self) -> dict:
@@ -133,6 +141,7 @@ class Router(Frontend):
                         timings.prefill_start, timings.prefill_end = reply.prefill_start, reply.prefill_end
                         timings.cached_tokens, timings.prefill_node = reply.cached_tokens, prefill.address
                         timings.first_token = time.time()
+                    self._background(self.prefill_pool.refresh(prefill))  # the blocks it just named
                     generated.append(reply.first_token_id)
                     emitted += len(reply.text)
                     head = generate_pb2.GenerateResponse(request_id=rid, token_ids=[reply.first_token_id],
@@ -182,14 +191,20 @@ class Router(Frontend):
                     # nobody read the KV: free it on the prefill node now (a finished prefill did)
                     await asyncio.shield(self._release_kv(prefill, kv.lease_id))
 
+    def _background(self, coro) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)  # held until done: the loop keeps only weak references
+        task.add_done_callback(self._tasks.discard)
+
     # ---- steps ------------------------------------------------------------------------------
     async def _prefill(self, request: nodes_pb2.PrefillRequest, decode):
         """Returns (prefill node, its first answer, the rest of a layer-wise answer or None).
         Prefill has no effect but a lease that expires, so a node that cannot be reached
         (gone, restarting) is retried on another; other errors are the request's."""
         tried: set[str] = set()
+        tokens = list(request.prompt_token_ids) + list(request.output_token_ids)
         while True:
-            prefill = _pick(self.prefill_pool, exclude=tried)
+            prefill = _pick(self.prefill_pool, exclude=tried, prompt=tokens)  # cache-aware
             try:
                 with prefill.track(), self._outstanding(prefill):
                     if not self._layerwise(prefill, decode):
@@ -261,8 +276,8 @@ async def _next_reply(replies, raw: bool = False) -> nodes_pb2.PrefillResponse:
     return reply
 
 
-def _pick(pool: EndpointPool, exclude: set[str] = frozenset()):
+def _pick(pool: EndpointPool, exclude: set[str] = frozenset(), prompt: list[int] | None = None):
     try:
-        return pool.pick(exclude)
+        return pool.pick(exclude, prompt)
     except NoHealthyNode as e:
         raise RequestError(grpc.StatusCode.UNAVAILABLE, str(e)) from None

@@ -24,7 +24,7 @@ def engine_config(model, **kwargs) -> EngineConfig:
 @contextlib.asynccontextmanager
 async def local_cluster(model, num_prefill=1, num_decode=1, prefill_engine=None, decode_engine=None,
                         lease_ttl_s=30.0, shm=True, kv_transport="auto", check_interval_s=0.2, security=NONE,
-                        kv_layerwise="auto"):
+                        kv_layerwise="auto", **router_args):
     prefills = [PrefillNode(engine_config(model, **(prefill_engine or {})), lease_ttl_s=lease_ttl_s, shm=shm,
                             security=security) for _ in range(num_prefill)]
     decodes = [DecodeNode(engine_config(model, **(decode_engine or {})), kv_transport=kv_transport,
@@ -32,7 +32,8 @@ async def local_cluster(model, num_prefill=1, num_decode=1, prefill_engine=None,
     for node in prefills + decodes:
         await node.start()
     router = Router(str(model), [p.address for p in prefills], [d.address for d in decodes],
-                    check_interval_s=check_interval_s, internal_security=security, kv_layerwise=kv_layerwise)
+                    check_interval_s=check_interval_s, internal_security=security, kv_layerwise=kv_layerwise,
+                    **router_args)
     await router.start()
     try:
         yield router, prefills, decodes

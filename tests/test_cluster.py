@@ -112,8 +112,8 @@ def test_least_outstanding_spreads_decodes(tiny_llama):
             counts = {d.address: 0 for d in decodes}
             original = router.decode_pool.pick
 
-            def counting_pick(exclude=frozenset()):
-                e = original(exclude)
+            def counting_pick(exclude=frozenset(), prompt=None):
+                e = original(exclude, prompt)
                 counts[e.address] += 1
                 return e
 

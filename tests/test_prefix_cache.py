@@ -113,3 +113,73 @@ def test_shared_system_prompt_across_a_batch_with_preemption_gives_the_same_toke
     assert tokens == reference
     assert engine.block_manager.num_hit_tokens > 0
     assert engine.scheduler.num_preemptions > 0 or engine.block_manager.num_evicted_blocks > 0
+
+
+def test_cache_changes_give_routers_deltas_or_a_snapshot():
+    bm = BlockManager(4, 2)
+    assert bm.cache_changes(0) == {"cache_version": 0}  # nothing named yet
+    a = seq("a", [1, 2, 3, 4, 5])
+    computed(bm, a)
+    names = a.block_hashes[:2]
+    assert bm.cache_changes(0) == {"cache_version": 2, "cached_added": names, "cache_snapshot": True}
+    assert bm.cache_changes(1) == {"cache_version": 2, "cached_added": names[1:], "cached_removed": []}
+    assert bm.cache_changes(2) == {"cache_version": 2}
+    bm.free(a)
+    bm.allocate_blocks(4)  # two empty blocks, then both named ones are evicted
+    assert bm.cache_changes(2) == {"cache_version": 4, "cached_added": [], "cached_removed": names[::-1]}
+    assert bm.cache_changes(99)["cache_snapshot"]  # another engine's version (a restarted node)
+    bm.cache_events.clear()  # events dropped: a router that far behind gets the whole set
+    assert bm.cache_changes(1) == {"cache_version": 4, "cached_added": [], "cache_snapshot": True}
+
+
+def test_the_router_prefers_the_node_holding_the_prefix_until_load_outweighs_it():
+    from pdserve_api import common_pb2
+    from router.pool import Endpoint, EndpointPool
+
+    pool = EndpointPool("prefill", [], affinity_tokens=16)
+    prompt = list(range(1, 42))  # 40 tokens before the last: 10 blocks of 4
+    cold, warm = (Endpoint(address, None, None, healthy=True) for address in ("cold:1", "warm:1"))
+    pool.endpoints = [cold, warm]
+    cold.apply_load(common_pb2.NodeLoad(block_size=4, cache_version=1, cached_added=[7], cache_snapshot=True))
+    warm.apply_load(common_pb2.NodeLoad(block_size=4, cache_version=3, cached_added=block_hashes(prompt, 4)[:8],
+                                        cache_snapshot=True))
+    assert warm.cached_tokens({4: block_hashes(prompt[:-1], 4)}) == 32
+    assert pool.pick(prompt=prompt) is warm
+    warm.outstanding = 3  # 32 cached tokens are worth 2 requests in flight (16 tokens each): 3 outweigh them
+    cold.outstanding = 0
+    assert pool.pick(prompt=prompt) is cold
+    warm.outstanding = 1
+    assert pool.pick(prompt=prompt) is warm
+    warm.apply_load(common_pb2.NodeLoad(block_size=4, cache_version=4, cached_removed=block_hashes(prompt, 4)[:1]))
+    assert warm.cached_tokens({4: block_hashes(prompt[:-1], 4)}) == 0 and pool.pick(prompt=prompt) is cold
+    assert EndpointPool("prefill", [], affinity_tokens=0).pick  # 0: caches ignored (tested in the cluster)
+
+
+def test_a_conversation_sticks_to_the_prefill_node_holding_its_history(tiny_llama):
+    import asyncio
+
+    from cluster import local_cluster, wait_for_no_blocks
+    from router.client import AsyncClient
+
+    async def chat(router, first: list[int]) -> list[dict]:
+        history, timings = list(first), []
+        async with AsyncClient(router.address) as client:
+            for turn in range(4):
+                history += [100 + turn, 7]
+                result = await client.generate(history, max_tokens=6, temperature=0, ignore_eos=True)
+                timings.append(result.timings)
+                history += result.token_ids
+        return timings
+
+    async def scenario():
+        async with local_cluster(tiny_llama, num_prefill=2) as (router, prefills, decodes):
+            a, b = await asyncio.gather(chat(router, SYSTEM), chat(router, SYSTEM[::-1]))
+            for timings in (a, b):
+                assert len({t["prefill_node"] for t in timings}) == 1, timings
+                assert all(t.get("cached_tokens", 0) >= 20 for t in timings[1:]), timings
+            await wait_for_no_blocks(prefills + decodes)
+        async with local_cluster(tiny_llama, num_prefill=2, cache_affinity_tokens=0) as (router, prefills, decodes):
+            timings = await chat(router, SYSTEM)  # least-loaded, then round robin: it alternates
+            assert len({t["prefill_node"] for t in timings}) == 2
+
+    asyncio.run(scenario())
