@@ -6,8 +6,10 @@ The workload: C conversations of T turns; every conversation starts with the sam
 system prompt, each turn is a ~40-token question, each answer 32 tokens. `pdserve bench --dataset`
 sends each turn after the previous answer, its prompt the conversation so far, closed loop at
 concurrency 4 (four conversations in flight). The servers, one after another on the same 2 cores,
-default model in bf16: `pdserve up` (1 prefill + 1 decode node, one core and one torch thread each)
-with prefix caching on and off, and one colocated engine (both cores, 2 threads) with it on and off.
+default model in bf16 (SERVERS below; --only picks some): `pdserve up` (1 prefill + 1 decode node,
+one core and one torch thread each) with prefix caching on and off, the same unpinned, two prefill
+nodes with and without cache-aware routing, and one colocated engine (both cores, 2 threads) with
+prefix caching on and off.
 """
 
 from __future__ import annotations
@@ -56,19 +58,31 @@ def bench(address: str, data: Path, out: Path, name: str, conversations: int) ->
     return json.loads(json_path.read_text())
 
 
-def serve(disaggregated: bool, caching: bool, shared_cores: bool = False):
-    """shared_cores: the disaggregated nodes unpinned with 2 threads each (the prefill node, idle
-    most of the time once prompts are cached, leaves both cores to the decode node)."""
-    flags = [] if caching else ["--no-prefix-caching"]
-    if disaggregated:
-        cores = ["--num-threads", "2"] if shared_cores else ["--num-threads", "1", "--pin-cpus"]
-        proc = subprocess.Popen([sys.executable, "-m", "pdserve", "up", "--prefill", "1", "--decode", "1",
-                                 "--port", "0", *cores, "--kv-cache-gb", "0.5", *flags],
-                                stderr=subprocess.PIPE, text=True)
-        return proc, wait_line(proc, proc.stderr, "pdserve up: router on").split()[4]
-    proc = subprocess.Popen([sys.executable, "-m", "router.colocated", "--port", "0", "--num-threads", "2",
-                             "--kv-cache-gb", "0.5", *flags], stdout=subprocess.PIPE, text=True)
-    return proc, wait_line(proc, proc.stdout, "READY ").split()[1]
+UP = [sys.executable, "-m", "pdserve", "up", "--port", "0", "--kv-cache-gb", "0.5"]
+PINNED, SHARED = ["--num-threads", "1", "--pin-cpus"], ["--num-threads", "2"]  # shared: unpinned, 2 threads per node
+SERVERS = {  # name: (command, the line that announces the address, the address's field in it)
+    "disaggregated-cached": ([*UP, "--prefill", "1", "--decode", "1", *PINNED], "pdserve up: router on", 4),
+    "disaggregated-uncached": ([*UP, "--prefill", "1", "--decode", "1", *PINNED, "--no-prefix-caching"],
+                               "pdserve up: router on", 4),
+    # the prefill node, idle most of the time once prompts are cached, leaves both cores to the decode node
+    "disaggregated-cached-shared": ([*UP, "--prefill", "1", "--decode", "1", *SHARED], "pdserve up: router on", 4),
+    # two prefill nodes: cache-aware routing against least-outstanding alone
+    "2p-cache-aware": ([*UP, "--prefill", "2", "--decode", "1", *SHARED], "pdserve up: router on", 4),
+    "2p-cache-blind": ([*UP, "--prefill", "2", "--decode", "1", *SHARED, "--cache-affinity-tokens", "0"],
+                       "pdserve up: router on", 4),
+    "colocated-cached": ([sys.executable, "-m", "router.colocated", "--port", "0", "--num-threads", "2",
+                          "--kv-cache-gb", "0.5"], "READY ", 1),
+    "colocated-uncached": ([sys.executable, "-m", "router.colocated", "--port", "0", "--num-threads", "2",
+                            "--kv-cache-gb", "0.5", "--no-prefix-caching"], "READY ", 1),
+}
+
+
+def serve(name: str):
+    command, announce, field = SERVERS[name]
+    via_stderr = announce.startswith("pdserve up")
+    proc = subprocess.Popen(command, text=True, **({"stderr": subprocess.PIPE} if via_stderr else
+                                                    {"stdout": subprocess.PIPE}))
+    return proc, wait_line(proc, proc.stderr if via_stderr else proc.stdout, announce).split()[field]
 
 
 def summary(name: str, data: dict) -> dict:
@@ -76,7 +90,7 @@ def summary(name: str, data: dict) -> dict:
     row = {"name": name, "tps": rep["tps"], "ttft_p50": rep["ttft_s"]["p50"], "ttft_p95": rep["ttft_s"]["p95"],
            "tpot_p50": rep["tpot_s"]["p50"], "goodput_rps": rep["goodput_rps"], "good": rep["good_requests"],
            "completed": rep["completed"], "hit_rate": rep["prefix_cache_hit_rate"], "duration_s": rep["duration_s"]}
-    print(f"{name:>22}: {row['tps']:6.1f} tok/s, TTFT p50 {row['ttft_p50']:.2f} s p95 {row['ttft_p95']:.2f} s, "
+    print(f"{name:>27}: {row['tps']:6.1f} tok/s, TTFT p50 {row['ttft_p50']:.2f} s p95 {row['ttft_p95']:.2f} s, "
           f"TPOT p50 {row['tpot_p50'] * 1e3:.1f} ms, goodput {row['good']}/{row['completed']} = "
           f"{row['goodput_rps']:.3f} req/s, cache hit rate {row['hit_rate']:.1%}, {row['duration_s']:.1f} s", flush=True)
     return row
@@ -95,7 +109,7 @@ def main() -> int:
     dataset(data, args.conversations, args.turns)
     rows = []
     for name in args.only.split(","):
-        proc, address = serve(name.startswith("disaggregated"), "-cached" in name, name.endswith("-shared"))
+        proc, address = serve(name)
         try:
             rows.append(summary(name, bench(address, data, out, name, args.conversations)))
         finally:
@@ -104,7 +118,8 @@ def main() -> int:
     by = {r["name"]: r for r in rows}
     ratios = {}
     for a, b in (("disaggregated-cached", "disaggregated-uncached"), ("disaggregated-cached", "colocated-cached"),
-                 ("colocated-cached", "colocated-uncached")):
+                 ("disaggregated-cached-shared", "colocated-cached"), ("colocated-cached", "colocated-uncached"),
+                 ("2p-cache-aware", "2p-cache-blind")):
         if a in by and b in by and by[b]["goodput_rps"]:
             ratios[f"{a} / {b}"] = by[a]["goodput_rps"] / by[b]["goodput_rps"]
             print(f"goodput {a} / {b}: {ratios[f'{a} / {b}']:.2f}", flush=True)

@@ -184,7 +184,8 @@ async def up(args) -> int:
                         [n.address for n in nodes if n.role == "decode"], args.host, args.port, args.max_model_len,
                         public_security=public_security(args), internal_security=internal_security(args),
                         max_outstanding=args.max_outstanding, rate_limit=args.rate_limit, http_port=args.http_port,
-                        api_keys=read_keys(args.api_key_file), kv_layerwise=args.kv_layerwise)
+                        api_keys=read_keys(args.api_key_file), kv_layerwise=args.kv_layerwise,
+                        cache_affinity_tokens=args.cache_affinity_tokens)
         await router.start()
         for n in nodes:
             print(f"pdserve up: {n.role} node {n.index} on {n.address}, pid {n.proc.pid}, log {n.log}",
