@@ -1,5 +1,6 @@
 """The decode node: pulls each sequence's KV from its prefill node, then decodes it in the
-continuous batch and streams the tokens.
+continuous batch and streams the tokens. A request the router sends with prefill_locally (a
+short uncached suffix, router/placement.py) is prefilled here instead, from this node's prefix cache.
 
 Lifecycle of a request here:
   1. prealloc - blocks reserved for the prompt's KV (waits while the pool is full)
@@ -97,10 +98,16 @@ class DecodeNode(nodes_pb2_grpc.DecodeNodeServicer):
         source = request.kv
         try:
             params = sampling_from_proto(request.sampling)
-            if not request.output_token_ids and not source.layerwise:  # layer-wise: it comes with the KV
-                raise ValueError("output_token_ids must hold the token sampled by the prefill")
+            if request.prefill_locally and source.lease_id:
+                raise ValueError("a request prefilled locally carries no kv source")
+            if not request.prefill_locally and not request.output_token_ids and not source.layerwise:
+                raise ValueError("output_token_ids must hold the token sampled by the prefill")  # layer-wise: with the KV
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        if request.prefill_locally:
+            async for msg in self._prefill_here(request, params, context):
+                yield msg
+            return
         output_token_ids, num_emitted_chars = list(request.output_token_ids), request.num_emitted_chars
         # 1. prealloc
         blocks = await self._reserve(source.num_tokens, request.deadline, context)
@@ -160,6 +167,29 @@ class DecodeNode(nodes_pb2_grpc.DecodeNodeServicer):
             if owned:  # 4. (never admitted) the reserved blocks go back, once nothing writes them;
                 #          one shielded task, so that a cancellation cannot stop it half-way
                 await asyncio.shield(self._give_back(transfer, blocks))
+
+    async def _prefill_here(self, request: nodes_pb2.DecodeRequest, params, context):
+        """Conditional disaggregation: the prompt's KV computed here, in the continuous batch
+        (a mixed step), from the longest prefix this node's cache holds; then decoding goes on."""
+        engine = self.engine.engine
+        prior = list(request.output_token_ids)  # a migrated request's tokens so far: recomputed
+        start = time.time()
+        first = True
+        try:
+            async for out in self.engine.stream(request.request_id, lambda: engine.add_request(
+                    request.request_id, list(request.prompt_token_ids), params, output_token_ids=prior,
+                    num_emitted_chars=request.num_emitted_chars if prior else None)):
+                msg = nodes_pb2.DecodeResponse(token_ids=out.new_token_ids, text=out.new_text, finished=out.finished,
+                                               finish_reason=out.finish_reason or "")
+                if out.logprobs:
+                    msg.logprobs.append(logprobs_to_proto(out.logprobs[-1]))
+                if first:
+                    msg.prefill_start, msg.prefill_end = start, time.time()
+                    msg.decode_admitted, msg.cached_tokens = start, out.num_cached_tokens
+                    first = False
+                yield msg
+        except ValueError as e:  # refused at admission: names what is wrong
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
     async def _give_back(self, transfer, blocks: list[int]) -> None:
         if transfer is not None:

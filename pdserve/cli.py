@@ -6,6 +6,8 @@ import argparse
 import sys
 import time
 
+from router.placement import add_placement_args
+
 DTYPE_HELP = "auto: bfloat16 on CUDA and on CPUs with native bf16 (AMX or AVX512_BF16), float32 on other CPUs"
 
 
@@ -199,9 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, default=50051, help="the router's gRPC port")
     p.add_argument("--kv-transport", default="auto", choices=["auto", "shm", "tcp", "grpc"],
                    help="auto: shared memory when prefill and decode nodes share a host, else the raw TCP data plane")
-    p.add_argument("--cache-affinity-tokens", type=int, default=512,
-                   help="cache-aware routing: cached prompt tokens on a prefill node worth one more request in "
-                        "flight there; 0 ignores the nodes' prefix caches")
+    add_placement_args(p)
     p.add_argument("--kv-layerwise", default="auto", choices=["auto", "on", "off"],
                    help="stream the KV layer by layer while the prompt computes (tcp only); auto: where the decode node reads over tcp (across hosts, or --kv-transport tcp)")
     p.add_argument("--ask", help="ask this question once the cluster is up, stream the answer, then stop "

@@ -29,6 +29,8 @@ DEFINITIONS = {
     "pdserve_generation_tokens_total": ("counter", "Tokens generated", (), None),
     "pdserve_migrations_total": ("counter", "Requests moved to another node after their decode side failed",
                                  (), None),
+    "pdserve_prefills_total": ("counter", "Prefills by where they ran: the prefill pool (remote) or the request's "
+                               "decode node (local: conditional disaggregation)", ("where",), None),
     "pdserve_node_outstanding_requests": ("gauge", "Requests this router has in flight on a node",
                                           ("role", "node"), None),
     # nodes

@@ -10,7 +10,8 @@ passes `args`:
     app_name: pdserve              # the registry the replicas announce themselves in
     kv_transport: auto             # auto (shm on one Ray node, else tcp), shm, tcp, grpc
     router:  {direct_port: 50051, max_model_len: null, discovery_interval_s: 0.5,
-              kv_layerwise: auto}  # auto, on, off: stream the KV layer by layer (tcp)
+              kv_layerwise: auto,  # auto, on, off: stream the KV layer by layer (tcp)
+              cache_affinity_tokens: 512, local_prefill: auto, max_local_prefill_tokens: 512}
     prefill: {engine: {...EngineConfig fields...}, lease_ttl_s: 30, shm: true, drain_timeout_s: 60, port: 0}
     decode:  {engine: {...EngineConfig fields...}, drain_timeout_s: 600, port: 0}
 
@@ -23,8 +24,10 @@ import dataclasses
 import os
 
 from engine import EngineConfig
+from router.placement import MAX_LOCAL_TOKENS, Placement
 
-ROUTER_KEYS = {"direct_port", "max_model_len", "discovery_interval_s", "host", "kv_layerwise"}
+ROUTER_KEYS = {"direct_port", "max_model_len", "discovery_interval_s", "host", "kv_layerwise",
+               "cache_affinity_tokens", "local_prefill", "max_local_prefill_tokens"}
 PREFILL_KEYS = {"engine", "lease_ttl_s", "shm", "drain_timeout_s", "port"}
 DECODE_KEYS = {"engine", "drain_timeout_s", "port"}
 # Resources a local cluster declares so the deployments' `resources` can be placed (on
@@ -57,6 +60,9 @@ def parse_args(args: dict) -> dict:
     _check_keys("args.router", router, ROUTER_KEYS)
     if router.get("kv_layerwise", "auto") not in ("auto", "on", "off"):
         raise ValueError(f"args.router.kv_layerwise must be one of auto, on, off, got {router['kv_layerwise']!r}")
+    Placement(router.get("local_prefill", "auto"), router.get("max_local_prefill_tokens", MAX_LOCAL_TOKENS))
+    if router.get("cache_affinity_tokens", 0) < 0:
+        raise ValueError(f"args.router.cache_affinity_tokens must be >= 0, got {router['cache_affinity_tokens']}")
     _check_keys("args.prefill", prefill, PREFILL_KEYS)
     _check_keys("args.decode", decode, DECODE_KEYS)
     engines = {}

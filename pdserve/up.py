@@ -168,6 +168,7 @@ async def start_nodes(args, stop: asyncio.Event) -> list[Node]:
 async def up(args) -> int:
     from engine.model_source import resolve_model
     from pdserve.cli import internal_security, public_security
+    from router.placement import placement_kwargs
     from router.server import Router
 
     resolve_model(args.model)  # convert once here, not in every node at the same time
@@ -185,7 +186,7 @@ async def up(args) -> int:
                         public_security=public_security(args), internal_security=internal_security(args),
                         max_outstanding=args.max_outstanding, rate_limit=args.rate_limit, http_port=args.http_port,
                         api_keys=read_keys(args.api_key_file), kv_layerwise=args.kv_layerwise,
-                        cache_affinity_tokens=args.cache_affinity_tokens)
+                        **placement_kwargs(args))
         await router.start()
         for n in nodes:
             print(f"pdserve up: {n.role} node {n.index} on {n.address}, pid {n.proc.pid}, log {n.log}",

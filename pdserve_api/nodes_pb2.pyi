@@ -142,7 +142,7 @@ class ReleaseKVResponse(_message.Message):
     def __init__(self, released: _Optional[bool] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "sampling", "kv", "deadline", "num_emitted_chars")
+    __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "sampling", "kv", "deadline", "num_emitted_chars", "prefill_locally")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -150,6 +150,7 @@ class DecodeRequest(_message.Message):
     KV_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_FIELD_NUMBER: _ClassVar[int]
     NUM_EMITTED_CHARS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_LOCALLY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     output_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -157,10 +158,11 @@ class DecodeRequest(_message.Message):
     kv: KVSource
     deadline: float
     num_emitted_chars: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., kv: _Optional[_Union[KVSource, _Mapping]] = ..., deadline: _Optional[float] = ..., num_emitted_chars: _Optional[int] = ...) -> None: ...
+    prefill_locally: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., kv: _Optional[_Union[KVSource, _Mapping]] = ..., deadline: _Optional[float] = ..., num_emitted_chars: _Optional[int] = ..., prefill_locally: _Optional[bool] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
-    __slots__ = ("token_ids", "text", "logprobs", "finished", "finish_reason", "transfer_start", "transfer_end", "decode_admitted", "kv_transport", "kv_bytes")
+    __slots__ = ("token_ids", "text", "logprobs", "finished", "finish_reason", "transfer_start", "transfer_end", "decode_admitted", "kv_transport", "kv_bytes", "prefill_start", "prefill_end", "cached_tokens")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -171,6 +173,9 @@ class DecodeResponse(_message.Message):
     DECODE_ADMITTED_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_START_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_END_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
     logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]
@@ -181,4 +186,7 @@ class DecodeResponse(_message.Message):
     decode_admitted: float
     kv_transport: str
     kv_bytes: int
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., transfer_start: _Optional[float] = ..., transfer_end: _Optional[float] = ..., decode_admitted: _Optional[float] = ..., kv_transport: _Optional[str] = ..., kv_bytes: _Optional[int] = ...) -> None: ...
+    prefill_start: float
+    prefill_end: float
+    cached_tokens: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., transfer_start: _Optional[float] = ..., transfer_end: _Optional[float] = ..., decode_admitted: _Optional[float] = ..., kv_transport: _Optional[str] = ..., kv_bytes: _Optional[int] = ..., prefill_start: _Optional[float] = ..., prefill_end: _Optional[float] = ..., cached_tokens: _Optional[int] = ...) -> None: ...

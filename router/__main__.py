@@ -5,6 +5,7 @@ import asyncio
 
 from pdserve.cli import HelpFormatter, add_security_args, internal_security, public_security
 from pdserve.process import run_until_signalled, setup_logging
+from router.placement import add_placement_args, placement_kwargs
 
 
 def main() -> None:
@@ -22,9 +23,7 @@ def main() -> None:
                     help="also serve the OpenAI-compatible HTTP API here (default: gRPC only)")
     ap.add_argument("--kv-layerwise", default="auto", choices=["auto", "on", "off"],
                     help="stream the KV layer by layer while the prompt computes (tcp only); auto: where the decode node reads over tcp (across hosts, or --kv-transport tcp)")
-    ap.add_argument("--cache-affinity-tokens", type=int, default=512,
-                    help="cache-aware routing: cached prompt tokens on a prefill node worth one more request in "
-                         "flight there; 0 ignores the nodes' prefix caches")
+    add_placement_args(ap)
     add_security_args(ap, public=True)
     args = ap.parse_args()
     setup_logging()
@@ -35,7 +34,7 @@ def main() -> None:
                                                    public_security=public_security(args),
                                                    internal_security=internal_security(args),
                                                    http_port=args.http_port, kv_layerwise=args.kv_layerwise,
-                                                   cache_affinity_tokens=args.cache_affinity_tokens),
+                                                   **placement_kwargs(args)),
                                     metrics_port=args.metrics_port))
 
 

@@ -90,10 +90,11 @@ add_error_handlers(http_app)
 class RouterDeployment:
     async def __init__(self, app_name: str, model: str, pools=(), direct_port: int = 50051, host: str = "0.0.0.0",
                        max_model_len: int | None = None, discovery_interval_s: float = 0.5,
-                       kv_layerwise: str = "auto"):
+                       kv_layerwise: str = "auto", **placement):
         # pools: the prefill and decode deployments' handles (bound so that they deploy with us).
         self.router = Router(model, [], [], host=host, port=direct_port, max_model_len=max_model_len,
-                             check_interval_s=1.0, metrics=Metrics("ray"), kv_layerwise=kv_layerwise)
+                             check_interval_s=1.0, metrics=Metrics("ray"), kv_layerwise=kv_layerwise,
+                             **placement)  # cache_affinity_tokens, local_prefill, max_local_prefill_tokens
         await self.router.start()
         self.openai = OpenAIAPI(self.router)
         self.registry = registry(app_name)

@@ -47,6 +47,9 @@ class Endpoint:
     load: common_pb2.NodeLoad = field(default_factory=common_pb2.NodeLoad)
     cached: set[int] = field(default_factory=set)  # names of the prefix blocks its cache holds
     cache_version: int = 0
+    prefilling: int = 0      # this router's prefills in flight there (on a decode node: local ones)
+    prefill_tokens: int = 0  # and the tokens they compute
+    refreshing: asyncio.Task | None = None  # a GetLoad in flight (EndpointPool.refresh)
 
     def apply_load(self, load: common_pb2.NodeLoad) -> None:
         """Takes a GetLoad answer: the counters, and the changes to the node's prefix cache."""
@@ -65,6 +68,18 @@ class Endpoint:
         while n < len(names) and names[n] in self.cached:
             n += 1
         return n * self.load.block_size
+
+    @contextlib.contextmanager
+    def prefill(self, tokens: int):
+        """Counts a prefill of `tokens` uncached tokens in flight here; yields whether it is alone."""
+        alone = self.prefilling == 0
+        self.prefilling += 1
+        self.prefill_tokens += tokens
+        try:
+            yield alone
+        finally:
+            self.prefilling -= 1
+            self.prefill_tokens -= tokens
 
     @contextlib.contextmanager
     def track(self):
@@ -135,10 +150,28 @@ class EndpointPool:
         return min(healthy, key=lambda e: (cost(e), e.load.num_waiting + e.load.num_running,
                                            (self.endpoints.index(e) - turn) % len(self.endpoints)))
 
-    async def refresh(self, e: Endpoint) -> None:
-        """Asks a node for its load and cache changes now (after it served a request)."""
+    def cached_tokens(self, e: Endpoint, prompt: list[int]) -> int:
+        """How many leading tokens of the prompt a node's cache holds, as it last reported."""
+        if not e.cached or not e.load.block_size:
+            return 0
+        return e.cached_tokens({e.load.block_size: block_hashes(prompt[:-1], e.load.block_size)})
+
+    def refresh(self, e: Endpoint) -> asyncio.Task:
+        """Asks a node for its load and cache changes now (after it served a request); the task is
+        kept on the endpoint until done, so that the next choice can wait for it (settled)."""
+        e.refreshing = asyncio.create_task(self._refresh(e))
+        return e.refreshing
+
+    async def _refresh(self, e: Endpoint) -> None:
         with contextlib.suppress(grpc.aio.AioRpcError):
             e.apply_load(await e.stub.GetLoad(common_pb2.LoadRequest(cache_since=e.cache_version), timeout=1.0))
+
+    @staticmethod
+    async def settled(e: Endpoint, timeout: float = 0.05) -> None:
+        """Waits (a little) for a refresh of the node in flight: a chat's next turn, sent as soon as
+        the last answer arrived, finds the blocks that answer named."""
+        if e.refreshing is not None and not e.refreshing.done():
+            await asyncio.wait([e.refreshing], timeout=timeout)
 
     async def start(self) -> None:
         await self.check_all()

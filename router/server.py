@@ -21,6 +21,7 @@ from pdserve.protocol import sampling_to_proto
 from pdserve.security import NONE, Security
 from pdserve_api import common_pb2, generate_pb2, generate_pb2_grpc, nodes_pb2, nodes_pb2_grpc
 from router.frontend import Frontend, RequestError, final_message, remaining
+from router.placement import MAX_LOCAL_TOKENS, Placement
 from router.pool import AFFINITY_TOKENS, EndpointPool, NoHealthyNode
 
 log = logging.getLogger(__name__)
@@ -38,17 +39,19 @@ class Router(Frontend):
                  max_model_len: int | None = None, check_interval_s: float = 1.0, metrics: Metrics | None = None,
                  public_security: Security = NONE, internal_security: Security = NONE, http_port: int | None = None,
                  api_keys: tuple[str, ...] = (), kv_layerwise: str = "auto", cache_affinity_tokens: int = AFFINITY_TOKENS,
-                 **limits):
+                 local_prefill: str = "auto", max_local_prefill_tokens: int = MAX_LOCAL_TOKENS, **limits):
         """http_port: also serve the OpenAI-compatible HTTP API (router/openai_api.py) there, with
         these API keys (none: open). kv_layerwise: auto, on or off (see _layerwise).
         cache_affinity_tokens: cached prompt tokens on a prefill node worth one more request in
-        flight there (router/pool.py); 0 ignores the nodes' caches."""
+        flight there (router/pool.py); 0 ignores the nodes' caches. local_prefill (auto, off,
+        always) and max_local_prefill_tokens: conditional disaggregation (router/placement.py)."""
         if cache_affinity_tokens < 0:
             raise ValueError(f"cache_affinity_tokens must be >= 0, got {cache_affinity_tokens}")
         super().__init__(model, max_model_len, metrics, **limits)
         if kv_layerwise not in KV_LAYERWISE:
             raise ValueError(f"kv_layerwise must be one of {KV_LAYERWISE}, got {kv_layerwise!r}")
         self.kv_layerwise = kv_layerwise
+        self.placement = Placement(local_prefill, max_local_prefill_tokens)
         self.http_port, self.api_keys, self._http = http_port, api_keys, None
         self._serving: bool | None = None  # what the gRPC health service last said
         self.prefill_pool = EndpointPool("prefill", prefill, check_interval_s, security=internal_security,
@@ -109,11 +112,12 @@ class Router(Frontend):
     # ---- a request's life ---------------------------------------------------------------
     async def _serve(self, request: generate_pb2.GenerateRequest,
                      deadline: float = 0.0) -> AsyncIterator[generate_pb2.GenerateResponse]:
-        """1. check, 2. remote prefill (next token; KV leased there), 3. remote decode (the decode
-        node pulls the KV from the prefill node), 4. stream, with usage and timings at the end.
-        If the decode side fails (its node dies, the KV cannot be read or is corrupt), the request
-        migrates: a new prefill of prompt + every token streamed so far, then a decode elsewhere;
-        the client's stream goes on with no token missing or repeated.
+        """1. check, 2. place the prefill: remote (next token; KV leased there) or, for a short
+        uncached suffix, local on the decode node (router/placement.py), 3. decode (the decode
+        node pulls the KV from the prefill node, or computes it itself), 4. stream, with usage and
+        timings at the end. If the decode side fails (its node dies, the KV cannot be read or is
+        corrupt), the request migrates: a new prefill of prompt + every token streamed so far,
+        then a decode elsewhere; the client's stream goes on with no token missing or repeated.
         Raises RequestError; deadline is unix seconds (0: none)."""
         timings = common_pb2.Timings(queued=time.time())
         rid = request.request_id or uuid.uuid4().hex
@@ -123,45 +127,73 @@ class Router(Frontend):
         generated: list[int] = []  # every token streamed to the client so far
         emitted = 0  # characters of text streamed so far
         for attempt in range(MIGRATIONS + 1):
-            decode = _pick(self.decode_pool)
-            # 2. remote prefill on the least busy healthy prefill node (another if one is gone).
-            #    Layer-wise, its first answer is the KV's descriptor, while the layers still compute.
-            prefill, reply, replies = await self._prefill(nodes_pb2.PrefillRequest(
-                request_id=rid, prompt_token_ids=prompt, sampling=sampling, deadline=deadline,
-                output_token_ids=generated, num_emitted_chars=emitted), decode)
-            kv = reply.kv
+            tokens = prompt + generated
+            began = time.time()
+            decode = _pick(self.decode_pool, prompt=tokens)  # cache-aware: where the conversation is
+            # 2. place the prefill
+            plan, prefill = await self._place(decode, tokens)
+            self.metrics.inc("pdserve_prefills_total", where="local" if plan.local else "remote")
+            prefill_call = contextlib.nullcontext(False)
+            kv = reply = replies = call = None
+            if plan.local:  # 2a. the decode node computes the suffix its cache lacks
+                prefill, prefill_call = decode, decode.prefill(plan.local_tokens)
+            else:  # 2b. remote prefill; layer-wise, its first answer is the KV's descriptor
+                prefill, reply, replies, alone = await self._prefill(nodes_pb2.PrefillRequest(
+                    request_id=rid, prompt_token_ids=prompt, sampling=sampling, deadline=deadline,
+                    output_token_ids=generated, num_emitted_chars=emitted), decode, prefill, plan.remote_tokens)
+                kv = reply.kv
             decode_started = False  # once it streams, the decode node has read the KV and released it
-            call = None
             try:
                 with decode.track(), self._outstanding(decode):
-                    if kv.layerwise:  # 3a. the decode node reads each layer as it is written
-                        call = self._decode(decode, rid, attempt, prompt, generated, sampling, kv, deadline, emitted)
-                        reply = await _next_reply(replies)  # the first token
-                    if not timings.first_token:
-                        timings.prefill_start, timings.prefill_end = reply.prefill_start, reply.prefill_end
-                        timings.cached_tokens, timings.prefill_node = reply.cached_tokens, prefill.address
-                        timings.first_token = time.time()
-                    self._background(self.prefill_pool.refresh(prefill))  # the blocks it just named
-                    generated.append(reply.first_token_id)
-                    emitted += len(reply.text)
-                    head = generate_pb2.GenerateResponse(request_id=rid, token_ids=[reply.first_token_id],
-                                                         text=reply.text)
-                    if reply.HasField("logprobs"):
-                        head.logprobs.append(reply.logprobs)
-                    if reply.finished:
-                        yield final_message(head, reply.finish_reason, len(prompt), len(generated), timings)
-                        return
-                    yield head
-                    # 3. remote decode on the least busy healthy decode node; it reads the KV itself
-                    if call is None:
-                        call = self._decode(decode, rid, attempt, prompt, generated, sampling, kv, deadline, emitted)
+                    if plan.local:
+                        with prefill_call as alone:
+                            call = self._decode(decode, rid, attempt, prompt, generated, sampling, None, deadline,
+                                                emitted)
+                            first = await call.read()  # the first token, from the local prefill
+                        if first is grpc.aio.EOF:
+                            raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, None, None,
+                                                       "decode stream ended before the first token")
+                        if not timings.first_token:
+                            timings.prefill_start, timings.prefill_end = first.prefill_start, first.prefill_end
+                            timings.cached_tokens, timings.prefill_node = first.cached_tokens, decode.address
+                            timings.local_prefill, timings.first_token = True, time.time()
+                        self.placement.measured_local(len(tokens) - first.cached_tokens,
+                                                      first.prefill_end - first.prefill_start, alone)
+                        parts = _chain(first, call)
+                    else:
+                        if kv.layerwise:  # 3a. the decode node reads each layer as it is written
+                            call = self._decode(decode, rid, attempt, prompt, generated, sampling, kv, deadline,
+                                                emitted)
+                            reply = await _next_reply(replies)  # the first token
+                        if not timings.first_token:
+                            timings.prefill_start, timings.prefill_end = reply.prefill_start, reply.prefill_end
+                            timings.cached_tokens, timings.prefill_node = reply.cached_tokens, prefill.address
+                            timings.first_token = time.time()
+                        self._background(self.prefill_pool.refresh(prefill))  # the blocks it just named
+                        generated.append(reply.first_token_id)
+                        emitted += len(reply.text)
+                        head = generate_pb2.GenerateResponse(request_id=rid, token_ids=[reply.first_token_id],
+                                                             text=reply.text)
+                        if reply.HasField("logprobs"):
+                            head.logprobs.append(reply.logprobs)
+                        if reply.finished:
+                            yield final_message(head, reply.finish_reason, len(prompt), len(generated), timings)
+                            return
+                        yield head
+                        # 3. remote decode on the least busy healthy decode node; it reads the KV itself
+                        if call is None:
+                            call = self._decode(decode, rid, attempt, prompt, generated, sampling, kv, deadline,
+                                                emitted)
+                        parts = call
                     # 4. stream
-                    async for part in call:
+                    async for part in parts:
                         if not decode_started:
                             decode_started = True
-                            timings.transfer_start, timings.transfer_end = part.transfer_start, part.transfer_end
-                            timings.decode_admitted, timings.kv_transport = part.decode_admitted, part.kv_transport
-                            timings.kv_bytes = part.kv_bytes
+                            if not plan.local:
+                                timings.transfer_start, timings.transfer_end = part.transfer_start, part.transfer_end
+                                timings.decode_admitted, timings.kv_transport = part.decode_admitted, part.kv_transport
+                                timings.kv_bytes = part.kv_bytes
+                                self._measured_remote(tokens, reply, part, began, alone)
                         generated.extend(part.token_ids)
                         emitted += len(part.text)
                         msg = generate_pb2.GenerateResponse(request_id=rid, token_ids=part.token_ids, text=part.text,
@@ -184,39 +216,71 @@ class Router(Frontend):
                 self.metrics.inc("pdserve_migrations_total")
                 await self.decode_pool.check(decode)  # a dead node leaves the pool now
             finally:
+                if decode_started:
+                    self._background(self.decode_pool.refresh(decode))  # what its cache holds now
                 for c in (call, replies):
                     if c is not None and not c.done():
                         c.cancel()  # a cancelled client, or a deadline: the nodes stop and free
-                if not decode_started and kv.lease_id and not reply.finished:
+                if kv is not None and not decode_started and kv.lease_id and not reply.finished:
                     # nobody read the KV: free it on the prefill node now (a finished prefill did)
                     await asyncio.shield(self._release_kv(prefill, kv.lease_id))
 
-    def _background(self, coro) -> None:
-        task = asyncio.create_task(coro)
+    async def _place(self, decode, tokens: list[int]):
+        """Where this request's prefill runs (router/placement.py), and the prefill node that
+        would run it remotely (None: no healthy one; then the decode node does, if it may)."""
+        try:
+            prefill = self.prefill_pool.pick(prompt=tokens)
+        except NoHealthyNode:
+            prefill = None
+        if self.placement.mode == "auto":
+            await self.decode_pool.settled(decode)
+        decode_cached = self.decode_pool.cached_tokens(decode, tokens)
+        prefill_cached = self.prefill_pool.cached_tokens(prefill, tokens) if prefill else 0
+        plan = self.placement.decide(len(tokens), decode_cached, prefill_cached, moved=len(tokens),
+                                     prefill_queued=prefill.prefill_tokens if prefill else 0,
+                                     local_queued=decode.prefill_tokens, decode_running=decode.outstanding)
+        if prefill is None and self.placement.mode != "off":
+            plan.local = True
+        log.debug("placement: %s (decode node caches %d of %d tokens, %d decoding there)", plan, decode_cached,
+                  len(tokens), decode.outstanding)
+        return plan, prefill
+
+    def _measured_remote(self, tokens, reply, part, began: float, alone: bool) -> None:
+        prefill_s = reply.prefill_end - reply.prefill_start
+        transfer_s = part.transfer_end - part.transfer_start
+        self.placement.measured_remote(len(tokens) - reply.cached_tokens, prefill_s, transfer_s,
+                                       moved=len(tokens), handoff_s=part.decode_admitted - began - prefill_s - transfer_s,
+                                       alone=alone)
+
+    def _background(self, task: asyncio.Task) -> None:
         self._tasks.add(task)  # held until done: the loop keeps only weak references
         task.add_done_callback(self._tasks.discard)
 
     # ---- steps ------------------------------------------------------------------------------
-    async def _prefill(self, request: nodes_pb2.PrefillRequest, decode):
-        """Returns (prefill node, its first answer, the rest of a layer-wise answer or None).
-        Prefill has no effect but a lease that expires, so a node that cannot be reached
-        (gone, restarting) is retried on another; other errors are the request's."""
+    async def _prefill(self, request: nodes_pb2.PrefillRequest, decode, prefill, num_tokens: int):
+        """Returns (prefill node, its first answer, the rest of a layer-wise answer or None, whether
+        it ran alone there). prefill: the node to try first (None: pick one, cache-aware);
+        num_tokens: what it computes. Prefill has no effect but a lease that expires, so a node that
+        cannot be reached (gone, restarting) is retried on another; other errors are the request's."""
         tried: set[str] = set()
         tokens = list(request.prompt_token_ids) + list(request.output_token_ids)
         while True:
-            prefill = _pick(self.prefill_pool, exclude=tried, prompt=tokens)  # cache-aware
+            if prefill is None:
+                prefill = _pick(self.prefill_pool, exclude=tried, prompt=tokens)  # cache-aware
             try:
-                with prefill.track(), self._outstanding(prefill):
+                with prefill.track(), self._outstanding(prefill), prefill.prefill(num_tokens) as alone:
                     if not self._layerwise(prefill, decode):
-                        return prefill, await prefill.stub.Prefill(request, timeout=remaining(request.deadline)), None
+                        reply = await prefill.stub.Prefill(request, timeout=remaining(request.deadline))
+                        return prefill, reply, None, alone
                     replies = prefill.stub.StreamPrefill(request, timeout=remaining(request.deadline))
-                    return prefill, await _next_reply(replies, raw=True), replies
+                    return prefill, await _next_reply(replies, raw=True), replies, alone
             except grpc.aio.AioRpcError as e:
                 if e.code() != grpc.StatusCode.UNAVAILABLE or len(tried) + 1 >= PREFILL_ATTEMPTS:
                     raise RequestError(e.code(), f"prefill: {e.details()}") from None
                 log.warning("prefill node %s unreachable (%s); retrying elsewhere", prefill.address, e.details())
                 prefill.healthy = False  # until a health check passes again
                 tried.add(prefill.address)
+                prefill = None
 
     def _layerwise(self, prefill, decode) -> bool:
         """Whether to stream the KV layer by layer: where the prefill node can and the decode node
@@ -229,9 +293,11 @@ class Router(Frontend):
 
     @staticmethod
     def _decode(decode, rid, attempt, prompt, generated, sampling, kv, deadline, emitted):
+        """The Decode call; kv None: the decode node prefills locally."""
         return decode.stub.Decode(nodes_pb2.DecodeRequest(
             request_id=f"{rid}#{attempt}", prompt_token_ids=prompt, output_token_ids=generated, sampling=sampling,
-            kv=kv, deadline=deadline, num_emitted_chars=emitted), timeout=remaining(deadline))
+            kv=kv, deadline=deadline, num_emitted_chars=emitted, prefill_locally=kv is None),
+            timeout=remaining(deadline))
 
     @contextlib.contextmanager
     def _outstanding(self, endpoint):
@@ -274,6 +340,13 @@ async def _next_reply(replies, raw: bool = False) -> nodes_pb2.PrefillResponse:
             raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, None, None, "prefill stream ended early")
         raise PrefillFailed(grpc.StatusCode.UNAVAILABLE, "prefill stream ended before the first token")
     return reply
+
+
+async def _chain(first, call):
+    """The first message already read from a Decode call, then the rest of it."""
+    yield first
+    while (part := await call.read()) is not grpc.aio.EOF:
+        yield part
 
 
 def _pick(pool: EndpointPool, exclude: set[str] = frozenset(), prompt: list[int] | None = None):

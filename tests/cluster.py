@@ -31,6 +31,7 @@ async def local_cluster(model, num_prefill=1, num_decode=1, prefill_engine=None,
                           security=security) for _ in range(num_decode)]
     for node in prefills + decodes:
         await node.start()
+    router_args.setdefault("local_prefill", "off")  # these tests follow the KV; test_placement.py the rest
     router = Router(str(model), [p.address for p in prefills], [d.address for d in decodes],
                     check_interval_s=check_interval_s, internal_security=security, kv_layerwise=kv_layerwise,
                     **router_args)

@@ -1,0 +1,178 @@
+"""Conditional disaggregation: the router's choice between the prefill pool and a local prefill on
+the decode node (router/placement.py), and the decode node's local prefill path, end to end."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+from cluster import local_cluster, wait_for_no_blocks
+from conftest import make_engine, run_to_completion
+
+from engine import SamplingParams
+from pdserve_api import nodes_pb2, nodes_pb2_grpc
+from router.client import AsyncClient
+from router.placement import LinearFit, Placement
+
+SYSTEM = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26, 43, 38, 32, 79, 50, 28, 84, 19, 71, 69, 39]
+
+
+def test_linear_fit_recovers_fixed_and_per_token_cost():
+    fit = LinearFit()
+    for n in (10, 50, 100, 400):
+        fit.add(n, 0.03 + 0.001 * n)
+    fixed, per_token = fit.line()
+    assert fixed == pytest.approx(0.03) and per_token == pytest.approx(0.001)
+    one_size = LinearFit()
+    one_size.add(100, 0.2)
+    assert one_size.line() == (0.0, pytest.approx(0.002)) and one_size.seconds(50) == pytest.approx(0.1)
+
+
+def measured(**kwargs) -> Placement:
+    p = Placement(**kwargs)
+    for n in (100, 500, 1000):  # the prefill pool: 30 ms + 1 ms a token
+        p.measured_remote(n, 0.03 + 0.001 * n, transfer_s=n * 1e-5, moved=n, handoff_s=0.005, alone=True)
+    return p
+
+
+def test_nothing_measured_goes_remote_and_a_short_suffix_the_decode_node_caches_goes_local():
+    assert not Placement().decide(1000, decode_cached=992, prefill_cached=992, moved=1000).local
+    p = measured()
+    d = p.decide(1000, decode_cached=992, prefill_cached=992, moved=1000)  # a chat follow-up
+    assert d.local and d.local_tokens == 8 and d.local_s < d.remote_s
+    # the decode node holds nothing but the prefill node does: computing 1000 tokens here loses
+    assert not p.decide(1000, decode_cached=0, prefill_cached=992, moved=1000).local
+    # both hold 600 tokens: an idle decode node computes the 400 sooner (no hop, no transfer), but
+    # with 4 sequences decoding there each would wait for them: the prefill pool,
+    assert p.decide(1000, decode_cached=600, prefill_cached=600, moved=1000).local
+    assert not p.decide(1000, decode_cached=600, prefill_cached=600, moved=1000, decode_running=4).local
+    # unless 3000 tokens queue on the prefill node ahead of it
+    assert p.decide(1000, 600, 600, moved=1000, decode_running=4, prefill_queued=3000).local
+    # a follow-up's 8 tokens: local beside one decoding sequence; beside 8 the 8 ms they add to each
+    # one's step outweigh the remote way's hop and 10 ms transfer, unless the link is slow
+    assert p.decide(1000, decode_cached=992, prefill_cached=992, moved=1000, decode_running=1).local
+    assert not p.decide(1000, decode_cached=992, prefill_cached=992, moved=1000, decode_running=8).local
+    p.link_s_per_token = 1e-4  # 23 KB a token at 0.23 GB/s
+    assert p.decide(1000, decode_cached=992, prefill_cached=992, moved=1000, decode_running=8).local
+    # local prefills queued on the decode node push it back
+    assert not p.decide(1000, decode_cached=992, prefill_cached=992, moved=1000, local_queued=3000).local
+    p.link_s_per_token = 1e-5
+
+
+def test_the_cap_and_the_modes():
+    p = measured(max_local_tokens=100)
+    assert not p.decide(1000, decode_cached=0, prefill_cached=0, moved=1000, prefill_queued=10**6).local
+    assert measured(mode="always").decide(1000, 0, 1000, moved=1000).local
+    assert not measured(mode="off").decide(1000, 999, 0, moved=1000).local
+    with pytest.raises(ValueError, match="local prefill mode must be one of"):
+        Placement(mode="sometimes")
+    with pytest.raises(ValueError, match="max_local_prefill_tokens must be >= 0"):
+        Placement(max_local_tokens=-1)
+
+
+def test_the_local_measurement_replaces_the_prefill_pools_once_there_is_one():
+    p = measured()
+    before = p.decide(1000, 900, 900, moved=1000).local_s
+    p.measured_local(100, 5.0, alone=True)  # a slow decode node
+    after = p.decide(1000, 900, 900, moved=1000)
+    assert after.local_s > before and not after.local
+    p.measured_local(100, 50.0, alone=False)  # not alone: queueing, not compute; not learned
+    assert p.local.samples[-1] == (100, 5.0)
+
+
+async def chat(router, first: list[int], turns: int = 4, between=lambda: None) -> tuple[list[int], list[dict]]:
+    history, timings = list(first), []
+    async with AsyncClient(router.address) as client:
+        for turn in range(turns):
+            if turn:
+                between()
+            history += [100 + turn, 7]
+            result = await client.generate(history, max_tokens=6, temperature=0, ignore_eos=True)
+            timings.append(result.timings)
+            history += result.token_ids
+    return history, timings
+
+
+def engine_chat(model, first: list[int], turns: int = 4) -> list[int]:
+    engine = make_engine(model, enable_prefix_caching=False)
+    history = list(first)
+    for turn in range(turns):
+        history += [100 + turn, 7]
+        engine.add_request(f"t{turn}", list(history), SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+        history += run_to_completion(engine)[f"t{turn}"].token_ids
+    return history
+
+
+def test_follow_ups_prefill_on_the_decode_node_from_its_cache_with_the_same_tokens(tiny_llama):
+    reference = engine_chat(tiny_llama, SYSTEM)
+
+    async def scenario():
+        async with local_cluster(tiny_llama, local_prefill="auto") as (router, prefills, decodes):
+            def slow_link():  # a tiny model's steps take a millisecond: make the decision plain
+                router.placement.link_s_per_token = 0.01
+
+            history, timings = await chat(router, SYSTEM, between=slow_link)
+            assert history == reference
+            first, follow_ups = timings[0], timings[1:]
+            assert first["prefill_node"] == prefills[0].address and not first.get("local_prefill")
+            for t, prompt_len in zip(follow_ups, (33, 41, 49)):
+                # the decode node held the conversation (imported KV, then its own): only the suffix
+                assert t["prefill_node"] == decodes[0].address and t["local_prefill"], t
+                assert prompt_len - 8 <= t["cached_tokens"] < prompt_len, t
+                assert "kv_transport" not in t
+            assert router.metrics.sample("pdserve_prefills_total", where="remote") == 1
+            assert router.metrics.sample("pdserve_prefills_total", where="local") == 3
+            await wait_for_no_blocks(prefills + decodes)
+
+    asyncio.run(scenario())
+
+
+def test_off_and_always(tiny_llama):
+    reference = engine_chat(tiny_llama, SYSTEM, turns=2)
+
+    async def scenario():
+        for mode, local in (("off", False), ("always", True)):
+            async with local_cluster(tiny_llama, local_prefill=mode) as (router, prefills, decodes):
+                history, timings = await chat(router, SYSTEM, turns=2)
+                assert history == reference
+                assert [bool(t.get("local_prefill")) for t in timings] == [local, local]
+                assert used_prefill_nodes(timings) == ({decodes[0].address} if local else {prefills[0].address})
+                await wait_for_no_blocks(prefills + decodes)
+
+    asyncio.run(scenario())
+
+
+def used_prefill_nodes(timings) -> set[str]:
+    return {t["prefill_node"] for t in timings}
+
+
+def test_no_healthy_prefill_node_prefills_on_the_decode_node(tiny_llama):
+    async def scenario():
+        async with local_cluster(tiny_llama, local_prefill="auto") as (router, prefills, decodes):
+            await prefills[0].stop(0)
+            await router.prefill_pool.check_all()
+            await router.prefill_pool.check_all()
+            async with AsyncClient(router.address) as client:
+                result = await client.generate(SYSTEM, max_tokens=4, temperature=0)
+            assert result.timings["local_prefill"] and len(result.token_ids) == 4
+
+    asyncio.run(scenario())
+
+
+def test_a_local_prefill_request_with_a_kv_source_or_a_bad_prompt_is_refused(tiny_llama):
+    async def scenario():
+        async with local_cluster(tiny_llama) as (router, prefills, decodes):
+            async with grpc.aio.insecure_channel(decodes[0].address) as channel:
+                stub = nodes_pb2_grpc.DecodeNodeStub(channel)
+                base = dict(request_id="x", prompt_token_ids=SYSTEM, prefill_locally=True,
+                            sampling=nodes_pb2.DecodeRequest().sampling)
+                for extra, words in ((dict(kv=nodes_pb2.KVSource(lease_id="l")), "carries no kv source"),
+                                     (dict(prompt_token_ids=[10**6]), "must be integers in")):
+                    with pytest.raises(grpc.aio.AioRpcError) as e:
+                        async for _ in stub.Decode(nodes_pb2.DecodeRequest(**{**base, **extra})):
+                            pass
+                    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and words in e.value.details()
+            await wait_for_no_blocks(decodes)
+
+    asyncio.run(scenario())
