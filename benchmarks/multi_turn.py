@@ -7,7 +7,8 @@ system prompt, each turn is a ~40-token question, each answer 32 tokens. `pdserv
 sends each turn after the previous answer, its prompt the conversation so far, closed loop at
 concurrency 4 (four conversations in flight). The servers, one after another on the same 2 cores,
 default model in bf16 (SERVERS below; --only picks some): `pdserve up` (1 prefill + 1 decode node,
-one core and one torch thread each) with prefix caching on and off, the same unpinned, two prefill
+one core and one torch thread each) with prefix caching on and off, and with conditional
+disaggregation off (--local-prefill off: every prefill through the prefill pool), the same unpinned, two prefill
 nodes with and without cache-aware routing, and one colocated engine (both cores, 2 threads) with
 prefix caching on and off.
 """
@@ -62,10 +63,15 @@ UP = [sys.executable, "-m", "pdserve", "up", "--port", "0", "--kv-cache-gb", "0.
 PINNED, SHARED = ["--num-threads", "1", "--pin-cpus"], ["--num-threads", "2"]  # shared: unpinned, 2 threads per node
 SERVERS = {  # name: (command, the line that announces the address, the address's field in it)
     "disaggregated-cached": ([*UP, "--prefill", "1", "--decode", "1", *PINNED], "pdserve up: router on", 4),
+    # conditional disaggregation off: every prefill through the prefill pool
+    "disaggregated-cached-remote": ([*UP, "--prefill", "1", "--decode", "1", *PINNED, "--local-prefill", "off"],
+                                    "pdserve up: router on", 4),
     "disaggregated-uncached": ([*UP, "--prefill", "1", "--decode", "1", *PINNED, "--no-prefix-caching"],
                                "pdserve up: router on", 4),
     # the prefill node, idle most of the time once prompts are cached, leaves both cores to the decode node
     "disaggregated-cached-shared": ([*UP, "--prefill", "1", "--decode", "1", *SHARED], "pdserve up: router on", 4),
+    "disaggregated-cached-shared-remote": ([*UP, "--prefill", "1", "--decode", "1", *SHARED, "--local-prefill", "off"],
+                                           "pdserve up: router on", 4),
     # two prefill nodes: cache-aware routing against least-outstanding alone
     "2p-cache-aware": ([*UP, "--prefill", "2", "--decode", "1", *SHARED], "pdserve up: router on", 4),
     "2p-cache-blind": ([*UP, "--prefill", "2", "--decode", "1", *SHARED, "--cache-affinity-tokens", "0"],
@@ -89,10 +95,12 @@ def summary(name: str, data: dict) -> dict:
     rep = data["runs"][0]["report"]
     row = {"name": name, "tps": rep["tps"], "ttft_p50": rep["ttft_s"]["p50"], "ttft_p95": rep["ttft_s"]["p95"],
            "tpot_p50": rep["tpot_s"]["p50"], "goodput_rps": rep["goodput_rps"], "good": rep["good_requests"],
-           "completed": rep["completed"], "hit_rate": rep["prefix_cache_hit_rate"], "duration_s": rep["duration_s"]}
+           "completed": rep["completed"], "hit_rate": rep["prefix_cache_hit_rate"], "duration_s": rep["duration_s"],
+           "local_prefill_rate": rep.get("local_prefill_rate", 0.0)}
     print(f"{name:>27}: {row['tps']:6.1f} tok/s, TTFT p50 {row['ttft_p50']:.2f} s p95 {row['ttft_p95']:.2f} s, "
           f"TPOT p50 {row['tpot_p50'] * 1e3:.1f} ms, goodput {row['good']}/{row['completed']} = "
-          f"{row['goodput_rps']:.3f} req/s, cache hit rate {row['hit_rate']:.1%}, {row['duration_s']:.1f} s", flush=True)
+          f"{row['goodput_rps']:.3f} req/s, cache hit rate {row['hit_rate']:.1%}, "
+          f"{row['local_prefill_rate']:.0%} prefilled locally, {row['duration_s']:.1f} s", flush=True)
     return row
 
 
@@ -119,7 +127,8 @@ def main() -> int:
     ratios = {}
     for a, b in (("disaggregated-cached", "disaggregated-uncached"), ("disaggregated-cached", "colocated-cached"),
                  ("disaggregated-cached-shared", "colocated-cached"), ("colocated-cached", "colocated-uncached"),
-                 ("2p-cache-aware", "2p-cache-blind")):
+                 ("2p-cache-aware", "2p-cache-blind"), ("disaggregated-cached", "disaggregated-cached-remote"),
+                 ("disaggregated-cached-shared", "disaggregated-cached-shared-remote")):
         if a in by and b in by and by[b]["goodput_rps"]:
             ratios[f"{a} / {b}"] = by[a]["goodput_rps"] / by[b]["goodput_rps"]
             print(f"goodput {a} / {b}: {ratios[f'{a} / {b}']:.2f}", flush=True)

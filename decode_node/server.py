@@ -109,8 +109,15 @@ class DecodeNode(nodes_pb2_grpc.DecodeNodeServicer):
                 yield msg
             return
         output_token_ids, num_emitted_chars = list(request.output_token_ids), request.num_emitted_chars
-        # 1. prealloc
-        blocks = await self._reserve(source.num_tokens, request.deadline, context)
+        # 1. prealloc: where the transport can leave blocks out, the prompt's cached prefix is taken
+        #    from this node's prefix cache (a conversation's earlier turns) and only the rest is read
+        try:
+            partial = (engine.config.enable_prefix_caching and source.layout.block_size == engine.config.block_size
+                       and self.receiver.can_skip(source))
+        except KVTransferError as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        kv_tokens = (list(request.prompt_token_ids) + output_token_ids)[:source.num_tokens] if partial else None
+        blocks, skip = await self._reserve(source.num_tokens, request.deadline, context, kv_tokens)
         owned = True  # until add_prefilled_request takes the blocks over
         transfer = None
         try:
@@ -118,7 +125,7 @@ class DecodeNode(nodes_pb2_grpc.DecodeNodeServicer):
             if self.fault_delay_transfer_s:
                 await asyncio.sleep(self.fault_delay_transfer_s)
             try:
-                transfer = self.receiver.start(source, blocks)
+                transfer = self.receiver.start(source, blocks, skip)
                 await transfer.wait()
             except KVLayoutMismatch as e:
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
@@ -159,6 +166,7 @@ class DecodeNode(nodes_pb2_grpc.DecodeNodeServicer):
                 if first:
                     msg.transfer_start, msg.transfer_end = transfer.started, transfer.ended
                     msg.decode_admitted, msg.kv_transport, msg.kv_bytes = admitted[0], transfer.transport, transfer.num_bytes
+                    msg.cached_tokens = transfer.skipped_tokens
                     first = False
                 yield msg
         except ValueError as e:  # refused at admission (e.g. the request id is in use)
@@ -201,26 +209,31 @@ class DecodeNode(nodes_pb2_grpc.DecodeNodeServicer):
         self._tasks.add(task)  # held until done: the loop keeps only weak references
         task.add_done_callback(self._tasks.discard)
 
-    async def _reserve(self, num_tokens: int, deadline: float, context) -> list[int]:
+    async def _reserve(self, num_tokens: int, deadline: float, context,
+                       kv_tokens: list[int] | None = None) -> tuple[list[int], int]:
+        """Blocks for num_tokens of KV, and how many leading ones the prefix cache filled (with
+        kv_tokens, the tokens of that KV, they are looked up)."""
         engine = self.engine.engine
         give_up = deadline or time.time() + BLOCK_WAIT_S
         while True:
             try:
-                blocks = await self.engine.call_or_undo(lambda: self._try_reserve(num_tokens),
-                                                        self.engine.engine.free_kv)
+                reserved = await self.engine.call_or_undo(lambda: self._try_reserve(num_tokens, kv_tokens),
+                                                          lambda r: self.engine.engine.free_kv(r[0]))
             except ValueError as e:  # longer than this node can ever hold
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-            if blocks is not None:
-                return blocks
+            if reserved is not None:
+                return reserved
             if time.time() >= give_up:
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                     f"decode node out of KV blocks for {num_tokens} tokens "
                                     f"({engine.block_manager.num_free_blocks} free)")
             await asyncio.sleep(0.01)
 
-    def _try_reserve(self, num_tokens: int) -> list[int] | None:
+    def _try_reserve(self, num_tokens: int, kv_tokens: list[int] | None) -> tuple[list[int], int] | None:
         engine = self.engine.engine
-        return engine.reserve_kv(num_tokens) if engine.can_reserve_kv(num_tokens) else None
+        if kv_tokens is not None and len(kv_tokens) == num_tokens:
+            return engine.reserve_kv_cached(kv_tokens)
+        return (engine.reserve_kv(num_tokens), 0) if engine.can_reserve_kv(num_tokens) else None
 
     async def _confirm_read(self, source: nodes_pb2.KVSource) -> None:
         """Tells the prefill node it may free its copy of the KV."""

@@ -40,32 +40,42 @@ class KVReader(Protocol):
 
     def can_read(self, source: nodes_pb2.KVSource, layout: KVLayout) -> bool: ...
 
+    def can_skip(self, source: nodes_pb2.KVSource) -> bool:
+        """Whether read() can leave out leading blocks (skip_blocks > 0) and still verify the rest."""
+
     async def read(self, source: nodes_pb2.KVSource, kv_cache: KVCache, layout: KVLayout,
-                   block_ids: list[int]) -> dict | None:
+                   block_ids: list[int], skip_blocks: int = 0) -> dict | None:
         """Fills block_ids with the source's KV, verified against source.digest (per layer for a
-        layer-wise source), or raises. A transport that can read a layer-wise source (one whose
-        prefill still computes) returns its trailer: {finished, token_id, text_chars} or
-        {finished: true, finish_reason}; others return None and refuse such sources in can_read."""
+        layer-wise source), or raises. skip_blocks: the first blocks are not read (the decode node's
+        prefix cache holds them: block_ids[:skip_blocks] are shared and must not be written), and
+        what is read is verified by digests of its own. A transport that can read a layer-wise
+        source (one whose prefill still computes) returns its trailer: {finished, token_id,
+        text_chars} or {finished: true, finish_reason}; others return None and refuse such sources
+        in can_read."""
 
 
 class KVTransfer:
     def __init__(self, reader: KVReader, source: nodes_pb2.KVSource, kv_cache: KVCache, layout: KVLayout,
-                 block_ids: list[int]):
+                 block_ids: list[int], skip_blocks: int = 0):
         self.transport = reader.name + ("-layerwise" if source.layerwise else "")
-        self.num_bytes = source.num_bytes
+        self.skipped_tokens = min(skip_blocks * layout.block_size, source.num_tokens)
+        self.num_bytes = layout.num_bytes(source.num_tokens - self.skipped_tokens)
         self.status = TransferStatus.WAITING
         self.error: BaseException | None = None
         self.started = self.ended = 0.0
         self.outcome: dict | None = None  # a layer-wise source's trailer: the prefill's first token
-        self._task = asyncio.ensure_future(self._run(reader, source, kv_cache, layout, block_ids))
+        self._task = asyncio.ensure_future(self._run(reader, source, kv_cache, layout, block_ids, skip_blocks))
         # A transfer whose waiter went away (a cancelled request) may still fail: that is no error.
         self._task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
-    async def _run(self, reader, source, kv_cache, layout, block_ids) -> None:
+    async def _run(self, reader, source, kv_cache, layout, block_ids, skip_blocks) -> None:
         self.status = TransferStatus.TRANSFERRING
         self.started = time.time()
         try:
-            self.outcome = await reader.read(source, kv_cache, layout, block_ids)
+            if skip_blocks:
+                self.outcome = await reader.read(source, kv_cache, layout, block_ids, skip_blocks)
+            else:
+                self.outcome = await reader.read(source, kv_cache, layout, block_ids)
         except BaseException as e:
             self.status, self.error = TransferStatus.FAILED, e
             raise

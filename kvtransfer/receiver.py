@@ -38,9 +38,19 @@ class KVReceiver:
                               f"(host {source.host_id!r}, region {source.shm_region!r}, tcp {source.tcp_address!r}, "
                               f"address {source.kv_address!r})")
 
-    def start(self, source: nodes_pb2.KVSource, block_ids: list[int]) -> KVTransfer:
-        """Begins moving the source's KV into block_ids; await .wait() or poll .status."""
-        return KVTransfer(self.choose(source), source, self.kv_cache, self.layout, block_ids)
+    def can_skip(self, source: nodes_pb2.KVSource) -> bool:
+        """Whether a read of this source can leave out blocks this node's prefix cache holds."""
+        reader = self.choose(source)
+        return getattr(reader, "can_skip", lambda s: False)(source)
+
+    def start(self, source: nodes_pb2.KVSource, block_ids: list[int], skip_blocks: int = 0) -> KVTransfer:
+        """Begins moving the source's KV into block_ids (all but the first skip_blocks, which this
+        node already holds: only where can_skip); await .wait() or poll .status."""
+        reader = self.choose(source)
+        if skip_blocks and not getattr(reader, "can_skip", lambda s: False)(source):
+            raise KVTransferError(f"the {reader.name} transport cannot leave out cached blocks of lease "
+                                  f"{source.lease_id}")
+        return KVTransfer(reader, source, self.kv_cache, self.layout, block_ids, skip_blocks)
 
     async def close(self) -> None:
         await self.grpc.close()

@@ -133,8 +133,13 @@ class ShmReader:
             self._regions[key] = torch.from_file(key, shared=True, size=path.stat().st_size // 8, dtype=torch.int64)
         return self._regions[key]
 
+    def can_skip(self, source: nodes_pb2.KVSource) -> bool:
+        """Blocks can be left out where the generation counters check what is read (the whole-KV
+        digest cannot check a part)."""
+        return GENERATION_CHECK and len(source.block_generations) == len(source.block_ids) > 0
+
     async def read(self, source: nodes_pb2.KVSource, kv_cache: KVCache, layout: KVLayout,
-                   block_ids: list[int]) -> None:
+                   block_ids: list[int], skip_blocks: int = 0) -> None:
         layout.check(KVLayout.from_proto(source.layout), same_block_size=True)
         src = self._attach(source, layout)
         src_ids = list(source.block_ids)
@@ -142,22 +147,27 @@ class ShmReader:
             raise KVTransferError(f"{len(src_ids)} source blocks do not hold {source.num_tokens} tokens")
         if max(src_ids, default=0) >= src.shape[2]:
             raise KVTransferError(f"block ids beyond the region {source.shm_region}")
-        dst_ids = block_ids[:len(src_ids)]
+        if not 0 <= skip_blocks < len(src_ids):
+            raise KVTransferError(f"cannot leave out {skip_blocks} of {len(src_ids)} blocks")
+        dst_ids = block_ids[skip_blocks:len(src_ids)]
         generations = self._generations(source)
+        if skip_blocks and generations is None:
+            raise KVTransferError(f"lease {source.lease_id}: a partial read needs the region's generation counters")
         if generations is None or len(source.block_generations) != len(src_ids):
             digest = await asyncio.to_thread(copy_blocks, src, src_ids, kv_cache.kv, dst_ids, source.num_tokens)
             if digest != source.digest:
                 raise KVCorrupt(f"KV digest mismatch after the shared-memory read (lease {source.lease_id}): "
                                 "the blocks changed under the read")
             return
+        src_ids = src_ids[skip_blocks:]
         index = np.asarray(src_ids)
-        expected = np.asarray(source.block_generations, dtype=np.int64)
+        expected = np.asarray(source.block_generations[skip_blocks:], dtype=np.int64)
         gens = generations.numpy()
 
         def checked_copy() -> None:  # one thread hop; the copies release the GIL
             if not np.array_equal(gens[index], expected):
                 raise KVTransferError(f"kv_lease {source.lease_id} ended before the shared-memory read")
-            copy_blocks(src, src_ids, kv_cache.kv, dst_ids, source.num_tokens, False)
+            copy_blocks(src, src_ids, kv_cache.kv, dst_ids, 0, False)
             if not np.array_equal(gens[index], expected):
                 raise KVCorrupt(f"the lease {source.lease_id} ended during the shared-memory read: "
                                 "its blocks may have changed under it")

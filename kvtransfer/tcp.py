@@ -10,9 +10,12 @@ A KV cache on a GPU goes through a host copy of one layer at a time on either en
 
 Wire format of one read (all integers little-endian); a connection carries one read after another
 (readers keep a few idle connections per prefill node, so a read costs no connect or handshake):
-    request : b"PDK1" | u32 length | JSON {lease_id, access_key, token, layout, layers: [a, b]}
+    request : b"PDK1" | u32 length | JSON {lease_id, access_key, token, layout, layers: [a, b],
+              first_block}
     reply   : u32 length | JSON {ok, num_tokens, num_bytes, layerwise} or {ok: false, code, error}
-    then    : num_bytes raw bytes, layers a..b-1 of the layer-ordered stream
+    then    : num_bytes raw bytes, layers a..b-1 of the layer-ordered stream of the lease's blocks
+              from first_block on (0: all; more: the reader's prefix cache holds the first ones),
+              each layer followed by its u64 xxh3 digest when first_block > 0
 Layer-wise (a lease whose prefill still computes, `layerwise` true): each layer is sent as soon as
 the forward has written it, followed by its u64 xxh3 digest; the connection that ends at the last
 layer then gets the trailer, u32 length | JSON {finished, token_id, text_chars} or {finished,
@@ -193,11 +196,18 @@ class TcpKVServer:
         if refusal:
             _send_json(sock, {"ok": False, "code": refusal[0], "error": refusal[1]})
             return True
-        num_bytes = self.layout.num_bytes(lease.num_tokens) * len(layers) // self.layout.num_layers
+        first = int(request.get("first_block", 0))
+        num_tokens = lease.num_tokens - first * self.layout.block_size
+        if not 0 <= first < len(lease.block_ids) or num_tokens <= 0:
+            _send_json(sock, {"ok": False, "code": "INVALID_ARGUMENT",
+                              "error": f"first_block {first} outside the lease's {len(lease.block_ids)} blocks"})
+            return True
+        num_bytes = self.layout.num_bytes(num_tokens) * len(layers) // self.layout.num_layers
         progress = lease.progress
+        per_layer_digest = progress is not None or first > 0
         _send_json(sock, {"ok": True, "num_tokens": lease.num_tokens, "num_bytes": num_bytes,
                           "layerwise": progress is not None})
-        staged = host_layers(self.kv_cache.kv, lease.block_ids, lease.num_tokens, layers)
+        staged = host_layers(self.kv_cache.kv, lease.block_ids[first:], num_tokens, layers)
         for layer, (layer_bytes, on_device) in zip(layers, staged):
             if progress is not None:  # layer-wise: each layer as soon as it is written, then its digest
                 progress.wait_layer(layer, LAYER_WAIT_S)
@@ -205,7 +215,7 @@ class TcpKVServer:
                 host.copy_(device)
             for view in layer_bytes:
                 sock.sendall(view)
-            if progress is not None:
+            if per_layer_digest:
                 sock.sendall(struct.pack("<Q", digest_views(layer_bytes)))
         if progress is not None and layers.stop == self.layout.num_layers:
             _send_json(sock, progress.wait_outcome(LAYER_WAIT_S))
@@ -279,32 +289,39 @@ class TcpReader:
     def can_read(self, source: nodes_pb2.KVSource, layout: KVLayout) -> bool:
         return bool(source.tcp_address)
 
+    def can_skip(self, source: nodes_pb2.KVSource) -> bool:
+        return True  # the sender then sends each layer's digest
+
     async def read(self, source: nodes_pb2.KVSource, kv_cache: KVCache, layout: KVLayout,
-                   block_ids: list[int]) -> dict | None:
+                   block_ids: list[int], skip_blocks: int = 0) -> dict | None:
         """Returns the trailer of a layer-wise source (the first token), else None."""
         layout.check(KVLayout.from_proto(source.layout))  # before a byte is written
         ranges = layer_ranges(layout.num_layers, self.connections)
         # Every connection runs to its end (or its timeout) before this returns, so that nothing
         # writes into the blocks after a failure has been reported.
         results = await asyncio.gather(*(asyncio.to_thread(self._read_layers, source, kv_cache, layout, block_ids,
-                                                           a, b) for a, b in ranges), return_exceptions=True)
+                                                           a, b, skip_blocks) for a, b in ranges),
+                                       return_exceptions=True)
         for r in results:
             if isinstance(r, BaseException):
                 raise r
         if source.layerwise:  # every layer was checked against the sender's digest as it landed
             return _check_trailer(results[-1][1], source)
+        if skip_blocks:  # so was every layer of a partial read
+            return None
         digest = combine_digests([d for layer_digests, _ in results for d in layer_digests])  # ranges in order
         if digest != source.digest:
             raise KVCorrupt(f"KV digest mismatch after the tcp read (lease {source.lease_id})")
         return None
 
     def _read_layers(self, source: nodes_pb2.KVSource, kv_cache: KVCache, layout: KVLayout, block_ids: list[int],
-                     a: int, b: int) -> tuple[list[int], dict | None]:
-        """Reads layers [a, b) into the blocks; returns their digests, and the trailer of a
-        layer-wise source if b is the last layer."""
+                     a: int, b: int, skip_blocks: int) -> tuple[list[int], dict | None]:
+        """Reads layers [a, b) into the blocks (from block skip_blocks on); returns their digests,
+        and the trailer of a layer-wise source if b is the last layer."""
         address = source.tcp_address
         request = {"lease_id": source.lease_id, "access_key": source.access_key, "token": self.security.token or "",
-                   "layout": _layout_dict(layout), "layers": [a, b]}
+                   "layout": _layout_dict(layout), "layers": [a, b], "first_block": skip_blocks}
+        num_tokens = source.num_tokens - skip_blocks * layout.block_size
         sock = None
         try:
             sock, reply = self._ask(address, request)
@@ -315,21 +332,21 @@ class TcpReader:
                 if reply.get("code") == "FAILED_PRECONDITION":
                     raise KVLayoutMismatch(reply.get("error"))
                 raise KVTransferError(f"KV read from {address} refused: {error}")
-            expected = layout.num_bytes(source.num_tokens) * (b - a) // layout.num_layers
+            expected = layout.num_bytes(num_tokens) * (b - a) // layout.num_layers
             if (reply.get("num_tokens") != source.num_tokens or reply.get("num_bytes") != expected
                     or bool(reply.get("layerwise")) != source.layerwise):
                 raise KVTransferError(f"KV reply says {reply.get('num_tokens')} tokens / {reply.get('num_bytes')} "
                                       f"bytes / layerwise {reply.get('layerwise')}, expected {source.num_tokens} / "
                                       f"{expected} / {source.layerwise}")
             digests, sent = [], bytearray(8)
-            staged = host_layers(kv_cache.kv, block_ids, source.num_tokens, range(a, b))
+            staged = host_layers(kv_cache.kv, block_ids[skip_blocks:], num_tokens, range(a, b))
             for layer, (layer_bytes, on_device) in zip(range(a, b), staged):
                 for view in layer_bytes:
                     _recv_exact(sock, view)  # straight into the reserved blocks
                 digests.append(digest_views(layer_bytes))  # while the layer is still in cache
                 for host, device in on_device:
                     device.copy_(host)
-                if source.layerwise:
+                if source.layerwise or skip_blocks:
                     _recv_exact(sock, memoryview(sent))
                     if struct.unpack("<Q", sent)[0] != digests[-1]:
                         raise KVCorrupt(f"KV digest mismatch in layer {layer} of the tcp read "

@@ -127,6 +127,7 @@ async def one_request(client: AsyncClient, item: dict, t0: float, args, progress
                 rec.done = time.perf_counter() - t0
                 rec.prompt_tokens = part.usage.prompt_tokens
                 rec.cached_tokens = part.timings.cached_tokens
+                rec.local_prefill = part.timings.local_prefill
     except grpc.aio.AioRpcError as e:
         rec.error = e.code().name
     if rec.done is None and rec.error is None:

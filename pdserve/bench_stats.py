@@ -21,6 +21,7 @@ class RequestRecord:
     num_tokens: int = 0
     prompt_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens the prefilling node's prefix cache held
+    local_prefill: bool = False  # prefilled on its decode node (conditional disaggregation)
     error: str | None = None  # a gRPC status name when it failed
 
     @property
@@ -87,6 +88,7 @@ class Report:
     goodput_rps: float
     goodput_tps: float
     prefix_cache_hit_rate: float = 0.0  # cached / prompt tokens of completed requests
+    local_prefill_rate: float = 0.0  # completed requests prefilled on their decode node
     extra: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
@@ -115,7 +117,8 @@ def report(records: list[RequestRecord], duration_s: float, slo_ttft_s: float | 
         max_concurrency=max_concurrency(records), slo_ttft_s=slo_ttft_s, slo_tpot_s=slo_tpot_s,
         good_requests=len(good_requests), goodput_rps=len(good_requests) / duration_s,
         goodput_tps=sum(r.num_tokens for r in good_requests) / duration_s,
-        prefix_cache_hit_rate=sum(r.cached_tokens for r in ok) / max(1, sum(r.prompt_tokens for r in ok)))
+        prefix_cache_hit_rate=sum(r.cached_tokens for r in ok) / max(1, sum(r.prompt_tokens for r in ok)),
+        local_prefill_rate=sum(r.local_prefill for r in ok) / max(1, len(ok)))
 
 
 def format_report(rep: Report, label: str = "") -> str:
@@ -129,7 +132,8 @@ def format_report(rep: Report, label: str = "") -> str:
              + (f"; errors: {rep.errors}" if rep.errors else ""),
              row("TTFT", rep.ttft_s), row("TPOT", rep.tpot_s), row("E2E", rep.e2e_s),
              f"  TPS {rep.tps:.1f} output tokens/s, QPS {rep.qps:.2f} requests/s, max concurrency {rep.max_concurrency}, "
-             f"prefix cache hit rate {rep.prefix_cache_hit_rate:.1%} of prompt tokens",
+             f"prefix cache hit rate {rep.prefix_cache_hit_rate:.1%} of prompt tokens, "
+             f"{rep.local_prefill_rate:.0%} prefilled on the decode node",
              f"  goodput ({slo}): {rep.good_requests} requests, {rep.goodput_rps:.2f} requests/s, "
              f"{rep.goodput_tps:.1f} tokens/s"]
     return "\n".join(lines)

@@ -192,7 +192,7 @@ class Router(Frontend):
                             if not plan.local:
                                 timings.transfer_start, timings.transfer_end = part.transfer_start, part.transfer_end
                                 timings.decode_admitted, timings.kv_transport = part.decode_admitted, part.kv_transport
-                                timings.kv_bytes = part.kv_bytes
+                                timings.kv_bytes, timings.decode_cached_tokens = part.kv_bytes, part.cached_tokens
                                 self._measured_remote(tokens, reply, part, began, alone)
                         generated.extend(part.token_ids)
                         emitted += len(part.text)
@@ -236,7 +236,12 @@ class Router(Frontend):
             await self.decode_pool.settled(decode)
         decode_cached = self.decode_pool.cached_tokens(decode, tokens)
         prefill_cached = self.prefill_pool.cached_tokens(prefill, tokens) if prefill else 0
-        plan = self.placement.decide(len(tokens), decode_cached, prefill_cached, moved=len(tokens),
+        # the decode node reads only the blocks it lacks (shm with generation counters, tcp), when
+        # both sides' blocks are of one size
+        partial = decode.load.kv_transport != "grpc" and prefill is not None and \
+            prefill.load.block_size == decode.load.block_size
+        plan = self.placement.decide(len(tokens), decode_cached, prefill_cached,
+                                     moved=len(tokens) - (decode_cached if partial else 0),
                                      prefill_queued=prefill.prefill_tokens if prefill else 0,
                                      local_queued=decode.prefill_tokens, decode_running=decode.outstanding)
         if prefill is None and self.placement.mode != "off":
@@ -249,7 +254,7 @@ class Router(Frontend):
         prefill_s = reply.prefill_end - reply.prefill_start
         transfer_s = part.transfer_end - part.transfer_start
         self.placement.measured_remote(len(tokens) - reply.cached_tokens, prefill_s, transfer_s,
-                                       moved=len(tokens), handoff_s=part.decode_admitted - began - prefill_s - transfer_s,
+                                       moved=len(tokens) - part.cached_tokens, handoff_s=part.decode_admitted - began - prefill_s - transfer_s,
                                        alone=alone)
 
     def _background(self, task: asyncio.Task) -> None:

@@ -183,3 +183,39 @@ def test_a_conversation_sticks_to_the_prefill_node_holding_its_history(tiny_llam
             assert len({t["prefill_node"] for t in timings}) == 2
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp", "grpc"])
+def test_a_decode_node_reads_only_the_blocks_its_cache_lacks(tiny_llama, transport):
+    """Turn k+1 on the same decode node: its cache holds turn k's prompt and answer; shm (checked
+    by generation counters) and tcp (digest per layer) leave those blocks out, grpc reads all."""
+    import asyncio
+
+    from cluster import local_cluster, wait_for_no_blocks
+    from router.client import AsyncClient
+
+    from test_placement import engine_chat
+
+    reference = engine_chat(tiny_llama, SYSTEM, turns=3)
+
+    async def scenario():
+        async with local_cluster(tiny_llama, kv_transport=transport) as (router, prefills, decodes):
+            history, timings = list(SYSTEM), []
+            async with AsyncClient(router.address) as client:
+                for turn in range(3):
+                    history += [100 + turn, 7]
+                    result = await client.generate(history, max_tokens=6, temperature=0, ignore_eos=True)
+                    timings.append(result.timings)
+                    history += result.token_ids
+            assert history == reference
+            layout = decodes[0].layout
+            for t, prompt_len in zip(timings, (25, 33, 41)):
+                skipped = t.get("decode_cached_tokens", 0)
+                assert int(t["kv_bytes"]) == layout.num_bytes(prompt_len - skipped), t
+                if transport == "grpc" or prompt_len == 25:
+                    assert skipped == 0, t
+                else:  # all full blocks of the last turn's prompt and answer (tokens 0..prompt_len - 4)
+                    assert skipped == (prompt_len - 3) // 4 * 4, t
+            await wait_for_no_blocks(prefills + decodes)
+
+    asyncio.run(scenario())

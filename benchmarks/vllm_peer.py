@@ -1,0 +1,135 @@
+"""pdserve's disaggregated pair against vLLM's CPU build in P/D mode, same workload, same window.
+
+    python benchmarks/vllm_peer.py [--rounds 2] [--json docs/bench/vllm_peer.json]
+
+Both are driven by one load generator through their OpenAI-compatible /v1/completions
+(benchmarks/peers/vllm_cpu_pd/bench.py, vendored from the peer harness: 32 requests of ~610-token
+prompts, 64 output tokens, ignore_eos, greedy, streaming, concurrency 8), one system after the
+other, in interleaved rounds:
+- vLLM 0.32 CPU, 1 prefill + 1 decode instance (NIXL connector with the harness's patches, each
+  pinned to one core), behind the harness's proxy;
+- pdserve up --prefill 1 --decode 1 --num-threads 1 --pin-cpus, its router's HTTP API.
+vLLM runs from .venv-vllm (docs/benchmarks.md says how to make it); both load the same model
+directory (pdserve's cached conversion of the default model).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PEER = ROOT / "benchmarks" / "peers" / "vllm_cpu_pd"
+
+
+def wait_http(url: str, proc: subprocess.Popen, timeout_s: float = 600) -> float:
+    started = time.time()
+    while time.time() < started + timeout_s:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{proc.args} exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return time.time() - started
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"{url} not ready after {timeout_s} s")
+
+
+def stop(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def load(url: str, model: str, tag: str, out: Path, vllm_python: str) -> dict:
+    subprocess.run([vllm_python, str(PEER / "bench.py"), url, "--n", "4", "--conc", "2", "--tag", f"warm{tag}",
+                    "--model", model], check=True, stdout=subprocess.DEVNULL)
+    subprocess.run([vllm_python, str(PEER / "bench.py"), url, "--n", "32", "--conc", "8", "--tag", tag,
+                    "--model", model, "--out", str(out)], check=True, stdout=subprocess.DEVNULL)
+    return json.loads(out.read_text())["summary"]
+
+
+def run_vllm(model_dir: str, venv: Path, logs: Path, tag: str) -> dict:
+    env = {**os.environ, "PEER_DIR": str(PEER), "VLLM_VENV": str(venv), "MODEL_DIR": model_dir,
+           "KV_STORE": str(logs / "kvstore"), "PYTHONPATH": str(PEER / "patches"), "PD_KEEP_AFFINITY": "1",
+           "PD_NIXL_PTHR_DELAY_US": "500"}
+    procs = []
+    try:
+        for role, kv_role in (("prefill", "kv_producer"), ("decode", "kv_consumer")):
+            procs.append(subprocess.Popen(["bash", str(PEER / "start_pd.sh"), role, "nixl"],
+                                          env={**env, "NIXL_ROLE": kv_role},
+                                          stdout=open(logs / f"vllm_{role}.log", "w"), stderr=subprocess.STDOUT))
+        for port in (8101, 8102):
+            wait_http(f"http://127.0.0.1:{port}/health", procs[-1])
+        env.pop("PYTHONPATH")
+        procs.append(subprocess.Popen([str(venv / "bin" / "python"), str(PEER / "proxy.py"), "--port", "8200"],
+                                      env=env, stdout=open(logs / "vllm_proxy.log", "w"), stderr=subprocess.STDOUT))
+        time.sleep(2)
+        return load("http://127.0.0.1:8200/v1/completions", "smol", tag, logs / f"vllm_{tag}.json",
+                    str(venv / "bin" / "python"))
+    finally:
+        stop(procs)
+
+
+def run_pdserve(logs: Path, tag: str, vllm_python: str, extra: list[str]) -> dict:
+    proc = subprocess.Popen([sys.executable, "-m", "pdserve", "up", "--prefill", "1", "--decode", "1",
+                             "--num-threads", "1", "--pin-cpus", "--port", "0", "--http-port", "8300", *extra],
+                            stdout=subprocess.DEVNULL, stderr=open(logs / f"pdserve_{tag}.log", "w"))
+    try:
+        wait_http("http://127.0.0.1:8300/health", proc)
+        with urllib.request.urlopen("http://127.0.0.1:8300/v1/models") as r:
+            model = json.loads(r.read())["data"][0]["id"]
+        return load("http://127.0.0.1:8300/v1/completions", model, tag, logs / f"pdserve_{tag}.json", vllm_python)
+    finally:
+        stop([proc])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--vllm-venv", default=str(ROOT / ".venv-vllm"))
+    ap.add_argument("--logs", default="/tmp/pdserve-vllm-peer")
+    ap.add_argument("--json", default=str(ROOT / "docs" / "bench" / "vllm_peer.json"))
+    args = ap.parse_args()
+    from engine.model_source import resolve_model
+
+    model_dir = str(resolve_model("smollm2-135m"))
+    logs = Path(args.logs)
+    (logs / "kvstore").mkdir(parents=True, exist_ok=True)
+    venv = Path(args.vllm_venv)
+    systems = {"vllm-pd": lambda tag: run_vllm(model_dir, venv, logs, tag),
+               "pdserve-pd": lambda tag: run_pdserve(logs, tag, str(venv / "bin" / "python"), [])}
+    runs: dict[str, list[dict]] = {name: [] for name in systems}
+    for r in range(args.rounds):
+        for name, run in systems.items():
+            s = run(f"{name}-r{r}")
+            runs[name].append(s)
+            print(f"round {r} {name:>10}: {s['out_tok_s']:6.1f} tok/s, TTFT p50 {s['ttft_p50_ms']:.0f} ms, "
+                  f"TPOT p50 {s['tpot_p50_ms']:.1f} ms p95 {s['tpot_p95_ms']:.1f} ms", flush=True)
+    med = {name: {k: statistics.median(s[k] for s in rs) for k in ("out_tok_s", "ttft_p50_ms", "tpot_p50_ms")}
+           for name, rs in runs.items()}
+    ratios = [p["out_tok_s"] / v["out_tok_s"] for p, v in zip(runs["pdserve-pd"], runs["vllm-pd"])]
+    print(f"tokens/s pdserve / vLLM per round: {', '.join(f'{x:.2f}' for x in ratios)}; "
+          f"median {statistics.median(ratios):.2f}", flush=True)
+    Path(args.json).write_text(json.dumps({"runs": runs, "medians": med, "tps_ratio_per_round": ratios},
+                                          indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
