@@ -1,6 +1,6 @@
 """Disaggregated against colocated on equal hardware, and the decode batch-size trade-off.
 
-    python benchmarks/disagg_vs_colocated.py [--out docs/bench]
+    python benchmarks/disagg_vs_colocated.py [--out docs/bench] [--sizes none] [--json NAME]
 
 1. The mixed workload of the vLLM anchor: 32 requests of ~610 prompt tokens (590-630) and 64
    output tokens, closed loop at concurrency 8, streaming, the default model in bf16, run by
@@ -43,10 +43,10 @@ def bench(address: str, out: Path, name: str) -> dict:
     return json.loads(json_path.read_text())
 
 
-def disaggregated(out: Path) -> dict:
+def disaggregated(out: Path, extra: list[str] = ()) -> dict:
     up = subprocess.Popen([sys.executable, "-m", "pdserve", "up", "--prefill", "1", "--decode", "1", "--port", "0",
-                           "--num-threads", "1", "--pin-cpus", "--kv-cache-gb", "0.5"], stderr=subprocess.PIPE,
-                          text=True)
+                           "--num-threads", "1", "--pin-cpus", "--kv-cache-gb", "0.5", *extra],
+                          stderr=subprocess.PIPE, text=True)
     try:
         address = wait_line(up, up.stderr, "pdserve up: router on").split()[4]
         return bench(address, out, "disaggregated")
@@ -123,15 +123,19 @@ def summary(name: str, data: dict) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=str(ROOT / "docs" / "bench"))
-    ap.add_argument("--sizes", default="1,2,4,8,16,32,64,128")
+    ap.add_argument("--sizes", default="1,2,4,8,16,32,64,128", help="decode batch sizes; none: experiment 1 only")
+    ap.add_argument("--json", default="disagg_vs_colocated.json", help="the summary's file name in --out")
+    ap.add_argument("--up-args", default="", help="more `pdserve up` flags for the disaggregated cluster")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    rows = [summary("disaggregated", disaggregated(out)), summary("colocated", colocated(out))]
-    print("decode batch size (one engine, one core, 1 thread):", flush=True)
-    sizes = batch_sizes([int(s) for s in args.sizes.split(",")])
-    plot_batch(sizes, out / "batch_size.png")
-    (out / "disagg_vs_colocated.json").write_text(json.dumps({"slo": {"ttft_s": SLO_TTFT, "tpot_s": SLO_TPOT},
+    rows = [summary("disaggregated", disaggregated(out, args.up_args.split())), summary("colocated", colocated(out))]
+    sizes = []
+    if args.sizes != "none":
+        print("decode batch size (one engine, one core, 1 thread):", flush=True)
+        sizes = batch_sizes([int(s) for s in args.sizes.split(",")])
+        plot_batch(sizes, out / "batch_size.png")
+    (out / args.json).write_text(json.dumps({"slo": {"ttft_s": SLO_TTFT, "tpot_s": SLO_TPOT},
                                                               "rows": rows, "batch_sizes": sizes}, indent=2))
     return 0
 

@@ -8,7 +8,9 @@ prompts, 64 output tokens, ignore_eos, greedy, streaming, concurrency 8), one sy
 other, in interleaved rounds:
 - vLLM 0.32 CPU, 1 prefill + 1 decode instance (NIXL connector with the harness's patches, each
   pinned to one core), behind the harness's proxy;
-- pdserve up --prefill 1 --decode 1 --num-threads 1 --pin-cpus, its router's HTTP API.
+- pdserve up --prefill 1 --decode 1 --num-threads 1 --pin-cpus, its router's HTTP API (and with
+  --local-cap N, the same with --max-local-prefill-tokens N: whole prompts may be prefilled on the
+  decode node while the prefill node queues).
 vLLM runs from .venv-vllm (docs/benchmarks.md says how to make it); both load the same model
 directory (pdserve's cached conversion of the default model).
 """
@@ -105,6 +107,8 @@ def main() -> int:
     ap.add_argument("--vllm-venv", default=str(ROOT / ".venv-vllm"))
     ap.add_argument("--logs", default="/tmp/pdserve-vllm-peer")
     ap.add_argument("--json", default=str(ROOT / "docs" / "bench" / "vllm_peer.json"))
+    ap.add_argument("--local-cap", type=int, default=0,
+                    help="also run pdserve with --max-local-prefill-tokens this (0: not)")
     args = ap.parse_args()
     from engine.model_source import resolve_model
 
@@ -114,6 +118,9 @@ def main() -> int:
     venv = Path(args.vllm_venv)
     systems = {"vllm-pd": lambda tag: run_vllm(model_dir, venv, logs, tag),
                "pdserve-pd": lambda tag: run_pdserve(logs, tag, str(venv / "bin" / "python"), [])}
+    if args.local_cap:  # conditional disaggregation allowed to take whole prompts when the prefill pool queues
+        systems[f"pdserve-pd-local{args.local_cap}"] = lambda tag: run_pdserve(
+            logs, tag, str(venv / "bin" / "python"), ["--max-local-prefill-tokens", str(args.local_cap)])
     runs: dict[str, list[dict]] = {name: [] for name in systems}
     for r in range(args.rounds):
         for name, run in systems.items():
@@ -123,9 +130,12 @@ def main() -> int:
                   f"TPOT p50 {s['tpot_p50_ms']:.1f} ms p95 {s['tpot_p95_ms']:.1f} ms", flush=True)
     med = {name: {k: statistics.median(s[k] for s in rs) for k in ("out_tok_s", "ttft_p50_ms", "tpot_p50_ms")}
            for name, rs in runs.items()}
-    ratios = [p["out_tok_s"] / v["out_tok_s"] for p, v in zip(runs["pdserve-pd"], runs["vllm-pd"])]
-    print(f"tokens/s pdserve / vLLM per round: {', '.join(f'{x:.2f}' for x in ratios)}; "
-          f"median {statistics.median(ratios):.2f}", flush=True)
+    ratios = {}
+    for name in runs:
+        if name != "vllm-pd":
+            ratios[name] = [p["out_tok_s"] / v["out_tok_s"] for p, v in zip(runs[name], runs["vllm-pd"])]
+            print(f"tokens/s {name} / vLLM per round: {', '.join(f'{x:.2f}' for x in ratios[name])}; "
+                  f"median {statistics.median(ratios[name]):.2f}", flush=True)
     Path(args.json).write_text(json.dumps({"runs": runs, "medians": med, "tps_ratio_per_round": ratios},
                                           indent=1))
     return 0

@@ -11,7 +11,7 @@ passes `args`:
     kv_transport: auto             # auto (shm on one Ray node, else tcp), shm, tcp, grpc
     router:  {direct_port: 50051, max_model_len: null, discovery_interval_s: 0.5,
               kv_layerwise: auto,  # auto, on, off: stream the KV layer by layer (tcp)
-              cache_affinity_tokens: 512, local_prefill: auto, max_local_prefill_tokens: 512}
+              cache_affinity_tokens: 512, local_prefill: auto, max_local_prefill_tokens: 1024}
     prefill: {engine: {...EngineConfig fields...}, lease_ttl_s: 30, shm: true, drain_timeout_s: 60, port: 0}
     decode:  {engine: {...EngineConfig fields...}, drain_timeout_s: 600, port: 0}
 

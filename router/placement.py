@@ -30,7 +30,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 MODES = ("auto", "off", "always")
-MAX_LOCAL_TOKENS = 512
+MAX_LOCAL_TOKENS = 1024  # measured on the anchor workload: docs/benchmarks.md, section 5
 SAMPLES = 32
 EWMA = 0.2  # weight of a new sample in the link and hand-off averages
 

@@ -192,21 +192,13 @@ def test_a_decode_node_reads_only_the_blocks_its_cache_lacks(tiny_llama, transpo
     import asyncio
 
     from cluster import local_cluster, wait_for_no_blocks
-    from router.client import AsyncClient
-
-    from test_placement import engine_chat
+    from test_placement import chat, engine_chat
 
     reference = engine_chat(tiny_llama, SYSTEM, turns=3)
 
     async def scenario():
         async with local_cluster(tiny_llama, kv_transport=transport) as (router, prefills, decodes):
-            history, timings = list(SYSTEM), []
-            async with AsyncClient(router.address) as client:
-                for turn in range(3):
-                    history += [100 + turn, 7]
-                    result = await client.generate(history, max_tokens=6, temperature=0, ignore_eos=True)
-                    timings.append(result.timings)
-                    history += result.token_ids
+            history, timings = await chat(router, SYSTEM, turns=3)
             assert history == reference
             layout = decodes[0].layout
             for t, prompt_len in zip(timings, (25, 33, 41)):
