@@ -25,6 +25,7 @@ def tiny_config(model, **autoscaling) -> dict:
     engine = {"dtype": "float32", "device": "cpu", "num_kv_blocks": 512, "block_size": 4, "num_threads": 1}
     app["args"].update(model=str(model))
     app["args"]["router"]["direct_port"] = free_port()
+    app["args"]["router"]["local_prefill"] = "off"  # these tests follow the KV between the pools
     app["args"]["prefill"]["engine"] = dict(engine)
     app["args"]["decode"]["engine"] = dict(engine)
     for dep in app["deployments"]:

@@ -45,7 +45,8 @@ def test_greedy_requests_across_two_hosts_over_tcp(tiny_llama, rate, layerwise):
             procs.append(decode)
             p_addr, d_addr = prefill.ready(), decode.ready()
             router = InNamespace(b, "-m", "router", "--host", "127.0.0.1", "--port", "0", "--model",
-                                 str(tiny_llama), "--prefill", p_addr, "--decode", d_addr, "--kv-layerwise", layerwise)
+                                 str(tiny_llama), "--prefill", p_addr, "--decode", d_addr, "--kv-layerwise", layerwise,
+                                 "--local-prefill", "off")  # the KV must cross the link
             procs.append(router)
             r_addr = router.ready()
             client = ("import json, sys\nfrom router.client import Client\n"
