@@ -159,10 +159,7 @@ class DecodeNode(nodes_pb2_grpc.DecodeNodeServicer):
             first = True
             owned = False  # no await between this and the admission being queued
             async for out in self.engine.stream(request.request_id, admit):
-                msg = nodes_pb2.DecodeResponse(token_ids=out.new_token_ids, text=out.new_text, finished=out.finished,
-                                               finish_reason=out.finish_reason or "")
-                if out.logprobs:
-                    msg.logprobs.append(logprobs_to_proto(out.logprobs[-1]))
+                msg = _response(out)
                 if first:
                     msg.transfer_start, msg.transfer_end = transfer.started, transfer.ended
                     msg.decode_admitted, msg.kv_transport, msg.kv_bytes = admitted[0], transfer.transport, transfer.num_bytes
@@ -187,10 +184,7 @@ class DecodeNode(nodes_pb2_grpc.DecodeNodeServicer):
             async for out in self.engine.stream(request.request_id, lambda: engine.add_request(
                     request.request_id, list(request.prompt_token_ids), params, output_token_ids=prior,
                     num_emitted_chars=request.num_emitted_chars if prior else None)):
-                msg = nodes_pb2.DecodeResponse(token_ids=out.new_token_ids, text=out.new_text, finished=out.finished,
-                                               finish_reason=out.finish_reason or "")
-                if out.logprobs:
-                    msg.logprobs.append(logprobs_to_proto(out.logprobs[-1]))
+                msg = _response(out)
                 if first:
                     msg.prefill_start, msg.prefill_end = start, time.time()
                     msg.decode_admitted, msg.cached_tokens = start, out.num_cached_tokens
@@ -249,3 +243,12 @@ class DecodeNode(nodes_pb2_grpc.DecodeNodeServicer):
         return common_pb2.NodeLoad(**engine.load(), host_id=host_id(), kv_transport=self.receiver.transport,
                                    block_size=engine.config.block_size,
                                    **engine.block_manager.cache_changes(request.cache_since))
+
+
+def _response(out) -> nodes_pb2.DecodeResponse:
+    """One engine output as a Decode stream message."""
+    msg = nodes_pb2.DecodeResponse(token_ids=out.new_token_ids, text=out.new_text, finished=out.finished,
+                                   finish_reason=out.finish_reason or "")
+    if out.logprobs:
+        msg.logprobs.append(logprobs_to_proto(out.logprobs[-1]))
+    return msg

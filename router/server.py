@@ -253,9 +253,9 @@ class Router(Frontend):
     def _measured_remote(self, tokens, reply, part, began: float, alone: bool) -> None:
         prefill_s = reply.prefill_end - reply.prefill_start
         transfer_s = part.transfer_end - part.transfer_start
+        handoff_s = part.decode_admitted - began - prefill_s - transfer_s  # hops, queues, admission
         self.placement.measured_remote(len(tokens) - reply.cached_tokens, prefill_s, transfer_s,
-                                       moved=len(tokens) - part.cached_tokens, handoff_s=part.decode_admitted - began - prefill_s - transfer_s,
-                                       alone=alone)
+                                       moved=len(tokens) - part.cached_tokens, handoff_s=handoff_s, alone=alone)
 
     def _background(self, task: asyncio.Task) -> None:
         self._tasks.add(task)  # held until done: the loop keeps only weak references
