@@ -42,15 +42,44 @@ def tiny_config(model, **autoscaling) -> dict:
     return config
 
 
-def start_ray(tmp_path) -> None:
+def start_ray(tmp_path, attempts: int = 3) -> None:
+    """Start a private local cluster. On a loaded machine a raylet can miss Ray's fixed 30 s
+    registration window ("The current node timed out during startup"); then the processes that
+    attempt started are stopped by PID, their logs' tails printed, and a fresh cluster tried."""
+    import psutil
     import ray
 
     os.environ["RAY_AUTH_MODE"] = "disabled"
-    # A short socket path: the default temp dir under pytest's tmp_path can exceed AF_UNIX limits.
     from pdserve.ray_app import LOCAL_RESOURCES
 
-    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=f"/tmp/ray-{os.getpid()}", namespace="pdserve",
-             log_to_driver=False, resources=LOCAL_RESOURCES)
+    me = psutil.Process()
+    for attempt in range(1, attempts + 1):
+        before = {c.pid for c in me.children(recursive=True)}
+        # A short socket path: the default temp dir under pytest's tmp_path can exceed AF_UNIX limits.
+        temp_dir = f"/tmp/ray-{os.getpid()}-{attempt}"
+        try:
+            ray.init(num_cpus=2, include_dashboard=False, _temp_dir=temp_dir, namespace="pdserve",
+                     log_to_driver=False, resources=LOCAL_RESOURCES)
+            return
+        except Exception as e:
+            ray.shutdown()
+            started = [c for c in me.children(recursive=True) if c.pid not in before]
+            for child in started:
+                child.kill()
+            psutil.wait_procs(started, timeout=10)
+            print(f"ray.init attempt {attempt} failed: {e}")
+            _print_log_tails(temp_dir)
+            if attempt == attempts:
+                raise
+
+
+def _print_log_tails(temp_dir: str, lines: int = 20) -> None:
+    from pathlib import Path
+
+    for log in sorted(Path(temp_dir).glob("session_2*/logs/*")):
+        if log.name.startswith(("raylet", "gcs_server")) and log.is_file():
+            tail = log.read_text(errors="replace").splitlines()[-lines:]
+            print(f"--- {log} (last {len(tail)} lines)", *tail, sep="\n")
 
 
 def stop_ray() -> None:
