@@ -203,7 +203,9 @@ class EndpointPool:
             await self.on_change()
 
     async def _check(self, e: Endpoint) -> None:
-        timeout = max(0.2, min(1.0, self.check_interval_s))
+        # A busy node answers late, not never: a dead one refuses at once, whatever the timeout, so
+        # a short timeout only marks loaded nodes unhealthy (seen under a 64-client soak on 2 cores).
+        timeout = max(1.0, self.check_interval_s)
         try:
             reply = await health_pb2_grpc.HealthStub(e.channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
             ok = reply.status == health_pb2.HealthCheckResponse.SERVING
