@@ -25,7 +25,7 @@ demo: $(STAMP)
 AS_AVX2 := PDSERVE_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2
 ENGINE_AND_CLUSTER_TESTS := tests/test_hardware.py tests/test_model_equality.py tests/test_batching.py \
 	tests/test_sampling.py tests/test_scheduler.py tests/test_validation.py tests/test_kvtransfer.py \
-	tests/test_cluster.py tests/test_cli.py
+	tests/test_cluster.py tests/test_cli.py tests/test_speculative.py tests/test_parallel_sampling.py
 
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest -q

@@ -100,7 +100,12 @@ class DecodeNode(nodes_pb2_grpc.DecodeNodeServicer):
             params = sampling_from_proto(request.sampling)
             if request.prefill_locally and source.lease_id:
                 raise ValueError("a request prefilled locally carries no kv source")
-            if not request.prefill_locally and not request.output_token_ids and not source.layerwise:
+            # n > 1: every sample draws its first token here, from the one imported KV
+            several = params.num_samples > 1
+            if several and request.output_token_ids:
+                raise ValueError("output_token_ids must be empty with n or best_of > 1: each sample draws its "
+                                 "first token on the decode node")
+            if not (request.prefill_locally or request.output_token_ids or source.layerwise or several):
                 raise ValueError("output_token_ids must hold the token sampled by the prefill")  # layer-wise: with the KV
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
@@ -133,7 +138,7 @@ class DecodeNode(nodes_pb2_grpc.DecodeNodeServicer):
                 await context.abort(grpc.StatusCode.DATA_LOSS, str(e))
             except KVTransferError as e:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-            if transfer.outcome is not None:  # layer-wise: the prefill's first token, from its trailer
+            if transfer.outcome is not None and not several:  # layer-wise: the prefill's first token
                 if transfer.outcome["finished"]:  # nothing to decode; the prefill node ended the lease
                     yield nodes_pb2.DecodeResponse(finished=True, finish_reason=transfer.outcome["finish_reason"])
                     return
@@ -247,8 +252,8 @@ class DecodeNode(nodes_pb2_grpc.DecodeNodeServicer):
 
 def _response(out) -> nodes_pb2.DecodeResponse:
     """One engine output as a Decode stream message."""
-    msg = nodes_pb2.DecodeResponse(token_ids=out.new_token_ids, text=out.new_text, finished=out.finished,
-                                   finish_reason=out.finish_reason or "")
-    if out.logprobs:
-        msg.logprobs.append(logprobs_to_proto(out.logprobs[-1]))
+    msg = nodes_pb2.DecodeResponse(token_ids=out.new_token_ids, text=out.new_text, finished=out.last,
+                                   finish_reason=out.finish_reason or "", index=out.index)
+    if out.logprobs:  # one entry per new token (several after a verified draft)
+        msg.logprobs.extend(logprobs_to_proto(lp) for lp in out.logprobs[-len(out.new_token_ids):])
     return msg

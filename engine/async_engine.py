@@ -94,7 +94,7 @@ class AsyncEngine:
                 out = await outputs.get()
                 if isinstance(out, BaseException):
                     raise EngineDead(f"engine stopped: {out}") from out
-                if out.finished:
+                if out.last:
                     finished = True
                 yield out
                 if finished:
@@ -165,7 +165,7 @@ class AsyncEngine:
         if entry is None:
             return
         loop, outputs = entry
-        if isinstance(item, BaseException) or item.finished:
+        if isinstance(item, BaseException) or item.last:
             del self._streams[request_id]
         try:
             loop.call_soon_threadsafe(outputs.put_nowait, item)

@@ -118,6 +118,14 @@ class BlockManager:
                 else:
                     self.evictable[block_id] = None
 
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Gives back the blocks past those num_tokens tokens need (speculative decoding's rollback:
+        they held only rejected drafts, never named)."""
+        keep = self.blocks_for(num_tokens)
+        if len(seq.block_table) > keep:
+            self.decref(seq.block_table[keep:][::-1])
+            del seq.block_table[keep:]
+
     def free(self, seq: Sequence) -> None:
         # Last blocks first: they go first when blocks run short (a prefix's head is shared most).
         self.decref(seq.block_table[::-1])

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.speculative import SpeculativeConfig
+
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 SCHEDULING = ("continuous", "static")
 
@@ -30,6 +32,8 @@ class EngineConfig:
     cpu_kernels: bool = True  # C++ attention/fused ops on CPUs where they build; False: plain torch
     num_threads: int | None = None  # torch intra-op threads on CPU; None leaves torch's choice
     seed: int = 0  # seeds the sampler for requests without their own seed
+    # Speculative decoding, e.g. {"method": "ngram", "num_speculative_tokens": 4} (engine/speculative.py)
+    speculative: dict | None = None
 
     def __post_init__(self):
         _check(isinstance(self.model, str) and self.model != "", "model", "a model name or path", self.model)
@@ -47,3 +51,9 @@ class EngineConfig:
                self.max_model_len)
         _check(self.scheduling in SCHEDULING, "scheduling", f"one of {SCHEDULING}", self.scheduling)
         _check(self.num_threads is None or self.num_threads >= 1, "num_threads", ">= 1 or None", self.num_threads)
+        if self.speculative is not None:
+            SpeculativeConfig.from_dict(self.speculative)  # raises naming the setting
+
+    @property
+    def speculative_config(self) -> SpeculativeConfig | None:
+        return None if self.speculative is None else SpeculativeConfig.from_dict(self.speculative)

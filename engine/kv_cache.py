@@ -51,3 +51,7 @@ class KVCache:
         if -(-kv.shape[2] // self.block_size) > len(block_table):
             raise ValueError(f"kv: {kv.shape[2]} tokens do not fit in {len(block_table)} blocks")
         self.slots[:, :, self.token_slots(block_table, kv.shape[2])] = kv.to(self.kv.device)
+
+    def copy_block(self, src: int, dst: int) -> None:
+        """Copy-on-write: block dst gets block src's KV in every layer."""
+        self.kv[:, :, dst] = self.kv[:, :, src]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
@@ -22,7 +23,8 @@ class LLM:
 
     def generate(self, prompts: Prompt | list[Prompt],
                  params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
-        """Runs the prompts to completion with continuous batching; outputs in prompt order.
+        """Runs the prompts to completion with continuous batching; outputs in prompt order (with
+        n > 1, each output is sample 0 and holds all n in `.samples`).
         Every prompt is checked before any runs; a bad one raises ValueError naming its index."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -44,12 +46,19 @@ class LLM:
         request_ids = [f"offline-{next(self._ids)}" for _ in prompts]
         for request_id, ids, p in zip(request_ids, token_ids, params):
             self.engine.add_request(request_id, ids, p)
-        done: dict[str, RequestOutput] = {}
-        while len(done) < len(request_ids):
+        samples: dict[str, list[RequestOutput]] = {r: [] for r in request_ids}
+        want = dict(zip(request_ids, (p.n for p in params)))
+        remaining = len(request_ids)
+        while remaining:
             for out in self.engine.step():
                 if out.finished:
-                    done[out.request_id] = out
-        return [done[r] for r in request_ids]
+                    samples[out.request_id].append(out)
+                    remaining -= len(samples[out.request_id]) == want[out.request_id]
+        results = []
+        for r in request_ids:  # with n > 1: sample 0, all of them in .samples
+            outs = sorted(samples[r], key=lambda o: o.index)
+            results.append(outs[0] if len(outs) == 1 else replace(outs[0], samples=outs))
+        return results
 
     def chat(self, messages: list[dict] | list[list[dict]],
              params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:

@@ -20,8 +20,10 @@ from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner
 from engine.model_source import resolve_model
 from engine.outputs import RequestOutput
+from engine.parallel_sampling import SampleGroup, fork
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from engine.speculative import NgramProposer
 from engine.sequence import FinishReason, Sequence
 from engine.tokenizer import check_prompt_length, load_tokenizer, prompt_token_ids
 
@@ -56,10 +58,15 @@ class LLMEngine:
         # A sequence can never outgrow the whole KV pool.
         self.max_model_len = min(max_model_len, self.kv_cache.num_blocks * config.block_size)
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len, cfg.eos_token_ids)
-        self.requests: dict[str, tuple[Sequence, IncrementalDetokenizer | None]] = {}
+        # (request_id, sample index) -> its sequence and detokenizer
+        self.requests: dict[tuple[str, int], tuple[Sequence, IncrementalDetokenizer | None]] = {}
+        self.groups: dict[str, SampleGroup] = {}  # requests with several samples (n, best_of)
         self.kv_leases: dict[str, KVLease] = {}
         self.num_generated_tokens = 0  # counters for metrics: tokens out,
         self.num_prompt_tokens = 0  # and prompt tokens in
+        # Speculative decoding: a proposer drafts, the step verifies (engine/speculative.py).
+        self.proposer = NgramProposer(config.speculative_config, self.max_model_len) if config.speculative else None
+        self.num_verifications = self.num_draft_tokens = self.num_accepted_tokens = 0
 
     # ---- requests in -------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -79,7 +86,7 @@ class LLMEngine:
         recomputed with the prompt, as after a preemption, and generation goes on after them."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
-        if request_id in self.requests or request_id in self.kv_leases:
+        if (request_id, 0) in self.requests or request_id in self.kv_leases:
             raise ValueError(f"request_id {request_id!r} is already in use")
         ids = self.tokenize(prompt)
         prior = self.tokenize(list(output_token_ids)) if output_token_ids else []
@@ -88,9 +95,14 @@ class LLMEngine:
             raise ValueError(f"output_token_ids: {len(prior)} tokens already reach max_tokens ({params.max_tokens})")
         if kv_progress is not None and not keep_kv:
             raise ValueError("kv_progress needs keep_kv: the KV must outlive the request to be read")
+        if params.num_samples > 1 and (keep_kv or prior):
+            raise ValueError("n and best_of must be 1 for a prefill to export (keep_kv) or a migrated request: "
+                             "the samples fork where the request decodes")
         seq = Sequence(request_id, ids, params, output_token_ids=prior, keep_kv=keep_kv, kv_progress=kv_progress)
         self.num_prompt_tokens += len(ids)
         self._track(seq, num_emitted_chars)
+        if params.num_samples > 1:
+            self.groups[request_id] = SampleGroup(params, live=params.num_samples)
         self.scheduler.add(seq)
 
     def _track(self, seq: Sequence, num_emitted_chars: int | None = None) -> None:
@@ -101,16 +113,19 @@ class LLMEngine:
                 detok.add(token_id)                 # num_emitted_chars characters
             emitted = len(detok.text) if num_emitted_chars is None else min(num_emitted_chars, len(detok.text))
             detok.num_emitted = emitted
-        self.requests[seq.request_id] = (seq, detok)
+        self.requests[seq.request_id, seq.index] = (seq, detok)
 
     def abort_request(self, request_id: str) -> bool:
         """Cancels a request and frees its blocks (and its kv_lease, if it already finished as a
         prefill). Returns whether it was still running."""
-        entry = self.requests.pop(request_id, None)
-        if entry is None:
+        group = self.groups.pop(request_id, None)
+        entries = [self.requests.pop((request_id, i), None) for i in range(group.params.num_samples if group else 1)]
+        if entries[0] is None:
             self.release_kv(request_id)
             return False
-        self.scheduler.finish(entry[0], FinishReason.ABORT)
+        for entry in entries:
+            if entry is not None:
+                self.scheduler.finish(entry[0], FinishReason.ABORT)
         return True
 
     def has_unfinished(self) -> bool:
@@ -129,6 +144,8 @@ class LLMEngine:
 
     # ---- the step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self.proposer is not None:
+            self.proposer.propose(self.scheduler.running)
         batch = self.scheduler.schedule()
         if not batch:
             return []
@@ -136,38 +153,77 @@ class LLMEngine:
             if seq.kv_progress is not None and seq.num_computed_tokens + n == seq.num_tokens:
                 seq.kv_progress.scheduled(seq.block_table, seq.num_tokens)  # the last chunk: blocks fixed
         sampled = self.runner.execute(batch)
-        self.scheduler.update(batch, sampled.token_ids)
+        for seq, tokens in zip(batch.seqs, sampled.token_ids):
+            if seq.draft_token_ids:
+                self._verified(seq, len(seq.draft_token_ids), len(tokens) - 1)
+            if tokens and seq.index == 0 and seq.request_id in self.groups:
+                self._fork(seq)  # its prompt's KV is computed now: the other samples share it
+        self.scheduler.update(batch, sampled.token_ids)  # cuts the tokens past a stop
         outputs = []
-        for seq, token_id, logprobs in zip(batch.seqs, sampled.token_ids, sampled.logprobs):
-            if token_id is None or seq.request_id not in self.requests:
+        for seq, tokens, logprobs in zip(batch.seqs, sampled.token_ids, sampled.logprobs):
+            if not tokens or (seq.request_id, seq.index) not in self.requests:
                 continue
-            if logprobs is not None:
-                seq.output_logprobs.append(logprobs)
-            self.num_generated_tokens += 1
-            outputs.append(self._postprocess(seq, token_id))
+            out = self._postprocess(seq, tokens, logprobs)
+            group = self.groups.get(seq.request_id)
+            if group is None:
+                outputs.append(out)
+                continue
+            outputs.extend(group.emit(out))
+            if not group.live:
+                del self.groups[seq.request_id]
         return outputs
 
-    def _postprocess(self, seq: Sequence, token_id: int) -> RequestOutput:
-        detok = self.requests[seq.request_id][1]
+    def _fork(self, parent: Sequence) -> None:
+        group = self.groups[parent.request_id]
+        if group.forked:
+            return
+        group.forked = True
+        for child in reversed(fork(parent, group.params, self.block_manager, self.kv_cache,
+                                   self.scheduler.watermark_blocks)):
+            self._track(child)
+            self.scheduler.waiting.appendleft(child)  # next step: their last prompt token
+
+    def _verified(self, seq: Sequence, num_drafted: int, num_accepted: int) -> None:
+        self.proposer.observe(seq, num_drafted, num_accepted)
+        self.num_verifications += 1
+        self.num_draft_tokens += num_drafted
+        self.num_accepted_tokens += num_accepted
+
+    def _postprocess(self, seq: Sequence, tokens: list[int], logprobs: list) -> RequestOutput:
+        detok = self.requests[seq.request_id, seq.index][1]
         new_text = ""
-        if detok is not None:
+        for j, token_id in enumerate(tokens):
+            if logprobs[j] is not None:
+                seq.output_logprobs.append(logprobs[j])
+                seq.cumulative_logprob += logprobs[j][token_id]
+            if detok is None:
+                continue
             # A keep_kv request (a prefill) ends here but its text goes on elsewhere: hold back
             # an incomplete character rather than flush it.
-            new_text, stopped = detok.add(token_id, final=seq.is_finished and not seq.keep_kv)
-            if stopped and not seq.is_finished:
-                self._finish(seq, FinishReason.STOP)
+            last = j == len(tokens) - 1
+            text, stopped = detok.add(token_id, final=last and seq.is_finished and not seq.keep_kv)
+            new_text += text
+            if stopped:
+                if not seq.is_finished:
+                    self._finish(seq, FinishReason.STOP)
+                if not last:  # accepted drafts after a stop string are not output
+                    del seq.output_token_ids[j + 1 - len(tokens):]
+                    tokens = tokens[:j + 1]
+                break
+        self.num_generated_tokens += len(tokens)
         if seq.is_finished:
-            del self.requests[seq.request_id]
+            del self.requests[seq.request_id, seq.index]
             if seq.keep_kv and seq.block_table:
                 self.kv_leases[seq.request_id] = KVLease(seq.block_table, seq.num_computed_tokens)
                 seq.block_table = []
         return RequestOutput(
             request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids,
             token_ids=list(seq.output_token_ids), text=detok.text if detok else "",
-            new_token_ids=[token_id], new_text=new_text, finished=seq.is_finished,
+            new_token_ids=list(tokens), new_text=new_text, finished=seq.is_finished,
             finish_reason=seq.finish_reason.value if seq.finish_reason else None,
             logprobs=seq.output_logprobs if seq.params.logprobs is not None else None,
-            num_preemptions=seq.num_preemptions, num_cached_tokens=seq.num_cached_tokens or 0)
+            num_preemptions=seq.num_preemptions, num_cached_tokens=seq.num_cached_tokens or 0, index=seq.index,
+            cumulative_logprob=seq.cumulative_logprob if seq.output_logprobs else None)
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         self.scheduler.finish(seq, reason)
@@ -224,6 +280,8 @@ class LLMEngine:
                               num_emitted_chars: int | None = None) -> None:
         """Admits a sequence whose prompt KV already sits in `block_table` (reserved with
         reserve_kv) and whose first tokens were sampled elsewhere; decoding continues from there.
+        With no output_token_ids, the last prompt token is computed again here to sample the first
+        (parallel sampling: every sample draws its own first token from the one imported KV).
         The sequence owns the blocks from now on, also if this raises."""
         seq = Sequence(request_id, list(prompt_token_ids), params, output_token_ids=list(output_token_ids),
                        num_computed_tokens=len(prompt_token_ids) + len(output_token_ids) - 1,
@@ -231,10 +289,10 @@ class LLMEngine:
         try:
             if not isinstance(params, SamplingParams):
                 raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
-            if request_id in self.requests:
+            if (request_id, 0) in self.requests:
                 raise ValueError(f"request_id {request_id!r} is already in use")
-            if not output_token_ids:
-                raise ValueError("output_token_ids must hold the token sampled by the prefill")
+            if params.num_samples > 1 and len(output_token_ids) > 1:
+                raise ValueError("n and best_of must be 1 for a migrated request (its samples forked where it began)")
             self.tokenize(seq.prompt_token_ids + seq.output_token_ids)
             self._check_length(seq.num_computed_tokens)
             if self.block_manager.blocks_for(seq.num_computed_tokens) > len(block_table):
@@ -247,3 +305,6 @@ class LLMEngine:
         self.num_prompt_tokens += seq.num_prompt_tokens
         self._track(seq, num_emitted_chars)
         self.scheduler.add(seq)
+        if params.num_samples > 1:  # the other samples share the imported prompt KV
+            self.groups[request_id] = SampleGroup(params, live=params.num_samples)
+            self._fork(seq)

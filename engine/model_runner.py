@@ -17,6 +17,7 @@ from engine.model_config import ModelConfig
 from engine.ops import Ops
 from engine.sampler import Sampler, SamplerOutput
 from engine.scheduler import ScheduledBatch
+from engine.speculative import first_rejected
 from engine.weights import load_weights
 
 
@@ -42,35 +43,50 @@ class ModelRunner:
                                 cfg.head_dim, dtype, device, buffer)
         self.sampler = Sampler(config.seed, device)
 
-    def forward(self, batch: ScheduledBatch) -> tuple[list[int], torch.Tensor]:
+    def forward(self, batch: ScheduledBatch) -> tuple[list[int], list[int], torch.Tensor]:
         """One forward over the batch's tokens. Returns the batch indices of the sequences whose KV
-        catches up with their tokens this step (prefill chunks before the end do not), and their
-        next-token logits [N, V] in fp32."""
-        order = sorted(range(len(batch)), key=lambda i: batch.num_scheduled_tokens[i] != 1)  # decodes first
-        seqs = [batch.seqs[i] for i in order]
-        lens = [batch.num_scheduled_tokens[i] for i in order]
-        starts = [seq.num_computed_tokens for seq in seqs]
+        catches up with their tokens this step (prefill chunks before the end do not), how many
+        logit rows each has (1, or 1 + its drafts: a verification), and those rows [R, V] in fp32."""
+        # Decodes and verifications first, as single-token queries: a sequence verifying d drafts
+        # is d + 1 queries over the same block table, each seeing the positions up to its own.
+        one_query = [n == 1 or bool(seq.draft_token_ids) for seq, n in zip(batch.seqs, batch.num_scheduled_tokens)]
+        order = sorted(range(len(batch)), key=lambda i: not one_query[i])
         input_ids: list[int] = []
-        for seq, start, n in zip(seqs, starts, lens):
+        starts, lens, tables = [], [], []
+        num_decode = 0
+        for i in order:
+            seq, n, start = batch.seqs[i], batch.num_scheduled_tokens[i], batch.seqs[i].num_computed_tokens
             input_ids.extend(seq.token_ids(start, start + n))
-        meta = build_metadata(starts, lens, [seq.block_table for seq in seqs], lens.count(1),
-                              self.block_size, self.cfg.sliding_window, self.device, self.use_cpu_kernels)
+            if one_query[i]:
+                starts.extend(range(start, start + n))
+                lens.extend([1] * n)
+                tables.extend([seq.block_table] * n)
+                num_decode += n
+            else:
+                starts.append(start)
+                lens.append(n)
+                tables.append(seq.block_table)
+        meta = build_metadata(starts, lens, tables, num_decode, self.block_size, self.cfg.sliding_window,
+                              self.device, self.use_cpu_kernels)
         ids = torch.tensor(input_ids, dtype=torch.long).to(self.device)
         # Layer-wise streaming: prompts whose last chunk runs now publish each layer once written.
-        streamed = [seq.kv_progress for seq, start, n in zip(seqs, starts, lens)
-                    if seq.kv_progress is not None and start + n == seq.num_tokens]
+        streamed = [seq.kv_progress for seq, n in zip(batch.seqs, batch.num_scheduled_tokens)
+                    if seq.kv_progress is not None and seq.num_computed_tokens + n == seq.num_tokens]
         hidden = self.model.forward(ids, meta.positions, meta, self.kv_cache,
                                     self._publisher(streamed) if streamed else None)  # [T, H]
 
-        rows, last_index, pos = [], [], 0
-        for j, (seq, start, n) in enumerate(zip(seqs, starts, lens)):
+        rows, counts, hidden_rows, pos = [], [], [], 0
+        for i in order:
+            seq, n = batch.seqs[i], batch.num_scheduled_tokens[i]
             pos += n
-            if start + n == seq.num_tokens:
-                rows.append(order[j])
-                last_index.append(pos - 1)
+            if seq.num_computed_tokens + n >= seq.num_tokens:
+                count = 1 + len(seq.draft_token_ids)
+                rows.append(i)
+                counts.append(count)
+                hidden_rows.extend(range(pos - count, pos))
         if not rows:
-            return [], hidden.new_empty(0, self.cfg.vocab_size, dtype=torch.float32)
-        return rows, self.model.compute_logits(hidden[torch.tensor(last_index, device=self.device)])
+            return [], [], hidden.new_empty(0, self.cfg.vocab_size, dtype=torch.float32)
+        return rows, counts, self.model.compute_logits(hidden[torch.tensor(hidden_rows, device=self.device)])
 
     def _publisher(self, streamed: list) -> Callable[[int], None]:
         cuda = self.device.type == "cuda"
@@ -85,15 +101,24 @@ class ModelRunner:
         return layer_done
 
     def execute(self, batch: ScheduledBatch) -> SamplerOutput:
-        """forward + sample. Per sequence in batch order: the sampled token id (None for a prefill
-        chunk short of the end) and its logprobs when asked."""
-        rows, logits = self.forward(batch)
-        result = SamplerOutput([None] * len(batch), [None] * len(batch))
+        """forward + sample. Per sequence in batch order: the tokens it emits (none for a prefill
+        chunk short of the end; with drafts, those verified plus one) and their logprobs when asked.
+        Each logit row is sampled as decoding without drafts would sample it (its own step, so
+        its own seed), and drafts are kept while they equal what was sampled (engine/speculative.py)."""
+        rows, counts, logits = self.forward(batch)
+        result = SamplerOutput([[] for _ in batch.seqs], [[] for _ in batch.seqs])
         if not rows:
             return result
-        sampling = [batch.seqs[i] for i in rows]
-        out = self.sampler(logits, [s.params for s in sampling], [len(s.output_token_ids) for s in sampling])
-        for i, token_id, logprobs in zip(rows, out.token_ids, out.logprobs):
-            result.token_ids[i] = token_id
-            result.logprobs[i] = logprobs
+        params, steps = [], []
+        for i, count in zip(rows, counts):
+            seq = batch.seqs[i]
+            params.extend([seq.params] * count)
+            steps.extend(range(len(seq.output_token_ids), len(seq.output_token_ids) + count))
+        out = self.sampler(logits, params, steps)
+        r = 0
+        for i, count in zip(rows, counts):
+            emitted = first_rejected(batch.seqs[i].draft_token_ids, out.token_ids[r:r + count]) + 1
+            result.token_ids[i] = out.token_ids[r:r + emitted]
+            result.logprobs[i] = out.logprobs[r:r + emitted]
+            r += count
         return result

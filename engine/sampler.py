@@ -17,8 +17,8 @@ from engine.sampling_params import SamplingParams
 
 @dataclass
 class SamplerOutput:
-    token_ids: list[int | None]
-    logprobs: list[dict[int, float] | None]  # per row: {token: logprob} for top-n + the sampled one
+    token_ids: list  # per row: the sampled id (the model runner: per sequence, a list of ids)
+    logprobs: list  # per row: {token: logprob} for top-n + the sampled one, or None
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -50,7 +50,7 @@ class Sampler:
             token_ids = logits.max(dim=-1).indices  # first maximum, as argmax; 2-3x faster on CPU
         else:
             token_ids = self._sample(logits, params, steps)
-        want = [p.logprobs is not None for p in params]
+        want = [p.logprobs is not None or p.num_samples > p.n for p in params]  # best_of ranks by logprob
         token_list = token_ids.tolist()
         if not any(want):
             return SamplerOutput(token_list, [None] * len(params))
@@ -83,13 +83,13 @@ class Sampler:
     def _logprobs(logits, token_ids, params, want) -> list[dict[int, float] | None]:
         rows = [i for i, w in enumerate(want) if w]
         logprobs = torch.log_softmax(logits[rows], dim=-1)  # raw model distribution
-        n = max(params[i].logprobs for i in rows)
+        n = max(params[i].logprobs or 0 for i in rows)
         top_vals, top_ids = logprobs.topk(max(n, 1), dim=-1)
         chosen = logprobs.gather(1, token_ids[rows][:, None]).squeeze(1)
         out: list[dict[int, float] | None] = [None] * len(params)
         top_vals, top_ids, chosen = top_vals.tolist(), top_ids.tolist(), chosen.tolist()
         for j, i in enumerate(rows):
-            k = params[i].logprobs
+            k = params[i].logprobs or 0
             entry = dict(zip(top_ids[j][:k], top_vals[j][:k]))
             entry[int(token_ids[i])] = chosen[j]
             out[i] = entry

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 MAX_LOGPROBS = 20
+MAX_SAMPLES = 16  # n and best_of
 MAX_STOP_STRINGS, MAX_STOP_LEN = 16, 256
 
 
@@ -19,6 +20,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # top-n logprobs per generated token (plus the sampled one)
+    n: int = 1  # completions returned (parallel sampling: one prefill, the prompt's KV blocks shared)
+    best_of: int | None = None  # completions generated, the n with the highest cumulative logprob returned
 
     def __post_init__(self):
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
@@ -44,10 +47,27 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}")
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_SAMPLES:
+            raise ValueError(f"n must be an integer in [1, {MAX_SAMPLES}], got {self.n!r}")
+        if self.best_of is not None and (not _is_int(self.best_of) or not self.n <= self.best_of <= MAX_SAMPLES):
+            raise ValueError(f"best_of must be an integer in [n ({self.n}), {MAX_SAMPLES}] or None, got {self.best_of!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def num_samples(self) -> int:
+        """Sequences generated for the request: best_of, or n."""
+        return self.best_of or self.n
+
+    def for_sample(self, index: int) -> SamplingParams:
+        """The parameters of sample `index` of a request: one sequence each, its own seed stream
+        (sample 0 keeps the request's seed, so n=1 and the first of n agree)."""
+        seed = self.seed
+        if seed is not None and index:
+            seed = (seed * 0x9E3779B97F4A7C15 + index) & 0x7FFF_FFFF_FFFF_FFFF
+        return replace(self, n=1, best_of=None, seed=seed)
 
 
 def _is_int(x) -> bool:

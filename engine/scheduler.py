@@ -53,6 +53,13 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if seq.draft_token_ids:  # verify drafts only where they fit without pressing anyone
+                drafted = n + len(seq.draft_token_ids)
+                if drafted <= budget and bm.can_allocate(seq, seq.num_computed_tokens + drafted,
+                                                         reserve=self.watermark_blocks):
+                    n = drafted
+                else:
+                    seq.draft_token_ids = []
             while not bm.can_allocate(seq, seq.num_computed_tokens + n):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -97,19 +104,28 @@ class Scheduler:
             budget -= n
         return batch
 
-    def update(self, batch: ScheduledBatch, sampled: list[int | None]) -> list[Sequence]:
-        """Records a step's results; returns the sequences that finished in it."""
+    def update(self, batch: ScheduledBatch, sampled: list[list[int]]) -> list[Sequence]:
+        """Records a step's results: per sequence, the tokens it emitted (none for a prefill chunk
+        short of the end; with drafts, the accepted ones and the model's own). Returns the
+        sequences that finished in it."""
         finished = []
-        for seq, n, token_id in zip(batch.seqs, batch.num_scheduled_tokens, sampled):
-            seq.num_computed_tokens += n
+        for seq, n, tokens in zip(batch.seqs, batch.num_scheduled_tokens, sampled):
+            # KV is valid up to the last accepted draft; a rejected draft's positions are dropped.
+            seq.num_computed_tokens += n - len(seq.draft_token_ids) + max(len(tokens) - 1, 0)
+            seq.draft_token_ids = []
             self.block_manager.cache_computed_blocks(seq)
-            if token_id is None or seq.is_finished:  # a prefill chunk, or aborted meanwhile
+            if seq.is_finished:  # aborted meanwhile
                 continue
-            seq.output_token_ids.append(token_id)
-            reason = self._stop_reason(seq, token_id)
-            if reason is not None:
-                self.finish(seq, reason)
-                finished.append(seq)
+            for j, token_id in enumerate(tokens):
+                seq.output_token_ids.append(token_id)
+                reason = self._stop_reason(seq, token_id)
+                if reason is not None:
+                    del tokens[j + 1:]  # accepted drafts past the stop are not output
+                    self.finish(seq, reason)
+                    finished.append(seq)
+                    break
+            else:
+                self.block_manager.trim(seq, seq.num_tokens)  # blocks that held only rejected drafts
         return finished
 
     def _stop_reason(self, seq: Sequence, token_id: int) -> FinishReason | None:
@@ -135,6 +151,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
+        seq.draft_token_ids = []
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING

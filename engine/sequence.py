@@ -11,8 +11,13 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from typing import TYPE_CHECKING
+
 from engine.kv_progress import LayerProgress
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.speculative import DraftState
 
 
 class SequenceStatus(enum.Enum):
@@ -45,6 +50,14 @@ class Sequence:
     num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache at first admission
     block_hashes: list[int] = field(default_factory=list)  # names of its full blocks (engine/block_manager.py)
     num_named_blocks: int = 0  # leading blocks of block_table already in the prefix cache
+    # Speculative decoding (engine/speculative.py): tokens proposed to follow this step's token,
+    # verified in the same forward, and the proposer's state.
+    draft_token_ids: list[int] = field(default_factory=list)
+    draft_state: DraftState | None = None
+    # Parallel sampling (engine/parallel_sampling.py): which of the request's samples this is, and
+    # the log-probability of its tokens so far (when asked for: best_of).
+    index: int = 0
+    cumulative_logprob: float = 0.0
 
     @property
     def num_tokens(self) -> int:
@@ -55,7 +68,10 @@ class Sequence:
         return len(self.prompt_token_ids)
 
     def token_ids(self, start: int, end: int) -> list[int]:
-        """Tokens [start, end) of prompt + output without building the whole list."""
+        """Tokens [start, end) of prompt + output + drafts without building the whole list."""
+        if end > self.num_tokens:
+            return self.token_ids(start, self.num_tokens) + self.draft_token_ids[max(0, start - self.num_tokens):
+                                                                                end - self.num_tokens]
         n = len(self.prompt_token_ids)
         if end <= n:
             return self.prompt_token_ids[start:end]

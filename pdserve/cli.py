@@ -45,8 +45,27 @@ def add_engine_args(p: argparse.ArgumentParser, num_threads_default: str = "torc
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="compute every prompt in full (by default the KV of full blocks of a prompt prefix seen "
                         "before is reused)")
+    p.add_argument("--speculative-config", type=speculative_json, default=None, metavar="JSON",
+                   help='speculative decoding on decode steps, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'; '
+                        "settings in engine/speculative.py (default: off)")
     p.add_argument("--num-threads", type=int, default=None, help=f"torch threads (default: {num_threads_default})")
     p.add_argument("--cpus", default=None, help="pin the process to these cores, e.g. 0 or 0-1 (default: not pinned)")
+
+
+def speculative_json(text: str) -> dict:
+    import json
+
+    from engine.speculative import SpeculativeConfig
+
+    try:
+        settings = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e}): {text!r}") from None
+    try:
+        SpeculativeConfig.from_dict(settings)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return settings
 
 
 def add_security_args(p: argparse.ArgumentParser, public: bool = False) -> None:
@@ -87,7 +106,7 @@ def engine_config(args):
                         kv_cache_bytes=int(args.kv_cache_gb * (1 << 30)), max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                         block_size=args.block_size, num_threads=args.num_threads,
-                        enable_prefix_caching=not args.no_prefix_caching)
+                        enable_prefix_caching=not args.no_prefix_caching, speculative=args.speculative_config)
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:

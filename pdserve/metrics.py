@@ -59,6 +59,14 @@ DEFINITIONS = {
     "pdserve_prefix_cache_blocks": ("gauge", "KV blocks named in the prefix cache (in use or evictable)",
                                     ("role",), None),
     "pdserve_prefix_cache_evicted_blocks_total": ("counter", "Cached KV blocks evicted to make room", ("role",), None),
+    "pdserve_spec_decode_verifications_total": ("counter", "Verification steps: one sequence's drafts checked in "
+                                                "a forward", ("role",), None),
+    "pdserve_spec_decode_draft_tokens_total": ("counter", "Tokens drafted by the speculative proposer", ("role",), None),
+    "pdserve_spec_decode_accepted_tokens_total": ("counter", "Drafted tokens the target model accepted",
+                                                  ("role",), None),
+    "pdserve_spec_decode_acceptance_rate": ("gauge", "Accepted / drafted tokens since start", ("role",), None),
+    "pdserve_spec_decode_tokens_per_verification": ("gauge", "Tokens emitted per verification step since start "
+                                                    "(accepted drafts + 1)", ("role",), None),
 }
 
 
@@ -128,7 +136,8 @@ class EngineExporter:
 
     def __init__(self, metrics: Metrics, role: str, async_engine, outstanding):
         self.metrics, self.role, self.async_engine, self.outstanding = metrics, role, async_engine, outstanding
-        self._seen = dict.fromkeys(("preemptions", "in", "out", "query", "hit", "evicted"), 0)
+        self._seen = dict.fromkeys(("preemptions", "in", "out", "query", "hit", "evicted", "verifications",
+                                    "drafted", "accepted"), 0)
         async_engine.on_step = lambda seconds: metrics.observe("pdserve_engine_step_seconds", seconds, role=role)
 
     def refresh(self) -> None:
@@ -143,7 +152,8 @@ class EngineExporter:
         m.set("pdserve_prefix_cache_blocks", cache["cached_blocks"], role=role)
         now = {"preemptions": engine.scheduler.num_preemptions, "in": engine.num_prompt_tokens,
                "out": engine.num_generated_tokens, "query": cache["query_tokens"], "hit": cache["hit_tokens"],
-               "evicted": cache["evicted_blocks"]}
+               "evicted": cache["evicted_blocks"], "verifications": engine.num_verifications,
+               "drafted": engine.num_draft_tokens, "accepted": engine.num_accepted_tokens}
         seen = self._seen
         m.inc("pdserve_preemptions_total", now["preemptions"] - seen["preemptions"], role=role)
         m.inc("pdserve_engine_tokens_total", now["in"] - seen["in"], role=role, direction="in")
@@ -151,6 +161,14 @@ class EngineExporter:
         m.inc("pdserve_prefix_cache_query_tokens_total", now["query"] - seen["query"], role=role)
         m.inc("pdserve_prefix_cache_hit_tokens_total", now["hit"] - seen["hit"], role=role)
         m.inc("pdserve_prefix_cache_evicted_blocks_total", now["evicted"] - seen["evicted"], role=role)
+        if engine.proposer is not None:
+            m.inc("pdserve_spec_decode_verifications_total", now["verifications"] - seen["verifications"], role=role)
+            m.inc("pdserve_spec_decode_draft_tokens_total", now["drafted"] - seen["drafted"], role=role)
+            m.inc("pdserve_spec_decode_accepted_tokens_total", now["accepted"] - seen["accepted"], role=role)
+            if now["verifications"]:
+                m.set("pdserve_spec_decode_acceptance_rate", now["accepted"] / now["drafted"], role=role)
+                m.set("pdserve_spec_decode_tokens_per_verification",
+                      (now["accepted"] + now["verifications"]) / now["verifications"], role=role)
         self._seen = now
 
     async def run(self, interval_s: float = 1.0) -> None:

@@ -10,7 +10,7 @@ from pdserve_api import common_pb2
 def sampling_from_proto(m: common_pb2.SamplingParams) -> SamplingParams:
     """Raises ValueError naming the bad field (the caller answers INVALID_ARGUMENT)."""
     kwargs = {}
-    for name in ("max_tokens", "temperature", "top_p", "seed", "logprobs"):
+    for name in ("max_tokens", "temperature", "top_p", "seed", "logprobs", "n", "best_of"):
         if m.HasField(name):
             kwargs[name] = getattr(m, name)
     return SamplingParams(top_k=m.top_k, stop=tuple(m.stop), stop_token_ids=tuple(m.stop_token_ids),
@@ -25,6 +25,10 @@ def sampling_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
         m.seed = p.seed
     if p.logprobs is not None:
         m.logprobs = p.logprobs
+    if p.n != 1:
+        m.n = p.n
+    if p.best_of is not None:
+        m.best_of = p.best_of
     return m
 
 

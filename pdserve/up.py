@@ -18,6 +18,7 @@ grace period).
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import signal
@@ -118,6 +119,7 @@ def node_args(args, threads: int, metrics_port: int | None) -> list[str]:
             str(args.max_num_batched_tokens), "--block-size", str(args.block_size), "--num-threads", str(threads),
             *(["--max-model-len", str(args.max_model_len)] if args.max_model_len else []),
             *(["--no-prefix-caching"] if args.no_prefix_caching else []),
+            *(["--speculative-config", json.dumps(args.speculative_config)] if args.speculative_config else []),
             *(["--metrics-port", str(metrics_port)] if metrics_port is not None else [])]
 
 

@@ -162,7 +162,7 @@ class DecodeRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., kv: _Optional[_Union[KVSource, _Mapping]] = ..., deadline: _Optional[float] = ..., num_emitted_chars: _Optional[int] = ..., prefill_locally: _Optional[bool] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
-    __slots__ = ("token_ids", "text", "logprobs", "finished", "finish_reason", "transfer_start", "transfer_end", "decode_admitted", "kv_transport", "kv_bytes", "prefill_start", "prefill_end", "cached_tokens")
+    __slots__ = ("token_ids", "text", "logprobs", "finished", "finish_reason", "transfer_start", "transfer_end", "decode_admitted", "kv_transport", "kv_bytes", "prefill_start", "prefill_end", "cached_tokens", "index")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -176,6 +176,7 @@ class DecodeResponse(_message.Message):
     PREFILL_START_FIELD_NUMBER: _ClassVar[int]
     PREFILL_END_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
     logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]
@@ -189,4 +190,5 @@ class DecodeResponse(_message.Message):
     prefill_start: float
     prefill_end: float
     cached_tokens: int
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., transfer_start: _Optional[float] = ..., transfer_end: _Optional[float] = ..., decode_admitted: _Optional[float] = ..., kv_transport: _Optional[str] = ..., kv_bytes: _Optional[int] = ..., prefill_start: _Optional[float] = ..., prefill_end: _Optional[float] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
+    index: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., transfer_start: _Optional[float] = ..., transfer_end: _Optional[float] = ..., decode_admitted: _Optional[float] = ..., kv_transport: _Optional[str] = ..., kv_bytes: _Optional[int] = ..., prefill_start: _Optional[float] = ..., prefill_end: _Optional[float] = ..., cached_tokens: _Optional[int] = ..., index: _Optional[int] = ...) -> None: ...

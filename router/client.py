@@ -31,13 +31,24 @@ class Completion:
     usage: dict = field(default_factory=dict)
     timings: dict = field(default_factory=dict)
     logprobs: list[dict[int, float]] = field(default_factory=list)
+    others: dict[int, Completion] = field(default_factory=dict)  # n > 1: samples 1..n-1
+
+    @property
+    def samples(self) -> list[Completion]:
+        """Every sample by index (this one is sample 0)."""
+        return [self] + [self.others[i] for i in sorted(self.others)]
 
     def add(self, part: generate_pb2.GenerateResponse) -> None:
-        self.text += part.text
-        self.token_ids.extend(part.token_ids)
-        self.logprobs.extend(dict(zip(lp.token_ids, lp.logprobs)) for lp in part.logprobs)
+        sample = self if part.index == 0 else self.others.setdefault(part.index, Completion())
+        sample.text += part.text
+        sample.token_ids.extend(part.token_ids)
+        sample.logprobs.extend(dict(zip(lp.token_ids, lp.logprobs)) for lp in part.logprobs)
+        sample.finish_reason = part.finish_reason or sample.finish_reason
+        for s in part.samples:  # the unary form
+            if s.index:
+                self.others[s.index] = Completion(s.text, list(s.token_ids), s.finish_reason, logprobs=[
+                    dict(zip(lp.token_ids, lp.logprobs)) for lp in s.logprobs])
         if part.finished:
-            self.finish_reason = part.finish_reason
             self.usage = MessageToDict(part.usage, preserving_proto_field_name=True,
                                        always_print_fields_with_no_presence=True)
             self.timings = MessageToDict(part.timings, preserving_proto_field_name=True)
@@ -45,7 +56,8 @@ class Completion:
 
 def build_request(prompt: str | list[int] | None = None, *, messages: list[dict] | None = None, model: str = "",
                   request_id: str = "", **sampling) -> generate_pb2.GenerateRequest:
-    """sampling: max_tokens, temperature, top_k, top_p, seed, stop, stop_token_ids, ignore_eos, logprobs."""
+    """sampling: max_tokens, temperature, top_k, top_p, seed, stop, stop_token_ids, ignore_eos, logprobs,
+    n, best_of."""
     req = generate_pb2.GenerateRequest(request_id=request_id, model=model,
                                        sampling=common_pb2.SamplingParams(**sampling))
     if messages is not None:

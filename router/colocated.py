@@ -63,10 +63,11 @@ class ColocatedServer(Frontend):
                     timings.first_token = timings.prefill_end = time.time()
                     timings.cached_tokens, timings.prefill_node = out.num_cached_tokens, self.address
                 n += len(out.new_token_ids)
-                msg = generate_pb2.GenerateResponse(request_id=rid, token_ids=out.new_token_ids, text=out.new_text)
-                if out.logprobs:
-                    msg.logprobs.append(logprobs_to_proto(out.logprobs[-1]))
-                yield final_message(msg, out.finish_reason, len(prompt), n, timings) if out.finished else msg
+                msg = generate_pb2.GenerateResponse(request_id=rid, token_ids=out.new_token_ids, text=out.new_text,
+                                                    index=out.index, finish_reason=out.finish_reason or "")
+                if out.logprobs:  # one entry per new token (several after a verified draft)
+                    msg.logprobs.extend(logprobs_to_proto(lp) for lp in out.logprobs[-len(out.new_token_ids):])
+                yield final_message(msg, out.finish_reason, len(prompt), n, timings) if out.last else msg
         except ValueError as e:
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
 

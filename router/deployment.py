@@ -42,17 +42,19 @@ async def coalesce(stream: AsyncIterator[generate_pb2.GenerateResponse]) -> Asyn
         await queue.put(done)
 
     task = asyncio.create_task(pump())
+    pending = None  # taken from the queue but not merged: another sample's message, or the end
     try:
         while True:
-            item = await queue.get()
+            item, pending = (pending if pending is not None else await queue.get()), None
             if item is done:
                 return
             if isinstance(item, BaseException):
                 raise item
-            while not queue.empty() and not item.finished:
+            # merge what queued behind it, within one sample and up to the message that ends it
+            while not queue.empty() and not item.finished and not item.finish_reason:
                 nxt = queue.get_nowait()
-                if nxt is done or isinstance(nxt, BaseException):
-                    queue.put_nowait(nxt)
+                if nxt is done or isinstance(nxt, BaseException) or nxt.index != item.index:
+                    pending = nxt
                     break
                 item = _merge(item, nxt)
             yield item

@@ -173,16 +173,27 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
 
     # ---- the same, transport-free (the Ray Serve ingress calls these) ---------------------------
     async def generate_unary(self, request, deadline: float = 0.0, client: str = "") -> generate_pb2.GenerateResponse:
+        """The whole stream in one message: sample 0 in the top-level fields, and with n > 1 every
+        sample in `samples`."""
         whole = generate_pb2.GenerateResponse()
+        samples: dict[int, generate_pb2.Sample] = {}
         async for msg in self.serve(request, deadline, client):
             whole.request_id = msg.request_id
-            whole.token_ids.extend(msg.token_ids)
-            whole.text += msg.text
-            whole.logprobs.extend(msg.logprobs)
+            sample = samples.setdefault(msg.index, generate_pb2.Sample(index=msg.index))
+            sample.token_ids.extend(msg.token_ids)
+            sample.text += msg.text
+            sample.logprobs.extend(msg.logprobs)
+            sample.finish_reason = msg.finish_reason or sample.finish_reason
             if msg.finished:
-                whole.finished, whole.finish_reason = True, msg.finish_reason
+                whole.finished = True
                 whole.usage.CopyFrom(msg.usage)
                 whole.timings.CopyFrom(msg.timings)
+        first = samples.get(0, generate_pb2.Sample())
+        whole.token_ids.extend(first.token_ids)
+        whole.text, whole.finish_reason = first.text, first.finish_reason
+        whole.logprobs.extend(first.logprobs)
+        if len(samples) > 1:
+            whole.samples.extend(samples[i] for i in sorted(samples))
         return whole
 
     def tokenize(self, request) -> generate_pb2.TokenizeResponse:

@@ -35,12 +35,12 @@ HTTP_STATUS = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.FAILED_PRE
 ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
               405: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable", 504: "timeout"}
 # OpenAI parameters with no pdserve meaning: accepted at their neutral value, refused otherwise.
-NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0, "best_of": 1, "echo": False, "suffix": None,
-           "logit_bias": None, "tools": None, "tool_choice": None, "response_format": None}
+NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0, "echo": False, "suffix": None,
+           "logit_bias": None, "tools": None, "tool_choice": None, "response_format": None, "use_beam_search": False}
 # The request fields an error's `param` may name: pdserve's error messages start with the field at
 # fault ("max_tokens must be ...", "messages[2].content ..."), or with anything else when none is.
 PARAMS = {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
-          "seed", "stop", "stop_token_ids", "logprobs", "top_logprobs", "n", "stream", "stream_options",
+          "seed", "stop", "stop_token_ids", "logprobs", "top_logprobs", "n", "best_of", "stream", "stream_options",
           "ignore_eos", *NEUTRAL}
 
 
@@ -111,8 +111,10 @@ class OpenAIAPI:
         for name, neutral in NEUTRAL.items():
             if body.get(name, neutral) not in (neutral, None):
                 raise APIError(400, f"{name} is not supported (only {neutral!r})", name)
-        if body.get("n", 1) != 1:
-            raise APIError(400, "n must be 1", "n")
+        n, best_of = body.get("n", 1), body.get("best_of")
+        if best_of is not None and best_of != n and body.get("stream"):
+            raise APIError(400, "best_of must equal n when streaming (the best samples are known only at the end)",
+                           "best_of")
         req = generate_pb2.GenerateRequest(model=_model(body))
         if chat:
             req.messages.CopyFrom(generate_pb2.ChatMessages(messages=_messages(body.get("messages"))))
@@ -134,7 +136,7 @@ class OpenAIAPI:
         sampling = req.sampling
         for name, value, kind in (("max_tokens", max_tokens, int), ("temperature", body.get("temperature"), float),
                                   ("top_p", body.get("top_p"), float), ("seed", body.get("seed"), int),
-                                  ("logprobs", logprobs, int)):
+                                  ("logprobs", logprobs, int), ("n", n, int), ("best_of", best_of, int)):
             if value is not None:
                 setattr(sampling, name, _typed(name, value, kind))
         sampling.top_k = _typed("top_k", body.get("top_k", 0) or 0, int)
@@ -149,14 +151,17 @@ class OpenAIAPI:
 
     # ---- OpenAI shapes ----------------------------------------------------------------------
     def _response(self, whole: generate_pb2.GenerateResponse, chat: bool, logprobs, body: dict) -> dict:
-        choice: dict = {"index": 0, "finish_reason": whole.finish_reason or "stop",
-                        "logprobs": self._logprobs(whole, chat) if logprobs is not None else None}
-        if chat:
-            choice["message"] = {"role": "assistant", "content": whole.text}
-        else:
-            choice["text"] = whole.text
+        choices = []
+        for sample in whole.samples or [whole]:  # n > 1: one choice per sample
+            choice: dict = {"index": sample.index, "finish_reason": sample.finish_reason or "stop",
+                            "logprobs": self._logprobs(sample, chat) if logprobs is not None else None}
+            if chat:
+                choice["message"] = {"role": "assistant", "content": sample.text}
+            else:
+                choice["text"] = sample.text
+            choices.append(choice)
         return {"id": _id(chat), "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-                "model": body.get("model") or self.frontend.model_id, "choices": [choice], "usage": _usage(whole.usage)}
+                "model": body.get("model") or self.frontend.model_id, "choices": choices, "usage": _usage(whole.usage)}
 
     async def _sse(self, first, parts, chat: bool, include_usage: bool, logprobs, body: dict) -> AsyncIterator[str]:
         rid, created = _id(chat), int(time.time())
@@ -170,18 +175,19 @@ class OpenAIAPI:
             return f"data: {json.dumps(chunk)}\n\n"
 
         usage = None
-        if chat:
-            yield event([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
+        if chat:  # each choice's first chunk says who speaks
+            yield event([{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+                         for i in range(int(body.get("n") or 1))])
         try:
             msg = first
             while msg is not None:
                 lp = self._logprobs(msg, chat) if logprobs is not None else None
-                reason = msg.finish_reason if msg.finished else None
+                reason = msg.finish_reason or None  # set on the message that ends its choice
                 if chat:
                     delta = {"content": msg.text} if msg.text else {}
-                    yield event([{"index": 0, "delta": delta, "logprobs": lp, "finish_reason": reason}])
+                    yield event([{"index": msg.index, "delta": delta, "logprobs": lp, "finish_reason": reason}])
                 else:
-                    yield event([{"index": 0, "text": msg.text, "logprobs": lp, "finish_reason": reason}])
+                    yield event([{"index": msg.index, "text": msg.text, "logprobs": lp, "finish_reason": reason}])
                 if msg.finished:
                     usage = _usage(msg.usage)
                 msg = await anext(parts, None)

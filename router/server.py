@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from engine.sampling_params import SamplingParams
 from pdserve.grpc_server import GrpcServer
 from pdserve.metrics import Metrics
 from pdserve.protocol import sampling_to_proto
@@ -124,6 +125,12 @@ class Router(Frontend):
         # 1. check
         prompt, params = self._check(request)
         sampling = sampling_to_proto(params)
+        # n > 1: one prefill computes the KV (its own token unused: it must not end the lease, so
+        # greedy, no EOS, two tokens), one transfer, and every sample draws its first token on the
+        # decode node, which forks the samples over the imported blocks (engine/parallel_sampling.py)
+        several = params.num_samples > 1
+        prefill_sampling = sampling_to_proto(SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)) \
+            if several else sampling
         generated: list[int] = []  # every token streamed to the client so far
         emitted = 0  # characters of text streamed so far
         for attempt in range(MIGRATIONS + 1):
@@ -139,7 +146,7 @@ class Router(Frontend):
                 prefill, prefill_call = decode, decode.prefill(plan.local_tokens)
             else:  # 2b. remote prefill; layer-wise, its first answer is the KV's descriptor
                 prefill, reply, replies, alone = await self._prefill(nodes_pb2.PrefillRequest(
-                    request_id=rid, prompt_token_ids=prompt, sampling=sampling, deadline=deadline,
+                    request_id=rid, prompt_token_ids=prompt, sampling=prefill_sampling, deadline=deadline,
                     output_token_ids=generated, num_emitted_chars=emitted), decode, prefill, plan.remote_tokens)
                 kv = reply.kv
             decode_started = False  # once it streams, the decode node has read the KV and released it
@@ -168,25 +175,30 @@ class Router(Frontend):
                         if not timings.first_token:
                             timings.prefill_start, timings.prefill_end = reply.prefill_start, reply.prefill_end
                             timings.cached_tokens, timings.prefill_node = reply.cached_tokens, prefill.address
-                            timings.first_token = time.time()
+                            timings.first_token = 0 if several else time.time()
                         self._background(self.prefill_pool.refresh(prefill))  # the blocks it just named
-                        generated.append(reply.first_token_id)
-                        emitted += len(reply.text)
-                        head = generate_pb2.GenerateResponse(request_id=rid, token_ids=[reply.first_token_id],
-                                                             text=reply.text)
-                        if reply.HasField("logprobs"):
-                            head.logprobs.append(reply.logprobs)
-                        if reply.finished:
-                            yield final_message(head, reply.finish_reason, len(prompt), len(generated), timings)
-                            return
-                        yield head
-                        # 3. remote decode on the least busy healthy decode node; it reads the KV itself
-                        if call is None:
-                            call = self._decode(decode, rid, attempt, prompt, generated, sampling, kv, deadline,
-                                                emitted)
+                        if several:  # every sample's first token comes from the decode node
+                            call = call or self._decode(decode, rid, attempt, prompt, [], sampling, kv, deadline, 0)
+                        else:
+                            generated.append(reply.first_token_id)
+                            emitted += len(reply.text)
+                            head = generate_pb2.GenerateResponse(request_id=rid, token_ids=[reply.first_token_id],
+                                                                 text=reply.text)
+                            if reply.HasField("logprobs"):
+                                head.logprobs.append(reply.logprobs)
+                            if reply.finished:
+                                yield final_message(head, reply.finish_reason, len(prompt), len(generated), timings)
+                                return
+                            yield head
+                            # 3. remote decode on the least busy healthy decode node; it reads the KV itself
+                            if call is None:
+                                call = self._decode(decode, rid, attempt, prompt, generated, sampling, kv, deadline,
+                                                    emitted)
                         parts = call
                     # 4. stream
                     async for part in parts:
+                        if not timings.first_token:  # n > 1: the samples' first tokens come from here
+                            timings.first_token = time.time()
                         if not decode_started:
                             decode_started = True
                             if not plan.local:
@@ -197,7 +209,8 @@ class Router(Frontend):
                         generated.extend(part.token_ids)
                         emitted += len(part.text)
                         msg = generate_pb2.GenerateResponse(request_id=rid, token_ids=part.token_ids, text=part.text,
-                                                            logprobs=part.logprobs)
+                                                            logprobs=part.logprobs, index=part.index,
+                                                            finish_reason=part.finish_reason)
                         if part.finished:
                             yield final_message(msg, part.finish_reason, len(prompt), len(generated), timings)
                             return
@@ -209,7 +222,9 @@ class Router(Frontend):
                 log.warning("request %s: prefill on %s failed (%s); retrying", rid, prefill.address, e.details)
                 prefill.healthy = False  # until a health check passes again
             except grpc.aio.AioRpcError as e:
-                if e.code() not in MIGRATE_ON or attempt == MIGRATIONS or (deadline and time.time() >= deadline):
+                # n > 1 does not migrate once tokens streamed: its samples forked on the node that died
+                if e.code() not in MIGRATE_ON or attempt == MIGRATIONS or (deadline and time.time() >= deadline) \
+                        or (several and generated):
                     raise RequestError(e.code(), f"decode: {e.details()}") from None
                 log.warning("request %s: decode on %s failed (%s: %s) after %d tokens; migrating", rid,
                             decode.address, e.code().name, e.details(), len(generated))

@@ -44,7 +44,7 @@ def check_prefill_then_decode(model_dir, steps: int = 6, cpu_kernels: bool = Tru
         counts = [s.num_tokens - s.num_computed_tokens for s in seqs]
         for s, n in zip(seqs, counts):
             bm.allocate(s, s.num_computed_tokens + n)
-        rows, logits = runner.forward(ScheduledBatch(seqs, counts))
+        rows, _, logits = runner.forward(ScheduledBatch(seqs, counts))
         assert rows == list(range(len(seqs)))
         for s, row in zip(seqs, logits):
             ref = hf_last_logits(hf, s.prompt_token_ids + s.output_token_ids)

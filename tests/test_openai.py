@@ -108,7 +108,9 @@ def test_sse_framing_with_a_plain_http_client(up):
     (dict(prompt="hi", temperature=-1), 400, "temperature", "temperature"),
     (dict(prompt="hi", top_p=1.5), 400, "top_p", "top_p"),
     (dict(prompt="", max_tokens=3), 400, "prompt", "prompt"),
-    (dict(prompt="hi", n=2), 400, "n must be 1", "n"),
+    (dict(prompt="hi", n=17), 400, "n must be an integer in [1, 16]", "n"),
+    (dict(prompt="hi", n=2, best_of=3, stream=True), 400, "best_of must equal n when streaming", "best_of"),
+    (dict(prompt="hi", n=3, best_of=2), 400, "best_of must be", "best_of"),
     (dict(prompt="hi", model="gpt-17"), 404, "gpt-17", "model"),
 ])
 def test_errors_in_openai_shape(up, client, kwargs, status, words, param):
@@ -119,6 +121,31 @@ def test_errors_in_openai_shape(up, client, kwargs, status, words, param):
     body = err.value.response.json()["error"]
     assert words in body["message"] and body["type"] == "invalid_request_error" and body["param"] == param
     assert body["code"] == ("model_not_found" if status == 404 else None)
+
+
+def test_n_choices_equal_the_grpc_samples(up, client):
+    _, grpc_addr, model = up
+    sampling = dict(max_tokens=8, temperature=1.0, seed=7)
+    expected = Client(grpc_addr).generate(PROMPT_IDS, n=3, ignore_eos=True, **sampling)
+    result = client.completions.create(model=model, prompt=PROMPT_IDS, n=3, extra_body={"ignore_eos": True},
+                                       **sampling)
+    assert [c.index for c in result.choices] == [0, 1, 2]
+    assert [c.text for c in result.choices] == [s.text for s in expected.samples]
+    assert len({c.text for c in result.choices}) > 1 and result.usage.completion_tokens == 24
+    # Streaming: every chunk names its choice, each choice ends once, the texts are the same.
+    texts, ends = ["", "", ""], [0, 0, 0]
+    for chunk in client.completions.create(model=model, prompt=PROMPT_IDS, n=3, stream=True,
+                                           extra_body={"ignore_eos": True}, **sampling):
+        for c in chunk.choices:
+            texts[c.index] += c.text
+            ends[c.index] += c.finish_reason is not None
+    assert texts == [s.text for s in expected.samples] and ends == [1, 1, 1]
+    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], n=2,
+                                          **sampling)
+    assert [c.index for c in chat.choices] == [0, 1] and all(c.message.role == "assistant" for c in chat.choices)
+    best = client.completions.create(model=model, prompt=PROMPT_IDS, n=1, extra_body={"best_of": 3,
+                                                                                     "ignore_eos": True}, **sampling)
+    assert len(best.choices) == 1 and best.usage.completion_tokens == 8
 
 
 def post(up, path: str, body: dict) -> httpx.Response:

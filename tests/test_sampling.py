@@ -110,7 +110,7 @@ def test_logprobs_are_the_model_distribution(tiny_llama):
     engine = make_engine(tiny_llama)
     recorded = []
     forward = engine.runner.forward
-    engine.runner.forward = lambda batch: (lambda r: (recorded.append(r[1].clone()), r)[1])(forward(batch))
+    engine.runner.forward = lambda batch: (lambda r: (recorded.append(r[2].clone()), r)[1])(forward(batch))
     out = generate(engine, {"x": PROMPT}, SamplingParams(max_tokens=4, temperature=0.8, seed=3, logprobs=3,
                                                          ignore_eos=True))["x"]
     assert len(out.logprobs) == 4

@@ -24,7 +24,7 @@ def seq(rid, n_prompt, max_tokens=5) -> Sequence:
 
 def fake_step(s: Scheduler, token=7):
     batch = s.schedule()
-    sampled = [token if q.num_computed_tokens + n == q.num_tokens else None
+    sampled = [[token] if q.num_computed_tokens + n == q.num_tokens else []
                for q, n in zip(batch.seqs, batch.num_scheduled_tokens)]
     return batch, s.update(batch, sampled)
 

@@ -41,10 +41,10 @@ def test_greedy_tokens_and_kl_match_transformers(engine):
     original_forward = runner.forward
 
     def recording_forward(batch):
-        rows, logits = original_forward(batch)
+        rows, counts, logits = original_forward(batch)
         for i, row in zip(rows, logits):
             seen.setdefault(batch.seqs[i].request_id, []).append(row.clone())
-        return rows, logits
+        return rows, counts, logits
 
     runner.forward = recording_forward
     try:
@@ -93,10 +93,10 @@ def test_bf16_is_as_close_to_fp32_as_transformers_bf16():
     forward = engine.runner.forward
 
     def recording_forward(batch):
-        rows, logits = forward(batch)
+        rows, counts, logits = forward(batch)
         for i, row in zip(rows, logits):
             ours.setdefault(batch.seqs[i].request_id, []).append(row.clone())
-        return rows, logits
+        return rows, counts, logits
 
     engine.runner.forward = recording_forward
     for i, m in enumerate(MESSAGES):
