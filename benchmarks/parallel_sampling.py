@@ -65,7 +65,8 @@ def cluster_part(prompt_lens: list[int], rounds: int) -> dict:
     from router.client import Client
 
     up = subprocess.Popen([sys.executable, "-m", "pdserve", "up", "--prefill", "1", "--decode", "1", "--port", "0",
-                           "--num-threads", "1", "--pin-cpus", "--kv-cache-gb", "0.5", "--local-prefill", "off"],
+                           "--num-threads", "1", "--pin-cpus", "--kv-cache-gb", "0.5", "--local-prefill", "off",
+                           "--no-prefix-caching"],  # n=1 and n=4 send the same prompt: no reuse between them
                           stderr=subprocess.PIPE, text=True)
     try:
         address = wait_line(up, up.stderr, "pdserve up: router on").split()[4]

@@ -101,10 +101,10 @@ class DecodeNode(nodes_pb2_grpc.DecodeNodeServicer):
             if request.prefill_locally and source.lease_id:
                 raise ValueError("a request prefilled locally carries no kv source")
             # n > 1: every sample draws its first token here, from the one imported KV
-            several = params.num_samples > 1
+            several = params.forks
             if several and request.output_token_ids:
-                raise ValueError("output_token_ids must be empty with n or best_of > 1: each sample draws its "
-                                 "first token on the decode node")
+                raise ValueError("output_token_ids must be empty with n, best_of or beam_width > 1: each sample "
+                                 "draws its first token on the decode node")
             if not (request.prefill_locally or request.output_token_ids or source.layerwise or several):
                 raise ValueError("output_token_ids must hold the token sampled by the prefill")  # layer-wise: with the KV
         except ValueError as e:

@@ -20,6 +20,7 @@ from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner
 from engine.model_source import resolve_model
 from engine.outputs import RequestOutput
+from engine.beam_search import BEAM_INDEX, BeamRequest
 from engine.parallel_sampling import SampleGroup, fork
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -61,6 +62,7 @@ class LLMEngine:
         # (request_id, sample index) -> its sequence and detokenizer
         self.requests: dict[tuple[str, int], tuple[Sequence, IncrementalDetokenizer | None]] = {}
         self.groups: dict[str, SampleGroup] = {}  # requests with several samples (n, best_of)
+        self.beams: dict[str, BeamRequest] = {}  # beam search requests (engine/beam_search.py)
         self.kv_leases: dict[str, KVLease] = {}
         self.num_generated_tokens = 0  # counters for metrics: tokens out,
         self.num_prompt_tokens = 0  # and prompt tokens in
@@ -86,7 +88,7 @@ class LLMEngine:
         recomputed with the prompt, as after a preemption, and generation goes on after them."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
-        if (request_id, 0) in self.requests or request_id in self.kv_leases:
+        if (request_id, 0) in self.requests or request_id in self.kv_leases or request_id in self.beams:
             raise ValueError(f"request_id {request_id!r} is already in use")
         ids = self.tokenize(prompt)
         prior = self.tokenize(list(output_token_ids)) if output_token_ids else []
@@ -95,9 +97,12 @@ class LLMEngine:
             raise ValueError(f"output_token_ids: {len(prior)} tokens already reach max_tokens ({params.max_tokens})")
         if kv_progress is not None and not keep_kv:
             raise ValueError("kv_progress needs keep_kv: the KV must outlive the request to be read")
-        if params.num_samples > 1 and (keep_kv or prior):
-            raise ValueError("n and best_of must be 1 for a prefill to export (keep_kv) or a migrated request: "
-                             "the samples fork where the request decodes")
+        if params.forks and (keep_kv or prior):
+            raise ValueError("n, best_of and beam_width must be 1 for a prefill to export (keep_kv) or a migrated "
+                             "request: the samples fork where the request decodes")
+        if params.beam_width > 1:
+            self._start_beam_search(request_id, ids, params)
+            return
         seq = Sequence(request_id, ids, params, output_token_ids=prior, keep_kv=keep_kv, kv_progress=kv_progress)
         self.num_prompt_tokens += len(ids)
         self._track(seq, num_emitted_chars)
@@ -118,8 +123,11 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> bool:
         """Cancels a request and frees its blocks (and its kv_lease, if it already finished as a
         prefill). Returns whether it was still running."""
-        group = self.groups.pop(request_id, None)
-        entries = [self.requests.pop((request_id, i), None) for i in range(group.params.num_samples if group else 1)]
+        group, beams = self.groups.pop(request_id, None), self.beams.pop(request_id, None)
+        indexes = range(group.params.num_samples if group else 1)
+        if beams is not None:
+            indexes = [BEAM_INDEX + b for b in range(len(beams.search.running))]
+        entries = [self.requests.pop((request_id, i), None) for i in indexes]
         if entries[0] is None:
             self.release_kv(request_id)
             return False
@@ -164,6 +172,9 @@ class LLMEngine:
             if not tokens or (seq.request_id, seq.index) not in self.requests:
                 continue
             out = self._postprocess(seq, tokens, logprobs)
+            if seq.index >= BEAM_INDEX:
+                outputs.extend(self._beam_step_done(out))
+                continue
             group = self.groups.get(seq.request_id)
             if group is None:
                 outputs.append(out)
@@ -172,6 +183,39 @@ class LLMEngine:
             if not group.live:
                 del self.groups[seq.request_id]
         return outputs
+
+    def _start_beam_search(self, request_id: str, ids: list[int], params: SamplingParams) -> None:
+        if not self.config.enable_prefix_caching:
+            raise ValueError("beam search needs enable_prefix_caching: each step reuses the beams' cached KV")
+        stops = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.scheduler.eos_token_ids)
+        self.beams[request_id] = BeamRequest(request_id, ids, params, stops)
+        self.num_prompt_tokens += len(ids)
+        self._add_beam_steps(self.beams[request_id])
+
+    def _add_beam_steps(self, beams: BeamRequest) -> None:
+        for seq in beams.step_sequences():  # the prefix cache hands each its cached full blocks
+            self.requests[seq.request_id, seq.index] = (seq, None)
+            self.scheduler.add(seq)
+
+    def _beam_step_done(self, out: RequestOutput) -> list[RequestOutput]:
+        beams = self.beams.get(out.request_id)
+        if beams is None or not beams.collect(out):
+            return []
+        if not beams.search.done:
+            self._add_beam_steps(beams)
+            return []
+        del self.beams[out.request_id]
+        outputs = beams.outputs(self._detokenize)
+        self.num_generated_tokens += sum(len(o.token_ids) for o in outputs)
+        return outputs
+
+    def _detokenize(self, prompt_token_ids: list[int], token_ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return ""
+        detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, ())
+        for i, token_id in enumerate(token_ids):
+            detok.add(token_id, final=i == len(token_ids) - 1)
+        return detok.text
 
     def _fork(self, parent: Sequence) -> None:
         group = self.groups[parent.request_id]
@@ -289,10 +333,13 @@ class LLMEngine:
         try:
             if not isinstance(params, SamplingParams):
                 raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
-            if (request_id, 0) in self.requests:
+            if (request_id, 0) in self.requests or request_id in self.beams:
                 raise ValueError(f"request_id {request_id!r} is already in use")
-            if params.num_samples > 1 and len(output_token_ids) > 1:
-                raise ValueError("n and best_of must be 1 for a migrated request (its samples forked where it began)")
+            if params.forks and output_token_ids:
+                raise ValueError("output_token_ids must be empty with n, best_of or beam_width > 1: the samples "
+                                 "(beams) draw their first tokens here, from the imported KV")
+            if params.beam_width > 1 and not self.config.enable_prefix_caching:
+                raise ValueError("beam search needs enable_prefix_caching: each step reuses the beams' cached KV")
             self.tokenize(seq.prompt_token_ids + seq.output_token_ids)
             self._check_length(seq.num_computed_tokens)
             if self.block_manager.blocks_for(seq.num_computed_tokens) > len(block_table):
@@ -302,6 +349,10 @@ class LLMEngine:
             self.block_manager.free(seq)
             raise
         self.block_manager.cache_computed_blocks(seq)  # its imported full blocks serve later prompts too
+        if params.beam_width > 1:  # the beams find the imported full blocks in the prefix cache
+            self.block_manager.free(seq)
+            self._start_beam_search(request_id, seq.prompt_token_ids, params)
+            return
         self.num_prompt_tokens += seq.num_prompt_tokens
         self._track(seq, num_emitted_chars)
         self.scheduler.add(seq)

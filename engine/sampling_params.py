@@ -6,6 +6,7 @@ from dataclasses import dataclass, replace
 
 MAX_LOGPROBS = 20
 MAX_SAMPLES = 16  # n and best_of
+MAX_BEAM_WIDTH = MAX_LOGPROBS // 2  # each beam step asks for the top 2 x width logprobs
 MAX_STOP_STRINGS, MAX_STOP_LEN = 16, 256
 
 
@@ -22,6 +23,8 @@ class SamplingParams:
     logprobs: int | None = None  # top-n logprobs per generated token (plus the sampled one)
     n: int = 1  # completions returned (parallel sampling: one prefill, the prompt's KV blocks shared)
     best_of: int | None = None  # completions generated, the n with the highest cumulative logprob returned
+    beam_width: int = 1  # > 1: beam search (engine/beam_search.py), returning the n best hypotheses
+    length_penalty: float = 1.0  # beam search: a hypothesis scores logprob / length ** length_penalty
 
     def __post_init__(self):
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
@@ -51,6 +54,17 @@ class SamplingParams:
             raise ValueError(f"n must be an integer in [1, {MAX_SAMPLES}], got {self.n!r}")
         if self.best_of is not None and (not _is_int(self.best_of) or not self.n <= self.best_of <= MAX_SAMPLES):
             raise ValueError(f"best_of must be an integer in [n ({self.n}), {MAX_SAMPLES}] or None, got {self.best_of!r}")
+        if not _is_int(self.beam_width) or not 1 <= self.beam_width <= MAX_BEAM_WIDTH:
+            raise ValueError(f"beam_width must be an integer in [1, {MAX_BEAM_WIDTH}], got {self.beam_width!r}")
+        if not _is_number(self.length_penalty) or self.length_penalty != self.length_penalty:
+            raise ValueError(f"length_penalty must be a number, got {self.length_penalty!r}")
+        if self.beam_width > 1:
+            if self.n > self.beam_width:
+                raise ValueError(f"n must be <= beam_width ({self.beam_width}) with beam search, got {self.n}")
+            if self.best_of is not None:
+                raise ValueError("best_of does not apply to beam search (beam_width sets the hypotheses kept)")
+            if stop:
+                raise ValueError("stop strings are not supported with beam search (stop_token_ids are)")
 
     @property
     def greedy(self) -> bool:
@@ -58,8 +72,13 @@ class SamplingParams:
 
     @property
     def num_samples(self) -> int:
-        """Sequences generated for the request: best_of, or n."""
-        return self.best_of or self.n
+        """Sequences sampled for the request: best_of, or n (beam search samples none)."""
+        return 1 if self.beam_width > 1 else self.best_of or self.n
+
+    @property
+    def forks(self) -> bool:
+        """Whether the request runs as several sequences over one prompt's KV (n, best_of, beams)."""
+        return self.num_samples > 1 or self.beam_width > 1
 
     def for_sample(self, index: int) -> SamplingParams:
         """The parameters of sample `index` of a request: one sequence each, its own seed stream

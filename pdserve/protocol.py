@@ -10,7 +10,8 @@ from pdserve_api import common_pb2
 def sampling_from_proto(m: common_pb2.SamplingParams) -> SamplingParams:
     """Raises ValueError naming the bad field (the caller answers INVALID_ARGUMENT)."""
     kwargs = {}
-    for name in ("max_tokens", "temperature", "top_p", "seed", "logprobs", "n", "best_of"):
+    for name in ("max_tokens", "temperature", "top_p", "seed", "logprobs", "n", "best_of", "beam_width",
+                 "length_penalty"):
         if m.HasField(name):
             kwargs[name] = getattr(m, name)
     return SamplingParams(top_k=m.top_k, stop=tuple(m.stop), stop_token_ids=tuple(m.stop_token_ids),
@@ -29,6 +30,8 @@ def sampling_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
         m.n = p.n
     if p.best_of is not None:
         m.best_of = p.best_of
+    if p.beam_width != 1:
+        m.beam_width, m.length_penalty = p.beam_width, p.length_penalty
     return m
 
 

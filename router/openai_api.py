@@ -36,12 +36,12 @@ ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 404: "i
               405: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable", 504: "timeout"}
 # OpenAI parameters with no pdserve meaning: accepted at their neutral value, refused otherwise.
 NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0, "echo": False, "suffix": None,
-           "logit_bias": None, "tools": None, "tool_choice": None, "response_format": None, "use_beam_search": False}
+           "logit_bias": None, "tools": None, "tool_choice": None, "response_format": None}
 # The request fields an error's `param` may name: pdserve's error messages start with the field at
 # fault ("max_tokens must be ...", "messages[2].content ..."), or with anything else when none is.
 PARAMS = {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
           "seed", "stop", "stop_token_ids", "logprobs", "top_logprobs", "n", "best_of", "stream", "stream_options",
-          "ignore_eos", *NEUTRAL}
+          "ignore_eos", "use_beam_search", "length_penalty", "beam_width", *NEUTRAL}
 
 
 class APIError(Exception):
@@ -112,6 +112,9 @@ class OpenAIAPI:
             if body.get(name, neutral) not in (neutral, None):
                 raise APIError(400, f"{name} is not supported (only {neutral!r})", name)
         n, best_of = body.get("n", 1), body.get("best_of")
+        beam_width = None
+        if body.get("use_beam_search"):  # vLLM's extension: best_of (else n) beams, the n best returned
+            beam_width, best_of = best_of or n, None
         if best_of is not None and best_of != n and body.get("stream"):
             raise APIError(400, "best_of must equal n when streaming (the best samples are known only at the end)",
                            "best_of")
@@ -136,7 +139,8 @@ class OpenAIAPI:
         sampling = req.sampling
         for name, value, kind in (("max_tokens", max_tokens, int), ("temperature", body.get("temperature"), float),
                                   ("top_p", body.get("top_p"), float), ("seed", body.get("seed"), int),
-                                  ("logprobs", logprobs, int), ("n", n, int), ("best_of", best_of, int)):
+                                  ("logprobs", logprobs, int), ("n", n, int), ("best_of", best_of, int),
+                                  ("beam_width", beam_width, int), ("length_penalty", body.get("length_penalty"), float)):
             if value is not None:
                 setattr(sampling, name, _typed(name, value, kind))
         sampling.top_k = _typed("top_k", body.get("top_k", 0) or 0, int)

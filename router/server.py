@@ -125,10 +125,10 @@ class Router(Frontend):
         # 1. check
         prompt, params = self._check(request)
         sampling = sampling_to_proto(params)
-        # n > 1: one prefill computes the KV (its own token unused: it must not end the lease, so
-        # greedy, no EOS, two tokens), one transfer, and every sample draws its first token on the
-        # decode node, which forks the samples over the imported blocks (engine/parallel_sampling.py)
-        several = params.num_samples > 1
+        # n > 1 or beam search: one prefill computes the KV (its own token unused: it must not end
+        # the lease, so greedy, no EOS, two tokens), one transfer, and every sample (beam) draws its
+        # first token on the decode node, which forks them over the imported blocks
+        several = params.forks
         prefill_sampling = sampling_to_proto(SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)) \
             if several else sampling
         generated: list[int] = []  # every token streamed to the client so far
@@ -197,7 +197,7 @@ class Router(Frontend):
                         parts = call
                     # 4. stream
                     async for part in parts:
-                        if not timings.first_token:  # n > 1: the samples' first tokens come from here
+                        if not timings.first_token:  # n > 1, beams: the first tokens come from here
                             timings.first_token = time.time()
                         if not decode_started:
                             decode_started = True
@@ -222,7 +222,7 @@ class Router(Frontend):
                 log.warning("request %s: prefill on %s failed (%s); retrying", rid, prefill.address, e.details)
                 prefill.healthy = False  # until a health check passes again
             except grpc.aio.AioRpcError as e:
-                # n > 1 does not migrate once tokens streamed: its samples forked on the node that died
+                # n > 1 and beams do not migrate once tokens streamed: they forked on the node that died
                 if e.code() not in MIGRATE_ON or attempt == MIGRATIONS or (deadline and time.time() >= deadline) \
                         or (several and generated):
                     raise RequestError(e.code(), f"decode: {e.details()}") from None

@@ -146,6 +146,11 @@ def test_n_choices_equal_the_grpc_samples(up, client):
     best = client.completions.create(model=model, prompt=PROMPT_IDS, n=1, extra_body={"best_of": 3,
                                                                                      "ignore_eos": True}, **sampling)
     assert len(best.choices) == 1 and best.usage.completion_tokens == 8
+    # vLLM's beam search extension: best_of beams, the n best returned, as over gRPC
+    beams = client.completions.create(model=model, prompt=PROMPT_IDS, n=2, max_tokens=8, temperature=0,
+                                      extra_body={"use_beam_search": True, "best_of": 3})
+    expected = Client(grpc_addr).generate(PROMPT_IDS, n=2, beam_width=3, max_tokens=8)
+    assert [c.text for c in beams.choices] == [s.text for s in expected.samples]
 
 
 def post(up, path: str, body: dict) -> httpx.Response:

@@ -114,13 +114,13 @@ def test_samples_fork_on_the_engine_that_imports_the_kv(tiny_llama):
     want = samples(make_engine(tiny_llama), "r", PROMPT, params)
     prefill = make_engine(tiny_llama)
     prefill.add_request("x", PROMPT, replace(params, n=1, max_tokens=1), keep_kv=True)
-    first = run_to_completion(prefill)["x"].token_ids
+    run_to_completion(prefill)  # its token is not used: every sample draws its first token on the decode side
     ids = prefill.tokenize(PROMPT)
     decode = make_engine(tiny_llama)
     blocks = decode.reserve_kv(len(ids))
     decode.kv_cache.import_kv(blocks, prefill.export_kv("x"))
     prefill.release_kv("x")
-    decode.add_prefilled_request("x", ids, first, params, blocks)
+    decode.add_prefilled_request("x", ids, [], params, blocks)
     got = {}
     while decode.has_unfinished():
         got.update({o.index: o for o in decode.step() if o.finished})
@@ -136,7 +136,7 @@ def test_bad_sample_counts_are_named(tiny_llama):
     with pytest.raises(ValueError, match="n must be"):
         SamplingParams(n=17)
     engine = make_engine(tiny_llama)
-    with pytest.raises(ValueError, match="n and best_of must be 1 for a prefill to export"):
+    with pytest.raises(ValueError, match="n, best_of and beam_width must be 1 for a prefill to export"):
         engine.add_request("x", PROMPT, SamplingParams(n=2), keep_kv=True)
     assert not engine.has_unfinished() and not engine.groups
 

@@ -144,3 +144,25 @@ def test_a_chat_with_cached_history_gives_the_same_tokens_in_bf16():
     assert answers[True] == answers[False]
     assert cached[False] == [0] * 4 and cached[True][0] == 0
     assert 64 <= cached[True][1] < cached[True][2] < cached[True][3]  # the system prompt, then each earlier turn
+
+
+def test_beam_search_equals_transformers(engine):
+    """SmolLM2 in fp32: generate(num_beams=3, do_sample=False)'s hypotheses, token for token."""
+    tok = engine.tokenizer
+    hf = AutoModelForCausalLM.from_pretrained(engine.model_dir, dtype=torch.float32).eval()
+    eos = hf.generation_config.eos_token_id
+    for i, m in enumerate(MESSAGES[:3]):
+        ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": m}], tokenize=False,
+                                                 add_generation_prompt=True))
+        out = hf.generate(torch.tensor([ids]), num_beams=3, num_return_sequences=3, do_sample=False,
+                          max_new_tokens=16, pad_token_id=tok.pad_token_id or 0, eos_token_id=eos)
+        eos_ids = set(eos if isinstance(eos, list) else [eos])
+        want = []
+        for seq in out[:, len(ids):].tolist():
+            end = next((j for j, t in enumerate(seq) if t in eos_ids), len(seq) - 1)
+            want.append(seq[:end + 1])
+        engine.add_request(f"beam{i}", ids, SamplingParams(max_tokens=16, beam_width=3, n=3))
+        got = {}
+        while engine.has_unfinished():
+            got.update({o.index: o.token_ids for o in engine.step() if o.request_id == f"beam{i}"})
+        assert [got[j] for j in range(3)] == want, m

@@ -1,0 +1,114 @@
+"""Beam search: the hypotheses of transformers' generate(num_beams=W, do_sample=False), through
+the engine, the router across the P/D split, and the OpenAI API."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from conftest import assert_no_blocks_used, make_engine
+
+from engine import SamplingParams
+
+PROMPTS = ["The quick brown fox", "Paged attention stores the KV", "Hello world!"]
+SETTINGS = [(4, 12, 1.0), (3, 20, 0.5), (2, 8, 2.0)]  # beam width, max tokens, length penalty
+
+
+def hf_beams(hf, ids: list[int], width: int, max_tokens: int, length_penalty: float):
+    """transformers' hypotheses (generated tokens, through EOS) and their scores, best first."""
+    eos = hf.config.eos_token_id
+    out = hf.generate(torch.tensor([ids]), num_beams=width, num_return_sequences=width, do_sample=False,
+                      max_new_tokens=max_tokens, length_penalty=length_penalty, pad_token_id=eos,
+                      output_scores=True, return_dict_in_generate=True)
+    beams = [s[len(ids):].tolist() for s in out.sequences]
+    return [b[:b.index(eos) + 1] if eos in b else b for b in beams], out.sequences_scores.tolist()
+
+
+def beam_outputs(engine, rid, prompt, params) -> list:
+    engine.add_request(rid, prompt, params)
+    outs = {}
+    while engine.has_unfinished():
+        outs.update({o.index: o for o in engine.step() if o.request_id == rid})
+    return [outs[i] for i in sorted(outs)]
+
+
+@pytest.mark.parametrize("model", ["tiny_llama", "tiny_qwen2"])
+def test_hypotheses_equal_transformers(model, request):
+    from transformers import AutoModelForCausalLM
+
+    path = request.getfixturevalue(model)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    engine = make_engine(path)
+    finished_by_eos = 0
+    for prompt in PROMPTS:
+        ids = engine.tokenize(prompt)
+        for width, max_tokens, penalty in SETTINGS:
+            want, scores = hf_beams(hf, ids, width, max_tokens, penalty)
+            got = beam_outputs(engine, f"{prompt}{width}", ids, SamplingParams(
+                max_tokens=max_tokens, beam_width=width, n=width, length_penalty=penalty))
+            assert [o.token_ids for o in got] == want, (prompt, width)
+            for o, score in zip(got, scores):
+                assert o.cumulative_logprob / len(o.token_ids) ** penalty == pytest.approx(score, abs=1e-4)
+                assert o.finish_reason == ("stop" if len(o.token_ids) < max_tokens else "length")
+            finished_by_eos += sum(o.finish_reason == "stop" for o in got)
+    assert_no_blocks_used(engine)
+    if model == "tiny_llama":
+        assert finished_by_eos > 0  # the EOS path of the rule is exercised
+
+
+def test_beams_share_steps_with_other_requests_and_abort_frees_them(tiny_llama):
+    greedy = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    beams = SamplingParams(max_tokens=10, beam_width=3, n=2)
+    alone_beams = beam_outputs(make_engine(tiny_llama), "b", PROMPTS[0], beams)
+    alone = beam_outputs(make_engine(tiny_llama), "g", PROMPTS[1], greedy)
+    engine = make_engine(tiny_llama)
+    engine.add_request("g", PROMPTS[1], greedy)
+    engine.add_request("b", PROMPTS[0], beams)
+    done = {}
+    while engine.has_unfinished():
+        done.update({(o.request_id, o.index): o for o in engine.step() if o.finished})
+    assert [done["b", i].token_ids for i in (0, 1)] == [o.token_ids for o in alone_beams]
+    assert done["b", 1].last and not done["b", 0].last
+    assert done["g", 0].token_ids == alone[-1].token_ids and len(done) == 3
+    assert_no_blocks_used(engine)
+
+    engine.add_request("c", PROMPTS[2], beams)
+    for _ in range(3):
+        engine.step()
+    assert engine.abort_request("c") and not engine.has_unfinished() and not engine.beams
+    assert_no_blocks_used(engine)
+
+
+def test_bad_beam_settings_are_named(tiny_llama):
+    with pytest.raises(ValueError, match="beam_width must be"):
+        SamplingParams(beam_width=11)
+    with pytest.raises(ValueError, match="n must be <= beam_width"):
+        SamplingParams(beam_width=2, n=3)
+    with pytest.raises(ValueError, match="stop strings are not supported with beam search"):
+        SamplingParams(beam_width=2, stop=("x",))
+    with pytest.raises(ValueError, match="beam search needs enable_prefix_caching"):
+        make_engine(tiny_llama, enable_prefix_caching=False).add_request("x", "hi", SamplingParams(beam_width=2))
+
+
+def test_beam_search_across_the_split(tiny_llama):
+    """gRPC through the router: one prefill, one transfer, the decode node searches; the same
+    hypotheses as the engine alone, one sample index each."""
+    from cluster import local_cluster, wait_for_no_blocks
+
+    from router.client import AsyncClient
+
+    want = beam_outputs(make_engine(tiny_llama), "r", PROMPTS[1], SamplingParams(max_tokens=12, beam_width=3, n=3))
+
+    async def scenario():
+        async with local_cluster(tiny_llama) as (router, prefills, decodes):
+            async with AsyncClient(router.address) as client:
+                result = await client.generate(PROMPTS[1], max_tokens=12, beam_width=3, n=3)
+                assert [s.token_ids for s in result.samples] == [o.token_ids for o in want]
+                assert [s.text for s in result.samples] == [o.text for o in want]
+                assert result.usage["completion_tokens"] == sum(len(o.token_ids) for o in want)
+            num_prompt = len(make_engine(tiny_llama).tokenize(PROMPTS[1]))
+            assert prefills[0].engine.engine.num_prompt_tokens == num_prompt  # one prefill
+            await wait_for_no_blocks(prefills + decodes)
+
+    asyncio.run(scenario())
