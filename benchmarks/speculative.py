@@ -1,6 +1,6 @@
 """Single-stream TPOT with and without n-gram speculative decoding, on a copy-heavy and a no-copy workload.
 
-    python benchmarks/speculative.py [--k 4 8] [--rounds 3] [--max-tokens 192] [--json out.json]
+    python benchmarks/speculative.py [--k 4 8] [--rounds 3] [--max-tokens 192] [--draft-model M] [--json out.json]
 
 Copy-heavy: "repeat this code" / "add a docstring to this code" prompts over functions of this
 repository (the output copies the prompt). No-copy: open questions (nothing to copy). One engine
@@ -70,10 +70,15 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=192)
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--draft-model", default=None,
+                    help="also compare the draft-model proposer with this draft (the model itself: the overhead ceiling)")
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args()
 
     settings = {"none": None, **{f"ngram k={k}": {"method": "ngram", "num_speculative_tokens": k} for k in args.k}}
+    if args.draft_model:
+        settings.update({f"draft k={k}": {"method": "draft_model", "draft_model": args.draft_model,
+                                          "num_speculative_tokens": k} for k in args.k})
     engines = {name: LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, speculative=spec,
                                             enable_prefix_caching=False, kv_cache_bytes=256 << 20))
                for name, spec in settings.items()}

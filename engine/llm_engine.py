@@ -24,7 +24,8 @@ from engine.beam_search import BEAM_INDEX, BeamRequest
 from engine.parallel_sampling import SampleGroup, fork
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
-from engine.speculative import NgramProposer
+from engine.draft_proposer import DraftModelProposer
+from engine.speculative import NgramProposer, SpeculativeConfig
 from engine.sequence import FinishReason, Sequence
 from engine.tokenizer import check_prompt_length, load_tokenizer, prompt_token_ids
 
@@ -67,8 +68,16 @@ class LLMEngine:
         self.num_generated_tokens = 0  # counters for metrics: tokens out,
         self.num_prompt_tokens = 0  # and prompt tokens in
         # Speculative decoding: a proposer drafts, the step verifies (engine/speculative.py).
-        self.proposer = NgramProposer(config.speculative_config, self.max_model_len) if config.speculative else None
+        self.proposer = self._proposer(config.speculative_config)
         self.num_verifications = self.num_draft_tokens = self.num_accepted_tokens = 0
+
+    def _proposer(self, spec: SpeculativeConfig | None):
+        if spec is None:
+            return None
+        if spec.method == "ngram":
+            return NgramProposer(spec, self.max_model_len)
+        return DraftModelProposer(spec, self.model_config, self.block_manager, self.dtype, self.device,
+                                  self.max_model_len, self.scheduler.watermark_blocks, self.runner.use_cpu_kernels)
 
     # ---- requests in -------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:

@@ -152,6 +152,8 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
         seq.draft_token_ids = []
+        if seq.draft_state is not None:
+            seq.draft_state.draft_computed = 0  # a draft model's KV went with the blocks
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING

@@ -29,7 +29,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 from engine.sequence import Sequence
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -41,6 +41,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2  # shortest suffix looked up
     min_acceptance: float = 0.2  # below this average acceptance a sequence pauses drafting
     pause_steps: int = 8  # how long such a pause lasts
+    draft_model: str | None = None  # method draft_model: a model with the target's vocabulary (engine/draft_proposer.py)
 
     @classmethod
     def from_dict(cls, settings: dict) -> SpeculativeConfig:
@@ -67,6 +68,8 @@ class SpeculativeConfig:
         check(isinstance(self.min_acceptance, (int, float)) and 0 <= self.min_acceptance <= 1,
               "min_acceptance", "in [0, 1]")
         check(_is_int(self.pause_steps) and self.pause_steps >= 0, "pause_steps", "an integer >= 0")
+        check((self.method == "draft_model") == isinstance(self.draft_model, str) and self.draft_model != "",
+              "draft_model", "a model name or path with method 'draft_model' (and only then)")
 
 
 def _is_int(x) -> bool:
@@ -84,11 +87,31 @@ def first_rejected(drafts: list[int], sampled: list[int]) -> int:
 
 @dataclass
 class DraftState:
-    """A sequence's proposer state: its tokens as an array (grown, not rebuilt) and its recent acceptance."""
-    tokens: np.ndarray
+    """A sequence's proposer state: its recent acceptance; for the n-gram proposer its tokens as an
+    array (grown, not rebuilt), for the draft model how far its draft KV is computed."""
+    tokens: np.ndarray | None
     length: int = 0
     acceptance: float = 1.0  # moving average of accepted / drafted
     paused: int = 0  # steps left without drafts
+    draft_computed: int = 0  # draft model: positions whose draft KV is written
+
+    def observe(self, config: SpeculativeConfig, num_drafted: int, num_accepted: int) -> None:
+        """Records a verification's result; drafting pauses while acceptance stays low."""
+        self.acceptance = 0.7 * self.acceptance + 0.3 * num_accepted / num_drafted
+        if self.acceptance < config.min_acceptance and config.pause_steps:
+            self.paused = config.pause_steps
+
+
+def draft_length(config: SpeculativeConfig, state: DraftState, seq: Sequence, max_model_len: int) -> int:
+    """How many tokens to draft for seq this step (0 while paused): k scaled by its recent
+    acceptance, never past max_tokens (emitted = accepted + 1) or the context."""
+    if state.paused:
+        state.paused -= 1
+        if not state.paused:
+            state.acceptance = config.min_acceptance  # try again, on probation
+        return 0
+    return min(max(1, round(config.num_speculative_tokens * state.acceptance)),
+               seq.params.max_tokens - len(seq.output_token_ids) - 1, max_model_len - seq.num_tokens)
 
 
 def ngram_draft(tokens: np.ndarray, k: int, n_min: int, n_max: int) -> list[int]:
@@ -120,14 +143,7 @@ class NgramProposer:
             if seq.num_tokens - seq.num_computed_tokens != 1 or seq.keep_kv:
                 continue
             state = seq.draft_state or self._state(seq)
-            if state.paused:
-                state.paused -= 1
-                if not state.paused:
-                    state.acceptance = cfg.min_acceptance  # try again, on probation
-                continue
-            k = min(max(1, round(cfg.num_speculative_tokens * state.acceptance)),
-                    seq.params.max_tokens - len(seq.output_token_ids) - 1,  # emitted = accepted + 1
-                    self.max_model_len - seq.num_tokens)
+            k = draft_length(cfg, state, seq, self.max_model_len)
             if k < 1:
                 continue
             self._sync(seq, state)
@@ -135,11 +151,7 @@ class NgramProposer:
                                               cfg.prompt_lookup_max)
 
     def observe(self, seq: Sequence, num_drafted: int, num_accepted: int) -> None:
-        """Records a verification's result; drafting pauses while acceptance stays low."""
-        state = seq.draft_state
-        state.acceptance = 0.7 * state.acceptance + 0.3 * num_accepted / num_drafted
-        if state.acceptance < self.config.min_acceptance and self.config.pause_steps:
-            state.paused = self.config.pause_steps
+        seq.draft_state.observe(self.config, num_drafted, num_accepted)
 
     def _state(self, seq: Sequence) -> DraftState:
         seq.draft_state = DraftState(np.empty(max(64, 2 * seq.num_tokens), dtype=np.int64))

@@ -239,3 +239,40 @@ def test_a_decode_node_speculates_across_the_split(tiny_llama):
             await wait_for_no_blocks(prefills + decodes)
 
     asyncio.run(scenario())
+
+
+@pytest.fixture(scope="module")
+def tiny_draft(tmp_path_factory):
+    """Another tiny random model with the same tokenizer: a draft model that mostly disagrees."""
+    from tiny_models import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-draft"), seed=1)
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(max_tokens=40, temperature=0, ignore_eos=True),
+    SamplingParams(max_tokens=40, temperature=0.8, seed=3, ignore_eos=True, logprobs=1),
+], ids=["greedy", "seeded"])
+def test_a_draft_model_gives_the_same_tokens(tiny_llama, tiny_draft, params):
+    base = generate(make_engine(tiny_llama), PROMPTS, params)
+    for draft, name in ((tiny_llama, "itself"), (tiny_draft, "another model")):
+        engine = make_engine(tiny_llama, num_kv_blocks=64,  # small enough to preempt
+                             speculative={"method": "draft_model", "draft_model": str(draft)})
+        spec = generate(engine, PROMPTS, params)
+        assert {r: o.token_ids for r, o in spec.items()} == {r: o.token_ids for r, o in base.items()}, name
+        assert engine.num_draft_tokens > 0 and engine.scheduler.num_preemptions > 0
+        if draft is tiny_llama and params.greedy:  # drafting for itself, greedy: every draft holds
+            assert engine.num_accepted_tokens == engine.num_draft_tokens
+        assert_no_blocks_used(engine)
+
+
+def test_draft_model_settings_are_checked(tiny_llama, tmp_path):
+    from tiny_models import make_tiny_model
+
+    with pytest.raises(ValueError, match="speculative.draft_model"):
+        EngineConfig(speculative={"method": "draft_model"})
+    with pytest.raises(ValueError, match="speculative.draft_model"):
+        EngineConfig(speculative={"method": "ngram", "draft_model": "x"})
+    other_vocab = make_tiny_model(tmp_path / "v", vocab_size=300)
+    with pytest.raises(ValueError, match=r"vocabulary \(300 tokens\) must be the target's \(320\)"):
+        make_engine(tiny_llama, speculative={"method": "draft_model", "draft_model": str(other_vocab)})
