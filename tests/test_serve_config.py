@@ -67,10 +67,19 @@ def args(**overrides):
     (args(decode={"engine": {"max_num_seqs": 0}}), "max_num_seqs must be >= 1"),
     (args(kv_transport="shm", prefill={"shm": False, "engine": {"dtype": "bfloat16"}}), "prefill.shm is false"),
     (args(router={"direct_prt": 1}), "args.router"),
+    (args(decode={"engine": {"dtype": "bfloat16", "speculative": {"method": "ngram", "k": 4}}}),
+     r"speculative: unknown setting\(s\) \['k'\]"),
 ])
 def test_builder_arguments_are_validated(bad, message):
     with pytest.raises(ValueError, match=message):
         parse_args(bad)
+
+
+def test_speculative_decoding_is_an_engine_setting(config):
+    a = copy.deepcopy(config["applications"][0]["args"])
+    a["decode"]["engine"]["speculative"] = {"method": "ngram", "num_speculative_tokens": 4}
+    parsed = parse_args(a)
+    assert parsed["decode"]["engine"]["speculative"]["num_speculative_tokens"] == 4
 
 
 def test_builder_fills_in_the_model(config):
