@@ -74,8 +74,8 @@ class BeamSearch:
         self.done = not self.improvable or all(hits) or not self.running
 
     def results(self) -> list[Hypothesis]:
-        """The n best hypotheses, best first."""
-        return self.finished[:self.params.n]
+        """The W hypotheses, best first."""
+        return self.finished
 
 
 BEAM_INDEX = 1 << 20  # sequence index of running beam b: BEAM_INDEX + b (a request's samples count from 0)

@@ -23,7 +23,7 @@ class SamplingParams:
     logprobs: int | None = None  # top-n logprobs per generated token (plus the sampled one)
     n: int = 1  # completions returned (parallel sampling: one prefill, the prompt's KV blocks shared)
     best_of: int | None = None  # completions generated, the n with the highest cumulative logprob returned
-    beam_width: int = 1  # > 1: beam search (engine/beam_search.py), returning the n best hypotheses
+    beam_width: int = 1  # > 1: beam search (engine/beam_search.py), returning its W hypotheses, best first
     length_penalty: float = 1.0  # beam search: a hypothesis scores logprob / length ** length_penalty
 
     def __post_init__(self):
@@ -59,7 +59,7 @@ class SamplingParams:
         if not _is_number(self.length_penalty) or self.length_penalty != self.length_penalty:
             raise ValueError(f"length_penalty must be a number, got {self.length_penalty!r}")
         if self.beam_width > 1:
-            if self.n > self.beam_width:
+            if self.n > self.beam_width:  # the OpenAI API returns the n best of the W
                 raise ValueError(f"n must be <= beam_width ({self.beam_width}) with beam search, got {self.n}")
             if self.best_of is not None:
                 raise ValueError("best_of does not apply to beam search (beam_width sets the hypotheses kept)")

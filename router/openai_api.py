@@ -156,7 +156,8 @@ class OpenAIAPI:
     # ---- OpenAI shapes ----------------------------------------------------------------------
     def _response(self, whole: generate_pb2.GenerateResponse, chat: bool, logprobs, body: dict) -> dict:
         choices = []
-        for sample in whole.samples or [whole]:  # n > 1: one choice per sample
+        n = int(body.get("n") or 1)
+        for sample in (whole.samples or [whole])[:n]:  # n > 1: one choice per sample (beams: the n best)
             choice: dict = {"index": sample.index, "finish_reason": sample.finish_reason or "stop",
                             "logprobs": self._logprobs(sample, chat) if logprobs is not None else None}
             if chat:
@@ -178,16 +179,18 @@ class OpenAIAPI:
                 chunk["usage"] = usage
             return f"data: {json.dumps(chunk)}\n\n"
 
-        usage = None
+        usage, n = None, int(body.get("n") or 1)
         if chat:  # each choice's first chunk says who speaks
             yield event([{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
-                         for i in range(int(body.get("n") or 1))])
+                         for i in range(n)])
         try:
             msg = first
             while msg is not None:
                 lp = self._logprobs(msg, chat) if logprobs is not None else None
                 reason = msg.finish_reason or None  # set on the message that ends its choice
-                if chat:
+                if msg.index >= n:  # beam search: hypotheses past the n best are not choices
+                    pass
+                elif chat:
                     delta = {"content": msg.text} if msg.text else {}
                     yield event([{"index": msg.index, "delta": delta, "logprobs": lp, "finish_reason": reason}])
                 else:

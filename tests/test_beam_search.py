@@ -46,7 +46,7 @@ def test_hypotheses_equal_transformers(model, request):
         for width, max_tokens, penalty in SETTINGS:
             want, scores = hf_beams(hf, ids, width, max_tokens, penalty)
             got = beam_outputs(engine, f"{prompt}{width}", ids, SamplingParams(
-                max_tokens=max_tokens, beam_width=width, n=width, length_penalty=penalty))
+                max_tokens=max_tokens, beam_width=width, length_penalty=penalty))
             assert [o.token_ids for o in got] == want, (prompt, width)
             for o, score in zip(got, scores):
                 assert o.cumulative_logprob / len(o.token_ids) ** penalty == pytest.approx(score, abs=1e-4)
@@ -59,7 +59,7 @@ def test_hypotheses_equal_transformers(model, request):
 
 def test_beams_share_steps_with_other_requests_and_abort_frees_them(tiny_llama):
     greedy = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-    beams = SamplingParams(max_tokens=10, beam_width=3, n=2)
+    beams = SamplingParams(max_tokens=10, beam_width=3)
     alone_beams = beam_outputs(make_engine(tiny_llama), "b", PROMPTS[0], beams)
     alone = beam_outputs(make_engine(tiny_llama), "g", PROMPTS[1], greedy)
     engine = make_engine(tiny_llama)
@@ -68,9 +68,9 @@ def test_beams_share_steps_with_other_requests_and_abort_frees_them(tiny_llama):
     done = {}
     while engine.has_unfinished():
         done.update({(o.request_id, o.index): o for o in engine.step() if o.finished})
-    assert [done["b", i].token_ids for i in (0, 1)] == [o.token_ids for o in alone_beams]
-    assert done["b", 1].last and not done["b", 0].last
-    assert done["g", 0].token_ids == alone[-1].token_ids and len(done) == 3
+    assert [done["b", i].token_ids for i in (0, 1, 2)] == [o.token_ids for o in alone_beams]
+    assert done["b", 2].last and not done["b", 0].last
+    assert done["g", 0].token_ids == alone[-1].token_ids and len(done) == 4
     assert_no_blocks_used(engine)
 
     engine.add_request("c", PROMPTS[2], beams)
