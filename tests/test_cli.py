@@ -41,8 +41,9 @@ def test_up_then_generate_streams_and_stops_cleanly(tiny_llama, tmp_path):
     from conftest import make_engine, run_to_completion
     from engine import SamplingParams
 
-    up = subprocess.Popen([*UP, "--model", str(tiny_llama), "--log-dir", str(tmp_path)],
-                          stderr=subprocess.PIPE, text=True)
+    speculative = '{"method": "ngram", "num_speculative_tokens": 4}'
+    up = subprocess.Popen([*UP, "--model", str(tiny_llama), "--log-dir", str(tmp_path),
+                           "--speculative-config", speculative], stderr=subprocess.PIPE, text=True)
     try:
         address, node_lines = None, []
         for line in up.stderr:
@@ -57,6 +58,9 @@ def test_up_then_generate_streams_and_stops_cleanly(tiny_llama, tmp_path):
         assert {role for role, *_ in node_lines} == {"prefill", "decode"}
         assert {int(pid) for _, _, pid, _ in node_lines} == {c.pid for c in children}
         assert all(Path(log).is_file() for *_, log in node_lines)
+        for child in children:  # the engine settings reach every node process
+            cmd = child.cmdline()
+            assert json.loads(cmd[cmd.index("--speculative-config") + 1]) == json.loads(speculative)
         r = run("generate", "--addr", address, "--json", "--raw", "--max-tokens", "8", "--temperature", "0",
                 "Hello world")
         assert r.returncode == 0, r.stderr
