@@ -53,3 +53,9 @@ def load() -> bool:
             return True
     log.warning("pdserve CPU kernels unavailable, using plain torch attention and elementwise ops")
     return False
+
+
+def decode_attention_fits(head_dim: int) -> bool:
+    """The C++ decode attention takes head sizes in whole vectors (16 floats covers every CPU
+    class), up to 256; other sizes attend in plain torch."""
+    return head_dim % 16 == 0 and head_dim <= 256

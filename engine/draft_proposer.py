@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from engine.attention import build_metadata
+from engine.cpu_kernels import decode_attention_fits
 from engine.block_manager import BlockManager
 from engine.kv_cache import KVCache
 from engine.model import LlamaModel
@@ -41,7 +42,7 @@ class DraftModelProposer:
         self.config, self.cfg, self.device = config, cfg, device
         self.block_manager, self.reserve, self.max_model_len = block_manager, reserve, max_model_len
         self.model = LlamaModel(cfg, load_weights(model_dir, cfg, dtype, device), max_model_len, Ops(fused=fused_ops))
-        self.fused = fused_ops
+        self.decode_kernel = fused_ops and decode_attention_fits(cfg.head_dim)
         bm = block_manager
         self.kv_cache = KVCache(cfg.num_layers, bm.num_blocks, bm.block_size, cfg.num_kv_heads, cfg.head_dim,
                                 dtype, device)
@@ -95,7 +96,7 @@ class DraftModelProposer:
             tables.append(seq.block_table)
         num_single = sum(n == 1 for n in lens)
         meta = build_metadata(starts, lens, tables, num_single, self.block_manager.block_size,
-                              self.cfg.sliding_window, self.device, self.fused)
+                              self.cfg.sliding_window, self.device, self.decode_kernel)
         hidden = self.model.forward(torch.tensor(ids, dtype=torch.long).to(self.device), meta.positions, meta,
                                     self.kv_cache)
         last = torch.tensor(lens).cumsum(0) - 1

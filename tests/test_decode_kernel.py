@@ -1,0 +1,86 @@
+"""The C++ paged decode attention (engine/csrc/paged_attention.cpp) against attention written out
+in torch, over what varies in the field: dtypes, head sizes, GQA group sizes, block sizes,
+contexts that end mid-block, sliding windows, scattered block tables, and a batch split over
+threads by sequence and by KV head."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import cpu_kernels
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.load(), reason="the C++ CPU kernels do not build here")
+
+
+def reference(q, k_cache, v_cache, block_tables, context_lens, block_size, window):
+    """q: [B, Hq, D]; caches [slots, Hkv, D] -> [B, Hq, D] in fp32."""
+    out = []
+    for b in range(q.shape[0]):
+        ctx = int(context_lens[b])
+        pos = torch.arange(ctx)
+        slots = block_tables[b][pos // block_size] * block_size + pos % block_size
+        if window:
+            slots = slots[max(0, ctx - window):]
+        k = k_cache[slots].float().transpose(0, 1)  # [Hkv, Lk, D]
+        v = v_cache[slots].float().transpose(0, 1)
+        group = q.shape[1] // k.shape[0]
+        k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
+        scores = (q[b].float()[:, None, :] @ k.transpose(1, 2)) * q.shape[-1] ** -0.5  # [Hq, 1, Lk]
+        out.append((scores.softmax(-1) @ v)[:, 0])
+    return torch.stack(out)
+
+
+CASES = [  # dtype, head_dim, heads, kv_heads, block_size, context lengths, window
+    (torch.float32, 64, 9, 3, 16, [1, 15, 16, 17, 650], 0),
+    (torch.bfloat16, 64, 9, 3, 16, [1, 33, 650], 0),
+    (torch.float16, 64, 8, 8, 16, [5, 100], 0),
+    (torch.float32, 128, 32, 8, 32, [300, 31, 2], 0),
+    (torch.bfloat16, 128, 4, 1, 8, [129, 64], 0),
+    (torch.float32, 16, 4, 2, 1, [7, 3], 0),
+    (torch.float32, 80, 10, 5, 4, [50, 51], 0),
+    (torch.float32, 256, 2, 2, 16, [40], 0),
+    (torch.float32, 64, 6, 2, 16, [200, 9, 64], 24),
+    (torch.bfloat16, 32, 8, 4, 64, [130, 1], 0),
+]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype,head_dim,heads,kv_heads,block_size,lens,window", CASES)
+def test_decode_kernel_matches_torch(dtype, head_dim, heads, kv_heads, block_size, lens, window, threads):
+    g = torch.Generator().manual_seed(head_dim + block_size + len(lens))
+    widths = [(n + block_size - 1) // block_size for n in lens]
+    num_blocks = sum(widths) + 3
+    perm = torch.randperm(num_blocks, generator=g)  # scattered blocks, not in order
+    tables, used = [], 0
+    for w in widths:
+        tables.append(perm[used:used + w].tolist() + [0] * (max(widths) - w))
+        used += w
+    block_tables = torch.tensor(tables, dtype=torch.long)
+    context_lens = torch.tensor(lens, dtype=torch.long)
+    k_cache = torch.randn(num_blocks * block_size, kv_heads, head_dim, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks * block_size, kv_heads, head_dim, generator=g).to(dtype)
+    # q as the model passes it: a strided view of the fused qkv rows
+    qkv = torch.randn(len(lens), (heads + 2 * kv_heads) * head_dim, generator=g).to(dtype)
+    q = qkv[:, :heads * head_dim].view(len(lens), heads, head_dim)
+    out = torch.empty(len(lens), heads, head_dim, dtype=dtype)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        torch.ops.pdserve.paged_decode_attention(out, q, k_cache, v_cache, block_tables, context_lens,
+                                                 block_size, head_dim ** -0.5, window)
+    finally:
+        torch.set_num_threads(before)
+    expected = reference(q, k_cache, v_cache, block_tables, context_lens, block_size, window)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
+
+
+def test_head_sizes_outside_the_kernel_are_refused_by_name():
+    assert cpu_kernels.decode_attention_fits(64) and cpu_kernels.decode_attention_fits(256)
+    assert not cpu_kernels.decode_attention_fits(72) and not cpu_kernels.decode_attention_fits(512)
+    q = torch.zeros(1, 2, 12)
+    cache = torch.zeros(4, 2, 12)
+    with pytest.raises(RuntimeError, match="head_dim must be a multiple of"):
+        torch.ops.pdserve.paged_decode_attention(torch.empty_like(q), q, cache, cache, torch.zeros(1, 1, dtype=torch.long),
+                                                 torch.ones(1, dtype=torch.long), 4, 1.0, 0)
