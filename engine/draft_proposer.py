@@ -19,8 +19,8 @@ from __future__ import annotations
 import torch
 
 from engine.attention import build_metadata
-from engine.cpu_kernels import decode_attention_fits
 from engine.block_manager import BlockManager
+from engine.cpu_kernels import decode_attention_fits
 from engine.kv_cache import KVCache
 from engine.model import LlamaModel
 from engine.model_config import ModelConfig

@@ -212,8 +212,6 @@ void decode(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, con
   });
 }
 
-}  // namespace
-
 // out, q: [B, Hq, D]; k_cache, v_cache: [num_slots, Hkv, D]; block_tables: [B, max_blocks] int64;
 // context_lens: [B] int64 (KV positions to attend, the new token's included). D: a multiple of 8, at most 256.
 void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache,
@@ -235,6 +233,8 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tenso
     }
   });
 }
+
+}  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pdserve, m) {
   m.def("paged_decode_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
