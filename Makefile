@@ -23,7 +23,7 @@ demo: $(STAMP)
 # native bf16): the engine's own class override plus the variables torch and oneDNN honour, so an
 # AVX-512 or AMX machine sees an AVX2 failure before a user does (engine/hardware.py).
 AS_AVX2 := PDSERVE_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2
-ENGINE_AND_CLUSTER_TESTS := tests/test_hardware.py tests/test_decode_kernel.py tests/test_model_equality.py tests/test_batching.py \
+ENGINE_AND_CLUSTER_TESTS := tests/test_hardware.py tests/test_decode_kernel.py tests/test_prefill_attention.py tests/test_model_equality.py tests/test_batching.py \
 	tests/test_sampling.py tests/test_scheduler.py tests/test_validation.py tests/test_kvtransfer.py \
 	tests/test_cluster.py tests/test_cli.py tests/test_speculative.py tests/test_parallel_sampling.py
 

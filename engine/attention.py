@@ -31,22 +31,31 @@ class DecodeGroup:
 
 
 @dataclass
+class PrefillSeqs:
+    """For `_attend_matmul` (CPU, bf16): each prefill sequence attended alone, no padding."""
+    slots: list[torch.Tensor]  # per sequence, [start + len] slots of its context
+    starts: list[int]
+    lens: list[int]
+
+
+@dataclass
 class AttentionMetadata:
     positions: torch.Tensor  # [T] position of each token in its sequence
     slot_mapping: torch.Tensor  # [T] where each new token's K/V is written
     num_decode_tokens: int
     decode: AttendGroup | DecodeGroup | None
-    prefill: AttendGroup | None
+    prefill: AttendGroup | PrefillSeqs | None
     block_size: int
     sliding_window: int | None
 
 
 def build_metadata(starts: list[int], lens: list[int], block_tables: list[list[int]], num_decode: int,
                    block_size: int, sliding_window: int | None, device: torch.device,
-                   decode_kernel: bool = False) -> AttentionMetadata:
+                   decode_kernel: bool = False, prefill_matmul: bool = False) -> AttentionMetadata:
     """starts[i]: KV positions sequence i already has; lens[i]: positions computed this step.
     The first `num_decode` sequences have lens == 1. With decode_kernel, their attention runs in
-    the C++ kernel (see cpu_kernels.py)."""
+    the C++ kernel (see cpu_kernels.py); with prefill_matmul, the prefills' runs in
+    `_attend_matmul`."""
     num_seqs = len(starts)
     width = max(len(bt) for bt in block_tables)
     block_table = torch.tensor([bt + [0] * (width - len(bt)) for bt in block_tables], dtype=torch.long)
@@ -91,8 +100,13 @@ def build_metadata(starts: list[int], lens: list[int], block_tables: list[list[i
         decode = DecodeGroup(block_table[:num_decode].to(device), (start + length)[:num_decode].to(device))
     else:
         decode = group(slice(0, num_decode))
-    return AttentionMetadata(pos.to(device), slot_mapping.to(device), num_decode, decode,
-                             group(slice(num_decode, num_seqs)), block_size, sliding_window)
+    if prefill_matmul and num_decode < num_seqs:
+        prefill = PrefillSeqs([all_slots[i, :starts[i] + lens[i]].to(device) for i in range(num_decode, num_seqs)],
+                              starts[num_decode:], lens[num_decode:])
+    else:
+        prefill = group(slice(num_decode, num_seqs))
+    return AttentionMetadata(pos.to(device), slot_mapping.to(device), num_decode, decode, prefill,
+                             block_size, sliding_window)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -111,6 +125,13 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     if meta.prefill is None:
         return out
     g = meta.prefill
+    if isinstance(g, PrefillSeqs):
+        first = nd
+        for slots, start, n in zip(g.slots, g.starts, g.lens):
+            _attend_matmul(out[first:first + n], q[first:first + n], k_cache, v_cache, slots, start,
+                           meta.sliding_window)
+            first += n
+        return out
     batch = g.slots.shape[0]
     q_pad = q.new_zeros(batch * g.q_len, *q.shape[1:]).index_copy_(0, g.q_index, q[nd:])
     o = _attend(q_pad.view(batch, g.q_len, *q.shape[1:]), k_cache, v_cache, g)
@@ -127,3 +148,44 @@ def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: At
     o = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=g.mask, is_causal=g.mask is None,
                                        enable_gqa=q.shape[2] != k.shape[1])
     return o.transpose(1, 2)
+
+
+def _attend_matmul(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   slots: torch.Tensor, start: int, sliding_window: int | None, chunk: int = 64) -> None:
+    """One sequence's prefill queries q [L, Hq, D] (positions start..start+L-1) over its context
+    slots, written into out [L, Hq, D]: per chunk of 64 queries, two batched fp32 matmuls with the
+    KV head's query heads stacked as rows (GQA) and a softmax between them. On a CPU in bf16 this
+    is faster than torch's flash-attention kernel (oneDNN's GEMMs against its inner loop; the
+    prefill of a 610-token prompt 1.1-1.2x, three together 1.4x) and closer to exact: nothing is
+    rounded to bf16 before the output, as in the decode kernel, so a prompt computed whole and
+    one whose prefix KV came from earlier decode steps agree. Keys past a chunk's last query are
+    never read."""
+    seq_len, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[1]
+    group = num_heads // num_kv_heads
+    k = k_cache.index_select(0, slots).transpose(0, 1).to(torch.float32, memory_format=torch.contiguous_format)
+    v = v_cache.index_select(0, slots).transpose(0, 1).to(torch.float32, memory_format=torch.contiguous_format)
+    q = q.view(seq_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)  # [Hkv, G, L, D]
+    out = out.view(seq_len, num_kv_heads, group, head_dim)
+    scale = head_dim ** -0.5
+    c0 = 0
+    while c0 < seq_len:
+        # Chunks aligned to absolute positions: a query sees the same keys in the same sums
+        # whether its prefix was cached or computed in this step (identical greedy tokens).
+        n = min(chunk - (start + c0) % chunk, seq_len - c0)
+        k_end = start + c0 + n  # one past the chunk's last query position
+        k_begin = max(0, start + c0 - sliding_window + 1) if sliding_window else 0
+        qc = q[:, :, c0:c0 + n].reshape(num_kv_heads, group * n, head_dim).float() * scale
+        s = torch.bmm(qc, k[:, k_begin:k_end].transpose(1, 2)).view(num_kv_heads, group, n, k_end - k_begin)
+        # Without a window, only the chunk's own n positions (the last n keys) hide any key.
+        masked = s if sliding_window else s[..., -n:]
+        q_pos = torch.arange(start + c0, k_end)[:, None]
+        k_pos = torch.arange(k_end - masked.shape[-1], k_end)[None, :]
+        hidden = k_pos > q_pos
+        if sliding_window:
+            hidden |= k_pos <= q_pos - sliding_window
+        masked.masked_fill_(hidden.to(s.device), float("-inf"))
+        p = torch.softmax(s, -1).view(num_kv_heads, group * n, k_end - k_begin)
+        o = torch.bmm(p, v[:, k_begin:k_end])  # [Hkv, G * n, D]
+        out[c0:c0 + n] = o.view(num_kv_heads, group, n, head_dim).permute(2, 0, 1, 3)
+        c0 += n

@@ -43,6 +43,7 @@ class DraftModelProposer:
         self.block_manager, self.reserve, self.max_model_len = block_manager, reserve, max_model_len
         self.model = LlamaModel(cfg, load_weights(model_dir, cfg, dtype, device), max_model_len, Ops(fused=fused_ops))
         self.decode_kernel = fused_ops and decode_attention_fits(cfg.head_dim)
+        self.prefill_matmul = fused_ops and dtype == torch.bfloat16
         bm = block_manager
         self.kv_cache = KVCache(cfg.num_layers, bm.num_blocks, bm.block_size, cfg.num_kv_heads, cfg.head_dim,
                                 dtype, device)
@@ -96,7 +97,7 @@ class DraftModelProposer:
             tables.append(seq.block_table)
         num_single = sum(n == 1 for n in lens)
         meta = build_metadata(starts, lens, tables, num_single, self.block_manager.block_size,
-                              self.cfg.sliding_window, self.device, self.decode_kernel)
+                              self.cfg.sliding_window, self.device, self.decode_kernel, self.prefill_matmul)
         hidden = self.model.forward(torch.tensor(ids, dtype=torch.long).to(self.device), meta.positions, meta,
                                     self.kv_cache)
         last = torch.tensor(lens).cumsum(0) - 1

@@ -31,6 +31,8 @@ class ModelRunner:
         # The C++ kernels (decode attention, fused elementwise ops) on CPUs where they build.
         self.use_cpu_kernels = config.cpu_kernels and device.type == "cpu" and cpu_kernels.load()
         self.decode_kernel = self.use_cpu_kernels and cpu_kernels.decode_attention_fits(cfg.head_dim)
+        # Prefill attention as chunked matmuls: faster than torch's flash kernel on a CPU in bf16.
+        self.prefill_matmul = self.use_cpu_kernels and dtype == torch.bfloat16
         self.model = LlamaModel(cfg, load_weights(model_dir, cfg, dtype, device), max_model_len,
                                 Ops(fused=self.use_cpu_kernels))
         bytes_per_block = cfg.kv_bytes_per_token(dtype.itemsize) * config.block_size
@@ -68,7 +70,7 @@ class ModelRunner:
                 lens.append(n)
                 tables.append(seq.block_table)
         meta = build_metadata(starts, lens, tables, num_decode, self.block_size, self.cfg.sliding_window,
-                              self.device, self.decode_kernel)
+                              self.device, self.decode_kernel, self.prefill_matmul)
         ids = torch.tensor(input_ids, dtype=torch.long).to(self.device)
         # Layer-wise streaming: prompts whose last chunk runs now publish each layer once written.
         streamed = [seq.kv_progress for seq, n in zip(batch.seqs, batch.num_scheduled_tokens)

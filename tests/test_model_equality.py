@@ -77,7 +77,7 @@ def test_mistral_sliding_window_matches_transformers(tmp_path, cpu_kernels):
 
 def test_bf16_kernels_agree_with_plain_torch(tiny_llama):
     """In bf16 the fused kernels round differently from the op-by-op torch path; the two must still
-    pick the same greedy tokens and nearly the same distributions."""
+    give nearly the same distributions, and the same greedy tokens up to a tie within rounding."""
     from conftest import run_to_completion
 
     results = {}
@@ -88,10 +88,15 @@ def test_bf16_kernels_agree_with_plain_torch(tiny_llama):
         results[cpu_kernels] = run_to_completion(engine)
     for i in range(len(PROMPTS)):
         fused, plain = results[True][str(i)], results[False][str(i)]
-        assert fused.token_ids == plain.token_ids
-        for a, b in zip(fused.logprobs, plain.logprobs):
+        for step, (a, b) in enumerate(zip(fused.logprobs, plain.logprobs)):
             for t in set(a) & set(b):
                 assert abs(a[t] - b[t]) < 0.05
+            x, y = fused.token_ids[step], plain.token_ids[step]
+            if x != y:
+                # Greedy may part only at a tie within bf16's rounding (vLLM's check_logprobs_close):
+                # each side's token is the other's runner-up by under 0.05. The rest then differs.
+                assert x in b and y in a and abs(a[x] - a[y]) < 0.05 and abs(b[x] - b[y]) < 0.05, (i, step)
+                break
 
 
 @pytest.mark.parametrize("variant", sorted(ROPE_VARIANTS))
