@@ -3,7 +3,11 @@
     taskset -c 1 python benchmarks/prefill_step.py [--tokens 610] [--prompts 1] [--profile]
 
 The default model, one torch thread, prefix caching off, random prompt tokens; the median of 3
-timed runs after a warm-up. To compare two trees, run it in each, alternating.
+timed runs after a warm-up. To compare two trees, run it in each, alternating; the venv's
+editable install points at this checkout, so name the other one first on the path:
+
+    git worktree add /tmp/before <commit>
+    cd /tmp/before && PYTHONPATH=/tmp/before taskset -c 1 python benchmarks/prefill_step.py
 """
 
 from __future__ import annotations

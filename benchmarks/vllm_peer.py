@@ -109,6 +109,8 @@ def main() -> int:
     ap.add_argument("--json", default=str(ROOT / "docs" / "bench" / "vllm_peer.json"))
     ap.add_argument("--local-cap", type=int, default=0,
                     help="also run pdserve with --max-local-prefill-tokens this (0: not)")
+    ap.add_argument("--also-args", default="",
+                    help="also run pdserve with these `pdserve up` flags, e.g. '--max-num-batched-tokens 1024'")
     args = ap.parse_args()
     from engine.model_source import resolve_model
 
@@ -121,6 +123,9 @@ def main() -> int:
     if args.local_cap:  # conditional disaggregation allowed to take whole prompts when the prefill pool queues
         systems[f"pdserve-pd-local{args.local_cap}"] = lambda tag: run_pdserve(
             logs, tag, str(venv / "bin" / "python"), ["--max-local-prefill-tokens", str(args.local_cap)])
+    if args.also_args:
+        systems["pdserve-pd " + args.also_args] = lambda tag: run_pdserve(
+            logs, tag.replace(" ", "_"), str(venv / "bin" / "python"), args.also_args.split())
     runs: dict[str, list[dict]] = {name: [] for name in systems}
     for r in range(args.rounds):
         for name, run in systems.items():
