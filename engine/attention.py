@@ -4,7 +4,8 @@ back through its block table, and attend with scaled_dot_product_attention.
 A step's tokens are laid out decode-first: the first `num_decode_tokens` are single-token
 queries (one per sequence), the rest are prefill chunks of any length. Each group is one
 batched SDPA call over [B, heads, q_len, context] with a boolean mask, so mixed batches never
-pad a decode query up to a prefill's length.
+pad a decode query up to a prefill's length. On a CPU the decodes run in the C++ kernel instead
+and, in bf16, the prefills as chunked matmuls per sequence (`_attend_matmul`).
 """
 
 from __future__ import annotations
