@@ -10,7 +10,9 @@ other, in interleaved rounds:
   pinned to one core), behind the harness's proxy;
 - pdserve up --prefill 1 --decode 1 --num-threads 1 --pin-cpus, its router's HTTP API (and with
   --local-cap N, the same with --max-local-prefill-tokens N: whole prompts may be prefilled on the
-  decode node while the prefill node queues).
+  decode node while the prefill node queues);
+- with --single, also vLLM as one instance on both cores (the harness's start_single.sh), to
+  show in the same window what disaggregation itself costs vLLM on these cores.
 vLLM runs from .venv-vllm (docs/benchmarks.md says how to make it); both load the same model
 directory (pdserve's cached conversion of the default model).
 """
@@ -88,6 +90,18 @@ def run_vllm(model_dir: str, venv: Path, logs: Path, tag: str) -> dict:
         stop(procs)
 
 
+def run_vllm_single(model_dir: str, venv: Path, logs: Path, tag: str) -> dict:
+    env = {**os.environ, "PEER_DIR": str(PEER), "VLLM_VENV": str(venv), "MODEL_DIR": model_dir}
+    proc = subprocess.Popen(["bash", str(PEER / "start_single.sh"), "8100", "auto"], env=env,
+                            stdout=open(logs / "vllm_single.log", "w"), stderr=subprocess.STDOUT)
+    try:
+        wait_http("http://127.0.0.1:8100/health", proc)
+        return load("http://127.0.0.1:8100/v1/completions", "smol", tag, logs / f"vllm_{tag}.json",
+                    str(venv / "bin" / "python"))
+    finally:
+        stop([proc])
+
+
 def run_pdserve(logs: Path, tag: str, vllm_python: str, extra: list[str]) -> dict:
     proc = subprocess.Popen([sys.executable, "-m", "pdserve", "up", "--prefill", "1", "--decode", "1",
                              "--num-threads", "1", "--pin-cpus", "--port", "0", "--http-port", "8300", *extra],
@@ -111,6 +125,7 @@ def main() -> int:
                     help="also run pdserve with --max-local-prefill-tokens this (0: not)")
     ap.add_argument("--also-args", default="",
                     help="also run pdserve with these `pdserve up` flags, e.g. '--max-num-batched-tokens 1024'")
+    ap.add_argument("--single", action="store_true", help="also run vLLM as one instance on both cores")
     args = ap.parse_args()
     from engine.model_source import resolve_model
 
@@ -126,6 +141,8 @@ def main() -> int:
     if args.also_args:
         systems["pdserve-pd " + args.also_args] = lambda tag: run_pdserve(
             logs, tag.replace(" ", "_"), str(venv / "bin" / "python"), args.also_args.split())
+    if args.single:
+        systems["vllm-single"] = lambda tag: run_vllm_single(model_dir, venv, logs, tag)
     runs: dict[str, list[dict]] = {name: [] for name in systems}
     for r in range(args.rounds):
         for name, run in systems.items():
