@@ -9,8 +9,7 @@ other, in interleaved rounds:
 - vLLM 0.32 CPU, 1 prefill + 1 decode instance (NIXL connector with the harness's patches, each
   pinned to one core), behind the harness's proxy;
 - pdserve up --prefill 1 --decode 1 --num-threads 1 --pin-cpus, its router's HTTP API (and with
-  --local-cap N, the same with --max-local-prefill-tokens N: whole prompts may be prefilled on the
-  decode node while the prefill node queues);
+  --also-args "FLAGS", the same with more `pdserve up` flags, e.g. "--max-local-prefill-tokens 512");
 - with --single, also vLLM as one instance on both cores (the harness's start_single.sh), to
   show in the same window what disaggregation itself costs vLLM on these cores.
 vLLM runs from .venv-vllm (docs/benchmarks.md says how to make it); both load the same model
@@ -121,8 +120,6 @@ def main() -> int:
     ap.add_argument("--vllm-venv", default=str(ROOT / ".venv-vllm"))
     ap.add_argument("--logs", default="/tmp/pdserve-vllm-peer")
     ap.add_argument("--json", default=str(ROOT / "docs" / "bench" / "vllm_peer.json"))
-    ap.add_argument("--local-cap", type=int, default=0,
-                    help="also run pdserve with --max-local-prefill-tokens this (0: not)")
     ap.add_argument("--also-args", default="",
                     help="also run pdserve with these `pdserve up` flags, e.g. '--max-num-batched-tokens 1024'")
     ap.add_argument("--single", action="store_true", help="also run vLLM as one instance on both cores")
@@ -135,9 +132,6 @@ def main() -> int:
     venv = Path(args.vllm_venv)
     systems = {"vllm-pd": lambda tag: run_vllm(model_dir, venv, logs, tag),
                "pdserve-pd": lambda tag: run_pdserve(logs, tag, str(venv / "bin" / "python"), [])}
-    if args.local_cap:  # conditional disaggregation allowed to take whole prompts when the prefill pool queues
-        systems[f"pdserve-pd-local{args.local_cap}"] = lambda tag: run_pdserve(
-            logs, tag, str(venv / "bin" / "python"), ["--max-local-prefill-tokens", str(args.local_cap)])
     if args.also_args:
         systems["pdserve-pd " + args.also_args] = lambda tag: run_pdserve(
             logs, tag.replace(" ", "_"), str(venv / "bin" / "python"), args.also_args.split())
