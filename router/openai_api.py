@@ -1,9 +1,12 @@
 """An OpenAI-compatible HTTP API over the same request path as the gRPC one.
 
 POST /v1/completions, POST /v1/chat/completions (both with `stream: true` as server-sent events
-ending in `data: [DONE]`), GET /v1/models, GET /health. Each request becomes a pdserve
-GenerateRequest and goes through `Frontend.serve` (the router's disaggregated path, or the
-colocated baseline's): same checks, same metrics, same tokens.
+ending in `data: [DONE]`; `stream_options.include_usage` adds a usage chunk, vLLM's
+`stream_options.continuous_usage_stats` a running usage on every chunk), GET /v1/models, GET /health.
+`usage.prompt_tokens_details.cached_tokens` counts the prompt tokens the prefilling node's prefix
+cache held. Each request becomes a pdserve GenerateRequest and goes through `Frontend.serve` (the
+router's disaggregated path, or the colocated baseline's): same checks, same metrics, same tokens.
+`max_tokens` defaults as in OpenAI's API: the rest of the context for chat, 16 for completions.
 
 Errors have OpenAI's shape, {"error": {"message", "type", "param", "code"}}, unknown URLs and
 wrong methods included; `param` names the request field at fault, or is null when none is (an
@@ -85,14 +88,17 @@ class OpenAIAPI:
         try:
             self._authorize(request)
             body = await _json(request)
-            req, stream, include_usage, logprobs = self._to_pdserve(body, chat)
+            req, stream, logprobs = self._to_pdserve(body, chat)
+            include_usage, continuous = _stream_options(body, stream)
+            # continuous usage names the prompt's tokens on every chunk, before the final message does
+            prompt_tokens = self._prompt_length(req) if continuous else None
             client = request.headers.get("x-client-id") or (request.client.host if request.client else "")
             if not stream:
                 whole = await self.frontend.generate_unary(req, _deadline(request), client)
                 return JSONResponse(self._response(whole, chat, logprobs, body))
             parts = self.frontend.serve(req, _deadline(request), client)
             first = await anext(parts, None)  # errors before the first token get a proper status
-            return StreamingResponse(self._sse(first, parts, chat, include_usage, logprobs, body),
+            return StreamingResponse(self._sse(first, parts, chat, include_usage, prompt_tokens, logprobs, body),
                                      media_type="text/event-stream")
         except APIError as e:
             return JSONResponse(e.body(), status_code=e.status)
@@ -122,7 +128,8 @@ class OpenAIAPI:
         if chat:
             req.messages.CopyFrom(generate_pb2.ChatMessages(messages=_messages(body.get("messages"))))
             logprobs = body.get("top_logprobs", 0) if body.get("logprobs") else None
-            max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+            max_tokens = body.get("max_completion_tokens")
+            max_tokens = body.get("max_tokens") if max_tokens is None else max_tokens
         else:
             prompt = body.get("prompt")
             if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
@@ -135,7 +142,10 @@ class OpenAIAPI:
                 raise APIError(400, "prompt must be a string or a list of token ids (one prompt per request)",
                                "prompt")
             logprobs = body.get("logprobs")
-            max_tokens = body.get("max_tokens", 16)
+            # OpenAI's documented default for the legacy completions endpoint is 16 tokens (vLLM
+            # uses the rest of the context here too); clients written against OpenAI expect 16
+            max_tokens = body.get("max_tokens")
+            max_tokens = 16 if max_tokens is None else max_tokens
         sampling = req.sampling
         for name, value, kind in (("max_tokens", max_tokens, int), ("temperature", body.get("temperature"), float),
                                   ("top_p", body.get("top_p"), float), ("seed", body.get("seed"), int),
@@ -150,8 +160,23 @@ class OpenAIAPI:
             raise APIError(400, "stop must be a string or a list of strings", "stop")
         sampling.stop.extend(stop)
         sampling.ignore_eos = bool(body.get("ignore_eos", False))
-        options = body.get("stream_options") or {}
-        return req, bool(body.get("stream", False)), bool(options.get("include_usage")), logprobs
+        if not sampling.HasField("max_tokens"):  # chat without max_tokens
+            sampling.max_tokens = self._rest_of_context(req)
+        return req, bool(body.get("stream", False)), logprobs
+
+    def _rest_of_context(self, req: generate_pb2.GenerateRequest) -> int:
+        """OpenAI's (and vLLM's) chat default for max_tokens: what the router's max_model_len leaves
+        after the prompt. At least 1, so that a prompt filling the context is refused by the
+        frontend's own check, naming the prompt, rather than as a bad max_tokens."""
+        return max(1, self.frontend.max_model_len - self._prompt_length(req))
+
+    def _prompt_length(self, req: generate_pb2.GenerateRequest) -> int:
+        """The prompt's tokens as the frontend will count them (the chat template applied)."""
+        kind = req.WhichOneof("input")
+        if kind == "prompt_token_ids":
+            return len(req.prompt_token_ids.ids)
+        tokenize = generate_pb2.TokenizeRequest(**{kind: getattr(req, kind)})
+        return len(self.frontend.tokenize(tokenize).token_ids)  # raises RequestError naming the prompt
 
     # ---- OpenAI shapes ----------------------------------------------------------------------
     def _response(self, whole: generate_pb2.GenerateResponse, chat: bool, logprobs, body: dict) -> dict:
@@ -166,15 +191,23 @@ class OpenAIAPI:
                 choice["text"] = sample.text
             choices.append(choice)
         return {"id": _id(chat), "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-                "model": body.get("model") or self.frontend.model_id, "choices": choices, "usage": _usage(whole.usage)}
+                "model": body.get("model") or self.frontend.model_id, "choices": choices,
+                "usage": _usage(whole.usage, whole.timings)}
 
-    async def _sse(self, first, parts, chat: bool, include_usage: bool, logprobs, body: dict) -> AsyncIterator[str]:
+    async def _sse(self, first, parts, chat: bool, include_usage: bool, prompt_tokens: int | None, logprobs,
+                   body: dict) -> AsyncIterator[str]:
+        """include_usage: a usage chunk at the end, `usage: null` on the others (OpenAI's shape);
+        prompt_tokens: set for continuous usage stats, every chunk then carries the usage so far."""
         rid, created = _id(chat), int(time.time())
         model = body.get("model") or self.frontend.model_id
         kind = "chat.completion.chunk" if chat else "text_completion"
+        continuous = prompt_tokens is not None
+        completion_tokens = 0  # of every choice, so far
 
         def event(choices: list, usage=None) -> str:
             chunk = {"id": rid, "object": kind, "created": created, "model": model, "choices": choices}
+            if continuous and usage is None:
+                usage = _running_usage(prompt_tokens, completion_tokens)
             if include_usage:
                 chunk["usage"] = usage
             return f"data: {json.dumps(chunk)}\n\n"
@@ -186,17 +219,20 @@ class OpenAIAPI:
         try:
             msg = first
             while msg is not None:
+                completion_tokens += len(msg.token_ids)
+                if msg.finished:
+                    usage = _usage(msg.usage, msg.timings)
                 lp = self._logprobs(msg, chat) if logprobs is not None else None
                 reason = msg.finish_reason or None  # set on the message that ends its choice
                 if msg.index >= n:  # beam search: hypotheses past the n best are not choices
                     pass
                 elif chat:
                     delta = {"content": msg.text} if msg.text else {}
-                    yield event([{"index": msg.index, "delta": delta, "logprobs": lp, "finish_reason": reason}])
+                    yield event([{"index": msg.index, "delta": delta, "logprobs": lp, "finish_reason": reason}],
+                                usage if continuous else None)
                 else:
-                    yield event([{"index": msg.index, "text": msg.text, "logprobs": lp, "finish_reason": reason}])
-                if msg.finished:
-                    usage = _usage(msg.usage)
+                    yield event([{"index": msg.index, "text": msg.text, "logprobs": lp, "finish_reason": reason}],
+                                usage if continuous else None)
                 msg = await anext(parts, None)
         except RequestError as e:
             yield f"data: {json.dumps(_api_error(e).body())}\n\n"
@@ -339,9 +375,41 @@ def _param_of(message: str) -> str | None:
     return head if head in PARAMS or re.fullmatch(r"messages\[\d+\](\.\w+)?", head) else None
 
 
-def _usage(u: common_pb2.Usage) -> dict:
-    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
-            "total_tokens": u.prompt_tokens + u.completion_tokens}
+def _stream_options(body: dict, stream: bool) -> tuple[bool, bool]:
+    """(include_usage, continuous_usage_stats). As in OpenAI's API, stream_options needs stream.
+    continuous_usage_stats is vLLM's extension; vLLM ignores it without include_usage, here it
+    implies include_usage (a client asking for usage on every chunk wants the final one too, and
+    an option accepted must not be silently ignored)."""
+    options = body.get("stream_options")
+    if options is None:
+        return False, False
+    if not stream:
+        raise APIError(400, "stream_options is only allowed when stream is true", "stream_options")
+    if not isinstance(options, dict):
+        raise APIError(400, f"stream_options must be an object, got {json.dumps(options)[:200]}", "stream_options")
+    flags = []
+    for name in ("include_usage", "continuous_usage_stats"):
+        value = options.get(name)
+        if value is not None and not isinstance(value, bool):
+            raise APIError(400, f"stream_options.{name} must be a boolean, got {json.dumps(value)[:200]}",
+                           f"stream_options.{name}")
+        flags.append(bool(value))
+    include_usage, continuous = flags
+    return include_usage or continuous, continuous
+
+
+def _usage(u: common_pb2.Usage, t: common_pb2.Timings) -> dict:
+    """OpenAI's usage; cached_tokens: prompt tokens whose KV the prefix cache of the node that ran
+    the prefill held (a prefill node, or the decode node for a local prefill), i.e. not computed
+    for this request. t.decode_cached_tokens is not added: those tokens only skipped the transfer
+    to the decode node, the prefill node still computed (or itself cached) them."""
+    return {**_running_usage(u.prompt_tokens, u.completion_tokens),
+            "prompt_tokens_details": {"cached_tokens": t.cached_tokens}}
+
+
+def _running_usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
 
 
 def _id(chat: bool) -> str:

@@ -84,6 +84,43 @@ def test_chat_equals_the_grpc_path(up, client):
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
+def test_max_tokens_defaults_as_in_openai(up, client):
+    """Chat without max_tokens runs to the end of the context (OpenAI's default), not 16 tokens;
+    the legacy completions endpoint keeps OpenAI's 16."""
+    model = up[2]
+    max_model_len = client.models.list().data[0].max_model_len
+    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hello world"}],
+                                          temperature=0, extra_body={"ignore_eos": True})
+    assert chat.choices[0].finish_reason == "length"
+    assert chat.usage.completion_tokens == max_model_len - chat.usage.prompt_tokens > 16
+    completion = client.completions.create(model=model, prompt=PROMPT_IDS, temperature=0,
+                                           extra_body={"ignore_eos": True})
+    assert completion.usage.completion_tokens == 16 and completion.choices[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("options", [{"include_usage": True, "continuous_usage_stats": True},
+                                     {"continuous_usage_stats": True}])
+def test_continuous_usage_stats_on_every_chunk(up, client, options):
+    """vLLM's extension: every chunk carries the usage so far (here it implies include_usage)."""
+    model = up[2]
+    chunks = list(client.completions.create(model=model, prompt=PROMPT_IDS, max_tokens=6, logprobs=1, stream=True,
+                                            stream_options=options, extra_body={"ignore_eos": True}))
+    streamed = 0
+    for chunk in chunks[:-1]:
+        streamed += len(chunk.choices[0].logprobs.tokens)
+        assert (chunk.usage.prompt_tokens, chunk.usage.completion_tokens) == (len(PROMPT_IDS), streamed)
+        assert chunk.usage.total_tokens == len(PROMPT_IDS) + streamed
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == streamed == 6
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens is not None
+    chat = list(client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}],
+                                               max_tokens=3, stream=True, stream_options=options,
+                                               extra_body={"ignore_eos": True}))
+    assert chat[0].choices[0].delta.role == "assistant" and chat[0].usage.completion_tokens == 0
+    assert all(c.usage.prompt_tokens == chat[-1].usage.prompt_tokens > 0 for c in chat)
+    counts = [c.usage.completion_tokens for c in chat]
+    assert counts == sorted(counts) and counts[-1] == 3
+
+
 def test_models_and_health(up, client):
     assert [m.id for m in client.models.list()] == [up[2]]
     assert httpx.get(f"{up[0].removesuffix('/v1')}/health").json()["status"] == "ok"
@@ -112,6 +149,10 @@ def test_sse_framing_with_a_plain_http_client(up):
     (dict(prompt="hi", n=2, best_of=3, stream=True), 400, "best_of must equal n when streaming", "best_of"),
     (dict(prompt="hi", n=3, best_of=2), 400, "best_of must be", "best_of"),
     (dict(prompt="hi", model="gpt-17"), 404, "gpt-17", "model"),
+    (dict(prompt="hi", stream_options={"include_usage": True}), 400, "stream_options is only allowed when stream",
+     "stream_options"),
+    (dict(prompt="hi", stream=True, stream_options={"continuous_usage_stats": 1}), 400,
+     "stream_options.continuous_usage_stats must be a boolean", "stream_options.continuous_usage_stats"),
 ])
 def test_errors_in_openai_shape(up, client, kwargs, status, words, param):
     kwargs.setdefault("model", up[2])
@@ -243,6 +284,41 @@ async def until(condition, timeout_s: float = 10.0) -> None:
             return
         await asyncio.sleep(0.05)
     raise AssertionError("the router did not notice in time")
+
+
+def test_cached_prompt_tokens_are_in_usage(tiny_llama):
+    """usage.prompt_tokens_details.cached_tokens: the prompt tokens the prefix cache of the node
+    that ran the prefill held: 0 for a prompt never seen, all but the last block's when it comes
+    again (blocks of 4 tokens; the last prompt token is always computed), in the streamed usage
+    chunk too. On a cluster of its own: where a prefill runs must not be the router's measured
+    choice (`pdserve up`'s local_prefill auto), or a repeat may go to the node that lacks it."""
+    async def scenario():
+        async with http_over_local_cluster(tiny_llama) as (router, prefills, decodes, http):
+            base_url = f"{str(http.base_url).rstrip('/')}/v1"
+            async with openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0) as client:
+                await cached_tokens_scenario(router, client, str(tiny_llama))
+
+    asyncio.run(scenario())
+
+
+async def cached_tokens_scenario(router, client: openai.AsyncOpenAI, model: str) -> None:
+    for mode, seed in (("off", 37), ("always", 41)):  # prefilled on the prefill node; on the decode node
+        router.placement.mode = mode
+        prompt = [(seed * i) % 300 + 10 for i in range(41)]  # seen by no other request
+        first, again = [await client.completions.create(model=model, prompt=prompt, max_tokens=2) for _ in range(2)]
+        assert first.usage.prompt_tokens_details.cached_tokens == 0, mode
+        assert again.usage.prompt_tokens_details.cached_tokens == 40, mode
+    router.placement.mode = "off"
+    messages = [{"role": "user", "content": "a conversation no other request has " * 4}]
+    usages = []
+    for _ in range(2):
+        stream = await client.chat.completions.create(model=model, messages=messages, max_tokens=2, stream=True,
+                                                      stream_options={"include_usage": True})
+        chunks = [c async for c in stream]
+        assert chunks[-1].choices == [] and all(c.usage is None for c in chunks[:-1])
+        usages.append(chunks[-1].usage)
+    first, again = (u.prompt_tokens_details.cached_tokens for u in usages)
+    assert first == 0 and again == (usages[1].prompt_tokens - 1) // 4 * 4
 
 
 def test_overload_is_429_and_no_node_is_503(tiny_llama):
