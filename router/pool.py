@@ -7,7 +7,9 @@ look, with every health check and after each request it served), and a node's ca
 the prompt counts against its load: a conversation stays on the node holding its history until
 `affinity_tokens` cached tokens no longer outweigh one more request in flight there. A node that fails
 `failure_threshold` health checks in a row (or answers NOT_SERVING) gets no new requests until
-a check passes again. `on_change` is awaited after each round of checks and each update, so the
+a check passes again. A check that only runs past its deadline is a failure once the node has
+answered none for `unresponsive_s` (a hung node): a busy node, or a router whose own event loop
+is busy, answers late, and a dead node refuses at once anyway. `on_change` is awaited after each round of checks and each update, so the
 router's own health can follow its pools.
 """
 
@@ -17,6 +19,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -29,6 +32,7 @@ from pdserve_api import common_pb2, nodes_pb2_grpc
 
 log = logging.getLogger(__name__)
 AFFINITY_TOKENS = 512  # cached prompt tokens on a node worth one more request in flight there
+UNRESPONSIVE_S = 10.0  # a node that answered no health check for this long is hung, not busy
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 8 << 20), ("grpc.max_send_message_length", 8 << 20)]
 
 
@@ -50,6 +54,7 @@ class Endpoint:
     prefilling: int = 0      # this router's prefills in flight there (on a decode node: local ones)
     prefill_tokens: int = 0  # and the tokens they compute
     refreshing: asyncio.Task | None = None  # a GetLoad in flight (EndpointPool.refresh)
+    last_answer: float = field(default_factory=time.monotonic)  # when a health check last answered
 
     def apply_load(self, load: common_pb2.NodeLoad) -> None:
         """Takes a GetLoad answer: the counters, and the changes to the node's prefix cache."""
@@ -93,7 +98,8 @@ class Endpoint:
 class EndpointPool:
     def __init__(self, role: str, addresses: list[str], check_interval_s: float = 1.0, failure_threshold: int = 2,
                  security: Security = NONE, on_change: Callable[[], Awaitable[None]] | None = None,
-                 affinity_tokens: int = AFFINITY_TOKENS):
+                 affinity_tokens: int = AFFINITY_TOKENS, unresponsive_s: float = UNRESPONSIVE_S):
+        self.unresponsive_s = unresponsive_s
         self.affinity_tokens = affinity_tokens
         self.security = security
         self.stub_cls = {"prefill": nodes_pb2_grpc.PrefillNodeStub, "decode": nodes_pb2_grpc.DecodeNodeStub}[role]
@@ -203,15 +209,22 @@ class EndpointPool:
             await self.on_change()
 
     async def _check(self, e: Endpoint) -> None:
-        # A busy node answers late, not never: a dead one refuses at once, whatever the timeout, so
-        # a short timeout only marks loaded nodes unhealthy (seen under a 64-client soak on 2 cores).
+        # A busy node answers late, not never: a late answer is not a failure until the node has
+        # been silent for unresponsive_s (seen: a 64-client soak on 2 busy cores timed out 1 s checks
+        # and took the only prefill node out, failing requests with UNAVAILABLE).
         timeout = max(1.0, self.check_interval_s)
         try:
             reply = await health_pb2_grpc.HealthStub(e.channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+            e.last_answer = time.monotonic()
             ok = reply.status == health_pb2.HealthCheckResponse.SERVING
             if ok:
                 e.apply_load(await e.stub.GetLoad(common_pb2.LoadRequest(cache_since=e.cache_version), timeout=timeout))
-        except grpc.aio.AioRpcError:
+        except grpc.aio.AioRpcError as err:
+            silent_s = time.monotonic() - e.last_answer
+            if err.code() == grpc.StatusCode.DEADLINE_EXCEEDED and e.healthy and silent_s < self.unresponsive_s:
+                log.info("%s node %s is slow to answer its health check (%.1f s since its last answer)",
+                         self.role, e.address, silent_s)
+                return
             ok = False
         if ok:
             if not e.healthy:

@@ -30,6 +30,7 @@ class Outcome:
     completed: int = 0  # with exactly the tokens of a run without the fault
     wrong: int = 0  # completed with other tokens (must be 0)
     failed: dict = field(default_factory=dict)  # clear errors by status
+    details: dict = field(default_factory=dict)  # status -> the first error's details, to say why
     lost: int = 0  # neither completed nor failed in time (must be 0)
     cancelled: int = 0
     leaked_blocks: int = 0  # on surviving nodes (must be 0)
@@ -231,6 +232,7 @@ async def soak(router: Router, nodes, num_requests: int, concurrency: int, cance
                 task.cancel()
             except grpc.aio.AioRpcError as e:
                 out.failed[e.code().name] = out.failed.get(e.code().name, 0) + 1
+                out.details.setdefault(e.code().name, e.details())
 
     async with AsyncClient(router.address) as client:
         out.sent = num_requests

@@ -1,0 +1,80 @@
+"""The router's health checks against a real gRPC node on a socket: a node that answers late is
+kept (a busy machine), a node that answers no check for `unresponsive_s` is taken out (hung), and
+a node that refuses is taken out after `failure_threshold` checks whatever `unresponsive_s` is."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from pdserve_api import common_pb2, nodes_pb2_grpc
+from router.pool import EndpointPool
+
+
+class Node(nodes_pb2_grpc.PrefillNodeServicer):
+    """A prefill node's health and GetLoad, answering after `delay_s` (longer than the check's 1 s
+    deadline: a hung node, or one too busy to answer in time)."""
+
+    def __init__(self):
+        self.delay_s = 0.0
+
+    async def GetLoad(self, request, context):
+        await asyncio.sleep(self.delay_s)
+        return common_pb2.NodeLoad()
+
+
+class SlowHealth(health.aio.HealthServicer):
+    def __init__(self, node: Node):
+        super().__init__()
+        self.node = node
+
+    async def Check(self, request, context):
+        await asyncio.sleep(self.node.delay_s)
+        return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
+
+
+async def serve(node: Node) -> tuple[grpc.aio.Server, str]:
+    server = grpc.aio.server()
+    nodes_pb2_grpc.add_PrefillNodeServicer_to_server(node, server)
+    health_pb2_grpc.add_HealthServicer_to_server(SlowHealth(node), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, f"127.0.0.1:{port}"
+
+
+def test_late_answers_keep_a_node_and_silence_or_refusal_takes_it_out():
+    async def scenario():
+        node = Node()
+        server, address = await serve(node)
+        pool = EndpointPool("prefill", [address], check_interval_s=0.1, unresponsive_s=3600)
+        try:
+            await pool.check_all()
+            assert [e.address for e in pool.healthy()] == [address]
+            node.delay_s = 3.0  # past the 1 s deadline of every check
+            for _ in range(3):
+                await pool.check_all()
+            assert pool.healthy(), "a node that answers late is busy, not gone"
+            await pool.check(pool.endpoints[0])  # the check after a failed request, too
+            assert pool.healthy()
+
+            pool.unresponsive_s = 0.5  # silent for longer than this since its last answer: hung
+            await pool.check_all()
+            await pool.check_all()
+            assert not pool.healthy()
+
+            node.delay_s = 0.0
+            await pool.check_all()
+            assert pool.healthy(), "back once a check passes"
+
+            pool.unresponsive_s = 3600
+            await server.stop(0)  # refuses: out after failure_threshold checks, however patient
+            await pool.check_all()
+            await pool.check_all()
+            assert not pool.healthy()
+        finally:
+            await pool.close()
+            await server.stop(0)
+
+    asyncio.run(scenario())
