@@ -77,7 +77,9 @@ def add_security_args(p: argparse.ArgumentParser, public: bool = False) -> None:
     if public:
         g.add_argument("--public-tls-cert", help="PEM certificate of the public (router) port")
         g.add_argument("--public-tls-key", help="PEM private key of the public port")
-        g.add_argument("--public-token-file", help="bearer token clients must send to the router")
+        g.add_argument("--api-key-file", default=None,
+                       help="API keys, one per line: clients of the public gRPC and HTTP APIs must send one as "
+                            "authorization: Bearer <key> (default: none, the APIs are open)")
 
 
 def internal_security(args):
@@ -90,7 +92,7 @@ def internal_security(args):
 def public_security(args):
     from pdserve.security import Security
 
-    return Security.from_files(args.public_tls_cert, args.public_tls_key, None, args.public_token_file)
+    return Security.from_files(args.public_tls_cert, args.public_tls_key, api_key_file=args.api_key_file)
 
 
 def security_args(args) -> list[str]:
@@ -180,10 +182,10 @@ def cmd_generate(args) -> int:
     if args.seed is not None:
         sampling["seed"] = args.seed
     try:
-        from pdserve.security import Security
+        from pdserve.security import Security, read_api_keys
 
         metadata = [("application", args.application)] if args.application else None
-        security = Security.from_files(ca=args.tls_ca, token_file=args.token_file)
+        security = Security(ca=args.tls_ca, token=read_api_keys(args.api_key_file)[0] if args.api_key_file else None)
         stream_answer(args.addr, args.prompt, chat=not args.raw, as_json=args.json, timeout=args.timeout,
                       metadata=metadata, security=security, **sampling)
     except grpc.RpcError as e:  # stream_answer ended any streamed text with a newline
@@ -232,9 +234,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rate-limit", type=float, default=None, help="requests/s per client at the router")
     p.add_argument("--http-port", type=int, default=None,
                    help="also serve the OpenAI-compatible HTTP API on this port (0: any)")
-    p.add_argument("--api-key-file", default=None,
-                   help="HTTP API keys, one per line: clients must send Authorization: Bearer <key> "
-                        "(default: none, the API is open)")
     p.add_argument("--max-outstanding", type=int, default=1024,
                    help="requests in flight at the router before RESOURCE_EXHAUSTED")
     p.add_argument("--log-dir", default=None,
@@ -268,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--application", default=None,
                    help="through Ray Serve's gRPC proxy: the application name (sent as metadata)")
     p.add_argument("--tls-ca", help="trust this CA for a TLS router (default: plaintext)")
-    p.add_argument("--token-file", help="bearer token the router expects")
+    p.add_argument("--api-key-file", help="the router's API key (its first line), sent as authorization: Bearer")
     add_sampling_args(p)
     p.set_defaults(func=cmd_generate)
 

@@ -1,10 +1,11 @@
 """Who may talk to a pdserve server: TLS (mutual on the internal ports) and a shared bearer token.
 
-- Public port (the router): TLS with the server's certificate; optionally a bearer token.
+- Public port (the router): TLS with the server's certificate; optionally API keys (any of them
+  as `authorization: Bearer <key>` metadata, the same keys as the HTTP API's Authorization header).
 - Internal ports (prefill, decode, KV plane): mutual TLS (a client certificate signed by the
   cluster CA is required) and/or a shared bearer token. An unknown peer cannot submit requests,
   read KV or push it.
-Certificates and tokens come from files. The standard health service stays open (Kubernetes
+Certificates, tokens and keys come from files. The standard health service stays open (Kubernetes
 probes); every other method needs the token when one is configured.
 """
 
@@ -28,8 +29,9 @@ class Security:
     cert: str | None = None  # PEM: this process's certificate (server, and client for mTLS)
     key: str | None = None
     ca: str | None = None  # PEM: the CA that signs the peers' certificates
-    token: str | None = None  # shared bearer token
+    token: str | None = None  # shared bearer token: clients send it, servers require it
     require_client_cert: bool = False  # mTLS on this server
+    api_keys: tuple[str, ...] = ()  # the public port: a server accepts any of these
 
     def __post_init__(self):
         if bool(self.cert) != bool(self.key):
@@ -42,11 +44,12 @@ class Security:
         return bool(self.cert)
 
     @classmethod
-    def from_files(cls, cert=None, key=None, ca=None, token_file=None, require_client_cert=False) -> "Security":
+    def from_files(cls, cert=None, key=None, ca=None, token_file=None, require_client_cert=False,
+                   api_key_file=None) -> "Security":
         token = Path(token_file).read_text().strip() if token_file else None
         if token_file and not token:
             raise ValueError(f"token file {token_file} is empty")
-        return cls(cert, key, ca, token, require_client_cert)
+        return cls(cert, key, ca, token, require_client_cert, read_api_keys(api_key_file) if api_key_file else ())
 
     # ---- servers ------------------------------------------------------------------------
     def server_credentials(self) -> grpc.ServerCredentials | None:
@@ -56,7 +59,9 @@ class Security:
                                            require_client_auth=self.require_client_cert)
 
     def interceptors(self) -> list:
-        return [TokenCheck(self.token)] if self.token else []
+        if self.api_keys:
+            return [TokenCheck(self.api_keys, "invalid or missing API key (metadata authorization: Bearer <key>)")]
+        return [TokenCheck((self.token,), "missing or wrong bearer token")] if self.token else []
 
     # ---- clients ------------------------------------------------------------------------
     def channel(self, address: str, options: list | None = None) -> grpc.aio.Channel:
@@ -83,27 +88,46 @@ class Security:
 NONE = Security()
 
 
-class TokenCheck(grpc.aio.ServerInterceptor):
-    """Refuses calls without the bearer token (UNAUTHENTICATED), except the health service."""
+def read_api_keys(path: str) -> tuple[str, ...]:
+    """API keys, one per line (blank lines ignored)."""
+    try:
+        keys = tuple(line.strip() for line in Path(path).read_text().splitlines() if line.strip())
+    except OSError as e:
+        raise ValueError(f"cannot read the API key file {path}: {e.strerror}") from None
+    if not keys:
+        raise ValueError(f"the API key file {path} holds no key (one per line)")
+    return keys
 
-    def __init__(self, token: str):
-        self.expected = f"Bearer {token}".encode()
+
+def authorized(given: str, accepted: tuple[bytes, ...]) -> bool:
+    """Whether an Authorization value is `Bearer <one of the keys>`, compared in constant time
+    against every key (not stopping at a match)."""
+    matches = [hmac.compare_digest(given.encode(), k) for k in accepted]
+    return any(matches)
+
+
+class TokenCheck(grpc.aio.ServerInterceptor):
+    """Refuses calls without one of the bearer tokens (UNAUTHENTICATED), except the health service."""
+
+    def __init__(self, tokens: tuple[str, ...], message: str):
+        self.accepted = tuple(f"Bearer {t}".encode() for t in tokens)
+        self.message = message
 
     async def intercept_service(self, continuation, details):
         if details.method.startswith(OPEN_METHODS):
             return await continuation(details)
         given = dict(details.invocation_metadata or ()).get("authorization", "")
-        if hmac.compare_digest(given.encode(), self.expected):
+        if authorized(given, self.accepted):
             return await continuation(details)
-        return _deny(await continuation(details))
+        return _deny(await continuation(details), self.message)
 
 
-def _deny(handler):
+def _deny(handler, message: str):
     async def unary(request, context):
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
     async def stream(request, context):
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
         yield  # pragma: no cover
 
     if handler is None:

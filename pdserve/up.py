@@ -103,10 +103,6 @@ async def first_exit(nodes: list[Node]) -> Node:
             w.cancel()
 
 
-def read_keys(path: str | None) -> tuple[str, ...]:
-    return tuple(line.strip() for line in open(path) if line.strip()) if path else ()
-
-
 def security_args(args) -> list[str]:
     from pdserve.cli import security_args as flags
 
@@ -183,11 +179,12 @@ async def up(args) -> int:
         return 0
     router = None
     try:
+        public = public_security(args)
         router = Router(args.model, [n.address for n in nodes if n.role == "prefill"],
                         [n.address for n in nodes if n.role == "decode"], args.host, args.port, args.max_model_len,
-                        public_security=public_security(args), internal_security=internal_security(args),
+                        public_security=public, internal_security=internal_security(args),
                         max_outstanding=args.max_outstanding, rate_limit=args.rate_limit, http_port=args.http_port,
-                        api_keys=read_keys(args.api_key_file), kv_layerwise=args.kv_layerwise,
+                        kv_layerwise=args.kv_layerwise,
                         **placement_kwargs(args))
         await router.start()
         for n in nodes:
@@ -202,8 +199,11 @@ async def up(args) -> int:
         if args.ask:
             from pdserve.generate import stream_answer
 
+            from pdserve.security import Security
+
+            key = Security(token=public.api_keys[0]) if public.api_keys else Security()  # --ask is a client too
             work = asyncio.ensure_future(asyncio.to_thread(stream_answer, router.address, args.ask,
-                                                           max_tokens=args.max_tokens))
+                                                           max_tokens=args.max_tokens, security=key))
         else:
             print("Ctrl-C stops everything.", file=sys.stderr, flush=True)
             work = asyncio.ensure_future(stop.wait())

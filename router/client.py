@@ -13,7 +13,7 @@ grpc.RpcError with the server's status code and message.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from google.protobuf.json_format import MessageToDict
 
@@ -71,10 +71,12 @@ def build_request(prompt: str | list[int] | None = None, *, messages: list[dict]
 
 class Client:
     """metadata: sent with every call, e.g. [("application", "pdserve")] through Ray Serve's proxy.
+    api_key: one of the router's --api-key-file keys (sent as `authorization: Bearer <key>`).
     security: TLS (the CA to trust) and/or the bearer token of a protected router."""
 
     def __init__(self, address: str, timeout: float | None = None, metadata: list[tuple[str, str]] | None = None,
-                 security: Security = NONE):
+                 security: Security = NONE, api_key: str | None = None):
+        security = replace(security, token=api_key) if api_key else security
         self.channel = security.sync_channel(address, OPTIONS)
         self.stub = generate_pb2_grpc.GenerationStub(self.channel)
         self.timeout = timeout
@@ -116,8 +118,11 @@ class Client:
 
 
 class AsyncClient:
+    """Client's calls as coroutines; the same arguments."""
+
     def __init__(self, address: str, timeout: float | None = None, metadata: list[tuple[str, str]] | None = None,
-                 security: Security = NONE):
+                 security: Security = NONE, api_key: str | None = None):
+        security = replace(security, token=api_key) if api_key else security
         self.channel = security.channel(address, OPTIONS)
         self.stub = generate_pb2_grpc.GenerationStub(self.channel)
         self.timeout = timeout

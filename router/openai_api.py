@@ -15,7 +15,6 @@ overloaded or unavailable cluster).
 
 from __future__ import annotations
 
-import hmac
 import json
 import re
 import time
@@ -27,6 +26,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from pdserve.security import authorized
 from pdserve_api import common_pb2, generate_pb2
 from router.frontend import Frontend, RequestError
 
@@ -109,8 +109,7 @@ class OpenAIAPI:
     def _authorize(self, request: Request) -> None:
         if not self.api_keys:
             return
-        given = request.headers.get("authorization", "").encode()
-        if not any(hmac.compare_digest(given, k) for k in self.api_keys):
+        if not authorized(request.headers.get("authorization", ""), self.api_keys):
             raise APIError(401, "invalid or missing API key (Authorization: Bearer <key>)", code="invalid_api_key")
 
     def _to_pdserve(self, body: dict, chat: bool):

@@ -39,10 +39,11 @@ class Router(Frontend):
     def __init__(self, model: str, prefill: list[str], decode: list[str], host: str = "127.0.0.1", port: int = 0,
                  max_model_len: int | None = None, check_interval_s: float = 1.0, metrics: Metrics | None = None,
                  public_security: Security = NONE, internal_security: Security = NONE, http_port: int | None = None,
-                 api_keys: tuple[str, ...] = (), kv_layerwise: str = "auto", cache_affinity_tokens: int = AFFINITY_TOKENS,
+                 kv_layerwise: str = "auto", cache_affinity_tokens: int = AFFINITY_TOKENS,
                  local_prefill: str = "auto", max_local_prefill_tokens: int = MAX_LOCAL_TOKENS, **limits):
-        """http_port: also serve the OpenAI-compatible HTTP API (router/openai_api.py) there, with
-        these API keys (none: open). kv_layerwise: auto, on or off (see _layerwise).
+        """http_port: also serve the OpenAI-compatible HTTP API (router/openai_api.py) there.
+        public_security.api_keys guard both public APIs (none: open): gRPC metadata and the HTTP
+        header `authorization: Bearer <key>`. kv_layerwise: auto, on or off (see _layerwise).
         cache_affinity_tokens: cached prompt tokens on a prefill node worth one more request in
         flight there (router/pool.py); 0 ignores the nodes' caches. local_prefill (auto, off,
         always) and max_local_prefill_tokens: conditional disaggregation (router/placement.py)."""
@@ -53,7 +54,7 @@ class Router(Frontend):
             raise ValueError(f"kv_layerwise must be one of {KV_LAYERWISE}, got {kv_layerwise!r}")
         self.kv_layerwise = kv_layerwise
         self.placement = Placement(local_prefill, max_local_prefill_tokens)
-        self.http_port, self.api_keys, self._http = http_port, api_keys, None
+        self.http_port, self.api_keys, self._http = http_port, public_security.api_keys, None
         self._serving: bool | None = None  # what the gRPC health service last said
         self.prefill_pool = EndpointPool("prefill", prefill, check_interval_s, security=internal_security,
                                          on_change=self._follow_pools, affinity_tokens=cache_affinity_tokens)

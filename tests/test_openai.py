@@ -19,12 +19,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from router.client import Client
 
 PROMPT_IDS = [5, 17, 33, 8, 90, 41, 7]
+KEY, OTHER_KEY = "sk-test-1", "sk-test-2"  # the keys file of `up`
 
 
 @pytest.fixture(scope="module")
 def up(tiny_llama, tmp_path_factory):
     keys = tmp_path_factory.mktemp("keys") / "keys"
-    keys.write_text("sk-test-1\nsk-test-2\n")
+    keys.write_text(f"{KEY}\n\n{OTHER_KEY}\n")
     proc = subprocess.Popen([sys.executable, "-m", "pdserve", "up", "--model", str(tiny_llama), "--port", "0",
                              "--http-port", "0", "--api-key-file", str(keys), "--dtype", "float32",
                              "--kv-cache-gb", "0.01", "--block-size", "4", "--num-threads", "1",
@@ -39,19 +40,19 @@ def up(tiny_llama, tmp_path_factory):
             break
     threading.Thread(target=proc.stderr.read, daemon=True).start()
     assert http and grpc, "pdserve up did not come up"
-    yield http, grpc, str(tiny_llama)
+    yield http, grpc, str(tiny_llama), keys
     proc.terminate()
     proc.wait(timeout=60)
 
 
 @pytest.fixture
 def client(up):
-    return openai.OpenAI(base_url=up[0], api_key="sk-test-1", max_retries=0)
+    return openai.OpenAI(base_url=up[0], api_key=KEY, max_retries=0)
 
 
 def test_completions_equal_the_grpc_path(up, client):
-    _, grpc_addr, model = up
-    expected = Client(grpc_addr).generate(PROMPT_IDS, max_tokens=12, temperature=0, ignore_eos=True)
+    _, grpc_addr, model, _ = up
+    expected = Client(grpc_addr, api_key=KEY).generate(PROMPT_IDS, max_tokens=12, temperature=0, ignore_eos=True)
     result = client.completions.create(model=model, prompt=PROMPT_IDS, max_tokens=12, temperature=0,
                                        extra_body={"ignore_eos": True})
     assert result.choices[0].text == expected.text
@@ -66,9 +67,9 @@ def test_completions_equal_the_grpc_path(up, client):
 
 
 def test_chat_equals_the_grpc_path(up, client):
-    _, grpc_addr, model = up
+    _, grpc_addr, model, _ = up
     messages = [{"role": "user", "content": "Hello world"}]
-    expected = Client(grpc_addr).generate(messages=messages, max_tokens=10, temperature=0, ignore_eos=True)
+    expected = Client(grpc_addr, api_key=KEY).generate(messages=messages, max_tokens=10, temperature=0, ignore_eos=True)
     result = client.chat.completions.create(model=model, messages=messages, max_tokens=10, temperature=0,
                                             extra_body={"ignore_eos": True}, logprobs=True, top_logprobs=2)
     assert result.choices[0].message.role == "assistant"
@@ -127,7 +128,7 @@ def test_models_and_health(up, client):
 
 
 def test_sse_framing_with_a_plain_http_client(up):
-    http, _, model = up
+    http, _, model, _ = up
     body = {"model": model, "prompt": PROMPT_IDS, "max_tokens": 5, "stream": True, "ignore_eos": True}
     with httpx.stream("POST", f"{http}/completions", json=body, headers={"Authorization": "Bearer sk-test-2"}) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
@@ -165,9 +166,9 @@ def test_errors_in_openai_shape(up, client, kwargs, status, words, param):
 
 
 def test_n_choices_equal_the_grpc_samples(up, client):
-    _, grpc_addr, model = up
+    _, grpc_addr, model, _ = up
     sampling = dict(max_tokens=8, temperature=1.0, seed=7)
-    expected = Client(grpc_addr).generate(PROMPT_IDS, n=3, ignore_eos=True, **sampling)
+    expected = Client(grpc_addr, api_key=KEY).generate(PROMPT_IDS, n=3, ignore_eos=True, **sampling)
     result = client.completions.create(model=model, prompt=PROMPT_IDS, n=3, extra_body={"ignore_eos": True},
                                        **sampling)
     assert [c.index for c in result.choices] == [0, 1, 2]
@@ -190,7 +191,7 @@ def test_n_choices_equal_the_grpc_samples(up, client):
     # vLLM's beam search extension: best_of beams, the n best returned, as over gRPC
     beams = client.completions.create(model=model, prompt=PROMPT_IDS, n=2, max_tokens=8, temperature=0,
                                       extra_body={"use_beam_search": True, "best_of": 3})
-    expected = Client(grpc_addr).generate(PROMPT_IDS, n=2, beam_width=3, max_tokens=8)
+    expected = Client(grpc_addr, api_key=KEY).generate(PROMPT_IDS, n=2, beam_width=3, max_tokens=8)
     assert [c.text for c in beams.choices] == [s.text for s in expected.samples[:2]] and len(expected.samples) == 3
     streamed = ["", ""]
     for chunk in client.completions.create(model=model, prompt=PROMPT_IDS, n=2, max_tokens=8, temperature=0,
@@ -258,6 +259,32 @@ def test_api_keys(up):
         bad.models.list()
     r = httpx.post(f"{up[0]}/completions", json={"model": up[2], "prompt": "hi"})
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+
+
+def test_the_same_api_keys_guard_the_grpc_api(up):
+    """--api-key-file: gRPC clients send one of the keys as `authorization: Bearer <key>` metadata;
+    without one, or with another, every Generation method is UNAUTHENTICATED naming the API key,
+    while the health service stays open for probes. `pdserve generate --api-key-file` sends it."""
+    _, grpc_addr, model, keys = up
+    for key in (KEY, OTHER_KEY):
+        with Client(grpc_addr, api_key=key) as c:
+            assert len(c.generate(PROMPT_IDS, max_tokens=3, ignore_eos=True).token_ids) == 3
+            assert c.models() == [model]
+    for client in (Client(grpc_addr), Client(grpc_addr, api_key="sk-wrong"),
+                   Client(grpc_addr, metadata=[("authorization", KEY)])):  # not a Bearer value
+        with client as c:
+            for call in (lambda: c.generate(PROMPT_IDS, max_tokens=3), c.models, lambda: c.tokenize("hi")):
+                with pytest.raises(grpc.RpcError) as err:
+                    call()
+                assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+                assert "invalid or missing API key" in err.value.details()
+    with grpc.insecure_channel(grpc_addr) as channel:
+        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=30)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    argv = [sys.executable, "-m", "pdserve", "generate", "--addr", grpc_addr, "--raw", "--max-tokens", "3", "Hi"]
+    assert subprocess.run(argv + ["--api-key-file", str(keys)], capture_output=True, timeout=120).returncode == 0
+    refused = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 1 and refused.stderr.startswith("pdserve: error: UNAUTHENTICATED: invalid or missing")
 
 
 @contextlib.asynccontextmanager
