@@ -111,6 +111,7 @@ class EndpointPool:
         self._turn = itertools.count()
         self._task: asyncio.Task | None = None
         self.on_change = on_change
+        self.closed = False
 
     def _endpoint(self, address: str) -> Endpoint:
         channel = self.security.channel(address, CHANNEL_OPTIONS)
@@ -169,6 +170,8 @@ class EndpointPool:
         return e.refreshing
 
     async def _refresh(self, e: Endpoint) -> None:
+        if self.closed:  # a request that ended after the router closed its pools
+            return
         with contextlib.suppress(grpc.aio.AioRpcError):
             e.apply_load(await e.stub.GetLoad(common_pb2.LoadRequest(cache_since=e.cache_version), timeout=1.0))
 
@@ -184,9 +187,15 @@ class EndpointPool:
         self._task = asyncio.create_task(self._loop())
 
     async def close(self) -> None:
-        if self._task:
-            self._task.cancel()
-        for e in self.endpoints + self.retired:
+        # Health checks and load refreshes end before their channels close: a GetLoad on a closed
+        # channel raises UsageError in a task nobody awaits (seen at `pdserve up` shutdowns).
+        self.closed = True
+        endpoints = self.endpoints + self.retired
+        tasks = [t for t in [self._task] + [e.refreshing for e in endpoints] if t is not None and not t.done()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for e in endpoints:
             await e.channel.close()
 
     async def _loop(self) -> None:
@@ -212,6 +221,8 @@ class EndpointPool:
         # A busy node answers late, not never: a late answer is not a failure until the node has
         # been silent for unresponsive_s (seen: a 64-client soak on 2 busy cores timed out 1 s checks
         # and took the only prefill node out, failing requests with UNAVAILABLE).
+        if self.closed:
+            return
         timeout = max(1.0, self.check_interval_s)
         try:
             reply = await health_pb2_grpc.HealthStub(e.channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout)

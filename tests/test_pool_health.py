@@ -78,3 +78,29 @@ def test_late_answers_keep_a_node_and_silence_or_refusal_takes_it_out():
             await server.stop(0)
 
     asyncio.run(scenario())
+
+
+def test_closing_a_pool_with_refreshes_in_flight_leaves_no_task_error():
+    """`pdserve up` shutdowns printed `Task exception was never retrieved ... UsageError: Channel
+    is closed`: a load refresh still running when its channel closed."""
+    async def scenario():
+        errors = []
+        asyncio.get_running_loop().set_exception_handler(lambda loop, context: errors.append(context))
+        node = Node()
+        server, address = await serve(node)
+        pool = EndpointPool("prefill", [address], check_interval_s=0.05)
+        await pool.start()
+        node.delay_s = 0.5  # the refreshes and the next checks are in flight when the pool closes
+        refreshes = [pool.refresh(pool.endpoints[0]) for _ in range(3)]
+        await asyncio.sleep(0.1)
+        await pool.close()
+        pool.refresh(pool.endpoints[0])  # a request that ends after the router stopped its pools
+        await asyncio.sleep(0.6)
+        del refreshes, pool  # a task's unretrieved exception is reported when it is collected
+        import gc
+
+        gc.collect()
+        await server.stop(0)
+        return errors
+
+    assert asyncio.run(scenario()) == []
