@@ -208,6 +208,7 @@ def cmd_bench(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode LLM serving.")
+    parser.add_argument("--version", action="version", version=f"pdserve {version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     def command(name: str, help: str, description: str = "") -> argparse.ArgumentParser:
@@ -279,11 +280,29 @@ def main(argv: list[str] | None = None) -> int:
     add_sampling_args(p)
     p.set_defaults(func=cmd_generate_offline)
     args = parser.parse_args(argv)
+    import grpc
+
     try:
         return args.func(args)
     except ValueError as e:
         print(f"pdserve: error: {e}", file=sys.stderr)
         return 2
+    except grpc.RpcError as e:  # a server that refused, or none at the address: one line, no traceback
+        print(f"pdserve: error: {rpc_error(e)}", file=sys.stderr)
+        return 1
+    except OSError as e:  # a file that cannot be read, a port that cannot be bound
+        print(f"pdserve: error: {f'{e.filename}: {e.strerror}' if e.filename else e}", file=sys.stderr)
+        return 1
+
+
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    try:
+        return installed("pdserve")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return "(not installed)"
 
 
 if __name__ == "__main__":

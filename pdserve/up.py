@@ -2,8 +2,10 @@
 
 Each node is its own process (`python -m prefill_node` / `python -m decode_node`, port chosen
 by the OS and announced on its READY line; its stderr, where it logs, goes to
-`<log dir>/<role>-<index>.log`); the router runs in this process. Once every node is ready, one
-line per node gives its role, address, PID and log.
+`<log dir>/<role>-<index>.log`); the router runs in this process. Fixed ports (--port,
+--http-port, --metrics-port) are checked before any node starts. One line says what starts and
+where the logs go, one line per node as it becomes ready (role, address, PID, time, log), then
+the router's. A temporary log directory (no --log-dir) is removed at exit unless a node failed.
 
 A node that exits, before it is ready or while serving, stops everything: `pdserve up` prints
 one line naming the node (role, index, PID, exit code) with the error line of its log (e.g.
@@ -21,9 +23,12 @@ import asyncio
 import json
 import os
 import re
+import shutil
 import signal
+import socket
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 READY_TIMEOUT_S = 600.0  # the first start converts the model
@@ -39,6 +44,7 @@ class NodeFailed(RuntimeError):
 class Node:
     def __init__(self, role: str, index: int, proc: asyncio.subprocess.Process, log: Path):
         self.role, self.index, self.proc, self.log = role, index, proc, log
+        self.started = time.monotonic()
         self.address = ""
         self.metrics = ""
         self._pump: asyncio.Task | None = None
@@ -56,6 +62,8 @@ class Node:
                 self.address = text.split()[1]
                 self.metrics = next((w.split("=")[1] for w in text.split()[2:] if w.startswith("metrics=")), "")
                 self._pump = asyncio.create_task(self._forward_output())
+                print(f"pdserve up: {self.role} node {self.index} on {self.address}, pid {self.proc.pid}, "
+                      f"ready in {time.monotonic() - self.started:.1f} s, log {self.log}", file=sys.stderr, flush=True)
                 return self.address
             print(f"[{self.role}-{self.index}] {text}", file=sys.stderr)
 
@@ -119,12 +127,29 @@ def node_args(args, threads: int, metrics_port: int | None) -> list[str]:
             *(["--metrics-port", str(metrics_port)] if metrics_port is not None else [])]
 
 
-async def start_nodes(args, stop: asyncio.Event) -> list[Node]:
+def check_ports(args) -> None:
+    """Raises OSError, in one line naming the flag, for a fixed port that cannot be bound: before
+    any node starts, not after (gRPC would only fail once the nodes were up, and log a C++ line)."""
+    wanted = [("--port", args.host, args.port), ("--http-port", args.host, args.http_port)]
+    if args.metrics_port:  # the router on it, the nodes on the ports after it (all interfaces)
+        wanted += [("--metrics-port", "0.0.0.0", args.metrics_port + i) for i in range(args.prefill + args.decode + 1)]
+    seen = {}
+    for flag, host, port in wanted:
+        if not port:
+            continue
+        if port in seen:
+            raise OSError(f"{seen[port]} and {flag} both need port {port}")
+        seen[port] = flag
+        try:
+            socket.create_server((host, port)).close()  # SO_REUSEADDR, as gRPC and uvicorn bind
+        except OSError as e:
+            raise OSError(f"could not bind {host}:{port} ({flag}): {os.strerror(e.errno) if e.errno else e}") from None
+
+
+async def start_nodes(args, stop: asyncio.Event, log_dir: Path) -> list[Node]:
     """Starts every node and waits until all are ready; [] if `stop` is set first. Raises
     NodeFailed (having stopped the others) when one exits, or is not ready in time."""
     threads = args.num_threads or max(1, (os.cpu_count() or 1) // (args.prefill + args.decode))
-    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="pdserve-up-"))
-    log_dir.mkdir(parents=True, exist_ok=True)
     nodes = []
     for role, count in (("prefill", args.prefill), ("decode", args.decode)):
         module = f"{role}_node"
@@ -135,7 +160,7 @@ async def start_nodes(args, stop: asyncio.Event) -> list[Node]:
             if args.pin_cpus:
                 extra += ["--cpus", str(len(nodes) % (os.cpu_count() or 1))]
             log = log_dir / f"{role}-{i}.log"
-            with open(log, "wb") as stderr:  # the child keeps its own descriptor
+            with open(os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as stderr:  # the child keeps its own
                 proc = await asyncio.create_subprocess_exec(
                     sys.executable, "-m", module, "--host", args.host, "--port", "0",
                     *node_args(args, threads, metrics_port), *extra, *security_args(args),
@@ -165,16 +190,36 @@ async def start_nodes(args, stop: asyncio.Event) -> list[Node]:
 
 async def up(args) -> int:
     from engine.model_source import resolve_model
+
+    check_ports(args)
+    temporary = not args.log_dir
+    log_dir = Path(tempfile.mkdtemp(prefix="pdserve-up-")) if temporary else Path(args.log_dir)
+    log_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    print(f"pdserve up: model {args.model}: starting {args.prefill} prefill + {args.decode} decode node "
+          f"processes, logs in {log_dir}{' (removed at exit unless a node fails)' if temporary else ''}",
+          file=sys.stderr, flush=True)
+    failed = True
+    try:
+        resolve_model(args.model)  # convert once here, not in every node at the same time
+        failed = await serve(args, log_dir) != 0
+        return 0 if not failed else 1
+    finally:
+        if temporary and not failed:
+            shutil.rmtree(log_dir, ignore_errors=True)  # kept otherwise: a failed node's line names its log
+
+
+async def serve(args, log_dir: Path) -> int:
+    """The nodes, then the router; until Ctrl-C, SIGTERM, the --ask answer or a node's exit."""
     from pdserve.cli import internal_security, public_security
     from router.placement import placement_kwargs
     from router.server import Router
 
-    resolve_model(args.model)  # convert once here, not in every node at the same time
+    began = time.monotonic()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    nodes = await start_nodes(args, stop)
+    nodes = await start_nodes(args, stop, log_dir)
     if not nodes:
         return 0
     router = None
@@ -187,18 +232,14 @@ async def up(args) -> int:
                         kv_layerwise=args.kv_layerwise,
                         **placement_kwargs(args))
         await router.start()
-        for n in nodes:
-            print(f"pdserve up: {n.role} node {n.index} on {n.address}, pid {n.proc.pid}, log {n.log}",
-                  file=sys.stderr)
         if router.http_address:
             print(f"pdserve up: OpenAI-compatible HTTP API on http://{router.http_address}/v1", file=sys.stderr)
         metrics = f"; metrics on ports {router.metrics.serve(args.metrics_port)}-{args.metrics_port + len(nodes)}" \
             if args.metrics_port else ""
-        print(f"pdserve up: router on {router.address} serving {args.model}{metrics}, pid {os.getpid()}",
-              file=sys.stderr, flush=True)
+        print(f"pdserve up: router on {router.address} serving {args.model}{metrics}, pid {os.getpid()}, "
+              f"up in {time.monotonic() - began:.1f} s", file=sys.stderr, flush=True)
         if args.ask:
             from pdserve.generate import stream_answer
-
             from pdserve.security import Security
 
             key = Security(token=public.api_keys[0]) if public.api_keys else Security()  # --ask is a client too

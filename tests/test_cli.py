@@ -47,7 +47,8 @@ def test_up_then_generate_streams_and_stops_cleanly(tiny_llama, tmp_path):
     try:
         address, node_lines = None, []
         for line in up.stderr:
-            node_lines += re.findall(r"^pdserve up: (\w+) node 0 on (\S+), pid (\d+), log (\S+)$", line)
+            node_lines += re.findall(r"^pdserve up: (\w+) node 0 on (\S+), pid (\d+), ready in [\d.]+ s, log (\S+)$",
+                                     line)
             if line.startswith("pdserve up: router on "):
                 address = line.split()[4]
                 break
@@ -158,25 +159,30 @@ def test_up_says_in_one_line_why_a_node_did_not_start(tiny_llama, tmp_path):
     r = subprocess.run([*UP, "--model", str(tiny_llama), "--max-num-seqs", "0", "--log-dir", str(tmp_path)],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 1
-    [line] = r.stderr.splitlines()  # no traceback: that stays in the node's log
+    assert "Traceback" not in r.stderr  # that stays in the node's log
+    first, line = r.stderr.splitlines()  # what starts, then why it stopped
+    assert first.startswith(f"pdserve up: model {tiny_llama}: starting 1 prefill + 1 decode node processes")
     assert re.fullmatch(r"pdserve up: error: (prefill|decode) node 0 \(pid \d+\) exited with code 1 before it was "
                         r"ready: ValueError: max_num_seqs must be >= 1, got 0 \(log: \S+\.log\)", line), line
     log = Path(line.rsplit("(log: ", 1)[1].rstrip(")"))
     assert log.parent == tmp_path and "Traceback" in log.read_text()
 
 
-@pytest.mark.parametrize("flag, words", [("--port", "could not bind 127.0.0.1:"),
-                                         ("--http-port", "could not serve HTTP on 127.0.0.1:")])
-def test_up_says_in_one_line_that_a_port_is_taken(tiny_llama, tmp_path, flag, words):
+@pytest.mark.parametrize("flag, host", [("--port", "127.0.0.1"), ("--http-port", "127.0.0.1"),
+                                        ("--metrics-port", "0.0.0.0")])
+def test_up_says_in_one_line_that_a_port_is_taken_before_starting_a_node(tiny_llama, tmp_path, flag, host):
     import socket
 
-    with socket.create_server(("127.0.0.1", 0)) as taken:
+    with socket.create_server((host, 0)) as taken:
         port = str(taken.getsockname()[1])
-        r = subprocess.run([*UP, "--model", str(tiny_llama), "--log-dir", str(tmp_path), flag, port],
+        r = subprocess.run([*UP, "--model", str(tiny_llama), "--log-dir", str(tmp_path / "logs"), flag, port],
                            capture_output=True, text=True, timeout=300)
     assert r.returncode == 1
-    assert "Traceback" not in r.stderr
-    assert r.stderr.splitlines()[-1].startswith(f"pdserve up: error: {words}{port}"), r.stderr
+    assert r.stderr == f"pdserve up: error: could not bind {host}:{port} ({flag}): Address already in use\n"
+    assert not (tmp_path / "logs").exists()  # no node was started
+    both = subprocess.run([*UP[:4], "--port", "8123", "--http-port", "8123"], capture_output=True, text=True,
+                          timeout=300)
+    assert both.returncode == 1 and both.stderr == "pdserve up: error: --port and --http-port both need port 8123\n"
 
 
 def test_up_stops_everything_and_exits_1_when_a_node_exits(tiny_llama, tmp_path):
@@ -203,3 +209,41 @@ def test_up_stops_everything_and_exits_1_when_a_node_exits(tiny_llama, tmp_path)
         if up.poll() is None:
             up.kill()
             up.wait()
+
+
+def test_version_and_one_line_client_errors(tmp_path):
+    from importlib.metadata import version
+
+    r = run("--version")
+    assert r.returncode == 0 and r.stdout == f"pdserve {version('pdserve')}\n"
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        closed = f"127.0.0.1:{s.getsockname()[1]}"
+    for args in (["bench", "--addr", closed, "--num-requests", "1", "--quiet"], ["generate", "--addr", closed, "hi"]):
+        r = run(*args)
+        assert r.returncode == 1, r
+        assert r.stderr.startswith("pdserve: error: UNAVAILABLE: ") and r.stderr.count("\n") == 1, r.stderr
+    r = run("bench", "--addr", closed, "--dataset", str(tmp_path / "missing.jsonl"))
+    assert (r.returncode, r.stderr) == (1, f"pdserve: error: {tmp_path / 'missing.jsonl'}: No such file or directory\n")
+    r = run("generate", "--addr", closed, "--api-key-file", str(tmp_path / "none"), "hi")
+    assert r.returncode == 2 and r.stderr.startswith("pdserve: error: cannot read the API key file "), r.stderr
+
+
+def test_up_removes_its_temporary_log_dir_and_keeps_it_when_a_node_fails(tiny_llama, tmp_path):
+    """Without --log-dir the logs go to a new owner-only temporary directory: gone after a clean
+    stop, kept (and named) when a node failed."""
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    ok = subprocess.run([*UP, "--model", str(tiny_llama), "--ask", "Hi", "--max-tokens", "2"], capture_output=True,
+                        text=True, timeout=300, env=env)
+    assert ok.returncode == 0, ok.stderr
+    made = re.search(r"logs in (\S+) \(removed at exit unless a node fails\)", ok.stderr).group(1)
+    assert Path(made).parent == tmp_path and not Path(made).exists()
+    bad = subprocess.run([*UP, "--model", str(tiny_llama), "--max-num-seqs", "0"], capture_output=True, text=True,
+                         timeout=300, env=env)
+    assert bad.returncode == 1
+    kept = Path(re.search(r"\(log: (\S+)\)$", bad.stderr.splitlines()[-1]).group(1)).parent
+    assert kept.parent == tmp_path and (kept.stat().st_mode & 0o777) == 0o700
+    assert {p.name for p in kept.iterdir()} == {"prefill-0.log", "decode-0.log"}
+    assert all((p.stat().st_mode & 0o777) == 0o600 for p in kept.iterdir())
