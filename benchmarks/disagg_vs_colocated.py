@@ -36,7 +36,7 @@ def wait_line(proc: subprocess.Popen, stream, prefix: str) -> str:
 
 def bench(address: str, out: Path, name: str) -> dict:
     json_path = out / f"{name}.json"
-    subprocess.run([sys.executable, "-m", "pdserve", "bench", "--addr", address, "--num-requests", "32",
+    subprocess.run([sys.executable, "-m", "pdserve", "bench", "--addr", address, "--seed", "0", "--num-requests", "32",
                     "--concurrency", "8", "--prompt-len", "uniform:590:630", "--output-len", "64",
                     "--slo-ttft", str(SLO_TTFT), "--slo-tpot", str(SLO_TPOT), "--json", str(json_path),
                     "--plot", str(out / name), "--quiet"], check=True)

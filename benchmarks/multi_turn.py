@@ -52,7 +52,7 @@ def dataset(path: Path, conversations: int, turns: int, seed: int = 0) -> None:
 
 def bench(address: str, data: Path, out: Path, name: str, conversations: int) -> dict:
     json_path = out / f"multi_turn_{name}.json"
-    subprocess.run([sys.executable, "-m", "pdserve", "bench", "--addr", address, "--dataset", str(data),
+    subprocess.run([sys.executable, "-m", "pdserve", "bench", "--addr", address, "--seed", "0", "--dataset", str(data),
                     "--num-requests", str(conversations), "--concurrency", "4", "--output-len", "32",
                     "--slo-ttft", str(SLO_TTFT), "--slo-tpot", str(SLO_TPOT), "--json", str(json_path), "--quiet"],
                    check=True)

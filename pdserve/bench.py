@@ -171,7 +171,7 @@ async def run_once(args, items: list[dict], rate: float, rng: random.Random) -> 
         from tqdm import tqdm
 
         progress = tqdm(total=sum(len(it.get("turns", [None])) for it in items), desc=f"rate {rate:g}" if rate != float("inf") else "requests",
-                        unit="req", file=sys.stderr, leave=False)
+                        unit="req", file=sys.stderr, leave=True)  # left at its final count, not cleared
     async with AsyncClient(args.addr, timeout=args.timeout, metadata=metadata) as client:
         t0 = time.perf_counter()
         if args.rate is None:  # closed loop
@@ -204,6 +204,7 @@ async def run_once(args, items: list[dict], rate: float, rng: random.Random) -> 
 
 async def bench(args) -> list[dict]:
     rng = random.Random(args.seed)
+    print(f"workload seed {args.seed} (--seed {args.seed} sends the same prompts again)", flush=True)
     metadata = [("application", args.application)] if args.application else None
     async with AsyncClient(args.addr, timeout=args.timeout, metadata=metadata) as client:
         items = await build_workload(client, args, rng)
@@ -243,7 +244,9 @@ def add_args(p) -> None:
     p.add_argument("--plot", help="write PNG plots into this directory")
     p.add_argument("--application", help="Ray Serve application name (metadata through Serve's proxy)")
     p.add_argument("--timeout", type=float, default=600.0, help="per-request deadline in seconds")
-    p.add_argument("--seed", type=int, default=0, help="seed of the workload's draws (prompts, lengths, arrivals)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="seed of the workload's draws (prompts, lengths, arrivals) (default: a new one each run, "
+                        "printed: the same prompts again would hit the server's prefix cache)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
@@ -252,6 +255,8 @@ def main(args) -> int:
         raise ValueError("--concurrency must be >= 1")
     if args.num_requests < 1:
         raise ValueError("--num-requests must be >= 1")
+    if args.seed is None:
+        args.seed = random.SystemRandom().randrange(1 << 31)  # recorded in --json's args
     runs = asyncio.run(bench(args))
     if args.json:
         Path(args.json).write_text(json.dumps({"args": {k: v for k, v in vars(args).items() if k != "func"},

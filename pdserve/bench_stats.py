@@ -127,13 +127,14 @@ def format_report(rep: Report, label: str = "") -> str:
                 f"  p99 {s['p99'] * scale:8.1f}  max {s['max'] * scale:8.1f} {unit}")
 
     slo = ", ".join(x for x in (f"TTFT <= {rep.slo_ttft_s * 1e3:.0f} ms" if rep.slo_ttft_s else "",
-                                f"TPOT <= {rep.slo_tpot_s * 1e3:.0f} ms" if rep.slo_tpot_s else "") if x) or "none"
+                                f"TPOT <= {rep.slo_tpot_s * 1e3:.0f} ms" if rep.slo_tpot_s else "") if x)
+    goodput = (f"  goodput ({slo}): {rep.good_requests} requests, {rep.goodput_rps:.2f} requests/s, "
+               f"{rep.goodput_tps:.1f} tokens/s" if slo else
+               "  goodput: no SLO given (--slo-ttft SECONDS, --slo-tpot SECONDS per token)")
     lines = [f"{label}{rep.completed}/{rep.num_requests} requests completed in {rep.duration_s:.2f} s"
              + (f"; errors: {rep.errors}" if rep.errors else ""),
              row("TTFT", rep.ttft_s), row("TPOT", rep.tpot_s), row("E2E", rep.e2e_s),
              f"  TPS {rep.tps:.1f} output tokens/s, QPS {rep.qps:.2f} requests/s, max concurrency {rep.max_concurrency}, "
              f"prefix cache hit rate {rep.prefix_cache_hit_rate:.1%} of prompt tokens, "
-             f"{rep.local_prefill_rate:.0%} prefilled on the decode node",
-             f"  goodput ({slo}): {rep.good_requests} requests, {rep.goodput_rps:.2f} requests/s, "
-             f"{rep.goodput_tps:.1f} tokens/s"]
+             f"{rep.local_prefill_rate:.0%} prefilled on the decode node", goodput]
     return "\n".join(lines)

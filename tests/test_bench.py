@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 import threading
@@ -77,9 +78,12 @@ def test_bench_end_to_end_against_pdserve_up(tiny_llama, tmp_path):
             assert (tmp_path / "png" / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         # A closed loop, with errors counted: max_tokens past the model's context is refused.
         r = subprocess.run([sys.executable, "-m", "pdserve", "bench", "--addr", address, "--num-requests", "4",
-                            "--concurrency", "2", "--prompt-len", "8", "--output-len", "5000", "--quiet"],
+                            "--concurrency", "2", "--prompt-len", "8", "--output-len", "5000"],
                            capture_output=True, text=True, timeout=300)
         assert "4/4 requests completed" in r.stdout  # generation stops at max_model_len, not an error
+        assert "goodput: no SLO given" in r.stdout  # not "goodput (none)"
+        assert "| 4/4 [" in r.stderr  # the progress bar ends at its final count, not cleared at 3/4
+        seeds = [int(re.search(r"^workload seed (\d+) \(--seed \1 sends the same prompts again\)$", r.stdout, re.M)[1])]
         # Multi-turn: each turn after the previous answer, with the history; the prefix cache hits.
         system = list(range(10, 30))
         dataset = tmp_path / "chats.jsonl"
@@ -94,6 +98,8 @@ def test_bench_end_to_end_against_pdserve_up(tiny_llama, tmp_path):
                             "--quiet"], capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, r.stderr
         assert "8/8 requests completed" in r.stdout and "prefix cache hit rate" in r.stdout
+        seeds.append(json.loads(out.read_text())["args"]["seed"])  # the one drawn, recorded
+        assert f"workload seed {seeds[1]} " in r.stdout and seeds[0] != seeds[1]  # a new workload each run
         run = json.loads(out.read_text())["runs"][0]
         prompts = [rec["prompt_tokens"] for rec in run["records"]]
         assert prompts == [23, 23 + 4 + 2, 29 + 4 + 3, 22, 22 + 4 + 2, 28 + 4 + 1, 21, 21 + 4 + 2]
