@@ -191,8 +191,8 @@ def serve(config_path: str | None, address: str | None, timeout_s: float = 600.0
             for sig in (signal.SIGINT, signal.SIGTERM):
                 signal.signal(sig, lambda *_: stop.set())
             stop.wait()
-    except (ValueError, RuntimeError, TimeoutError) as e:
-        print(f"pdserve: error: {e}", file=sys.stderr)
+    except (ValueError, RuntimeError, TimeoutError, ray.exceptions.RayError) as e:
+        print(f"pdserve: error: {' '.join(str(e).split())[:500]}", file=sys.stderr)  # one line
         return 1
     finally:
         if local:

@@ -6,6 +6,7 @@ ignored), so every mapping is also checked against the model that reads it, recu
 
 from __future__ import annotations
 
+import os
 import typing
 from pathlib import Path
 
@@ -70,13 +71,30 @@ def validate(config: dict):
     return schema
 
 
+# Serve's controller gives a starting proxy 5 s to say it is ready, three times, then kills it and
+# starts another; on two busy cores a proxy's imports alone took longer (seen: `pdserve serve` died
+# with ActorDiedError after 15 s). Where pdserve starts Serve, the controller gets a longer window,
+# unless the operator set one.
+PROXY_READY_ENV = "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S"
+PROXY_READY_S = "60"
+
+
 def deploy(schema) -> None:
     """Deploys the applications on the connected Ray cluster declaratively, as `serve deploy` and
     KubeRay do: unchanged deployments keep their replicas; a replica-count change only adds or
-    removes replicas."""
+    removes replicas. A proxy killed while it started (its controller starts another) is waited
+    for by the caller's wait for RUNNING, not raised."""
+    from ray.exceptions import ActorDiedError
     from ray.serve._private.api import serve_start
 
-    client = serve_start(http_options=schema.http_options.model_dump(), proxy_location=schema.proxy_location,
-                         grpc_options=schema.grpc_options.model_dump(),
-                         global_logging_config=schema.logging_config)
+    def start():
+        return serve_start(http_options=schema.http_options.model_dump(), proxy_location=schema.proxy_location,
+                           grpc_options=schema.grpc_options.model_dump(), global_logging_config=schema.logging_config,
+                           controller_options={"runtime_env": {"env_vars": {
+                               PROXY_READY_ENV: os.environ.get(PROXY_READY_ENV, PROXY_READY_S)}}})
+
+    try:
+        client = start()
+    except ActorDiedError:  # the controller runs now: this connects to it without waiting for proxies
+        client = start()
     client.deploy_apps(schema)
