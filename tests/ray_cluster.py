@@ -30,8 +30,11 @@ def tiny_config(model, **autoscaling) -> dict:
     app["args"]["decode"]["engine"] = dict(engine)
     for dep in app["deployments"]:
         if "autoscaling_config" in dep:
+            # Down only after 30 s below target: on two busy cores a replica takes minutes to start,
+            # and a 2 s dip in the signal stopped each STARTING replica before it ran (seen: eight
+            # up/down flaps in five minutes, no second replica).
             dep["autoscaling_config"].update(min_replicas=1, max_replicas=2, metrics_interval_s=0.5,
-                                             look_back_period_s=2, upscale_delay_s=1, downscale_delay_s=2,
+                                             look_back_period_s=2, upscale_delay_s=1, downscale_delay_s=30,
                                              **autoscaling)
             dep["graceful_shutdown_timeout_s"] = 60
             # Thresholds a 12-client test load crosses: prefill at 4 pending requests per
@@ -97,11 +100,21 @@ def replica_counts(app: str = "pdserve") -> dict[str, int]:
     return {name: d.replica_states.get("RUNNING", 0) for name, d in deployments.items()}
 
 
-def wait_until(predicate, timeout_s: float, what: str, interval_s: float = 0.5):
-    give_up = time.time() + timeout_s
-    while time.time() < give_up:
+# How long a wait for Ray or Serve may take before it is called a hang: a guard, not a speed check.
+# Starting a replica on two cores that other processes keep busy took minutes (a Python worker
+# importing torch and Ray, then the engine), so the guards are long; each wait prints its time.
+HANG_S = 600.0
+
+
+def wait_until(predicate, timeout_s: float, what: str, interval_s: float = 0.5, last=None):
+    """Polls until predicate() is truthy; on a timeout the error names `what` and, when given,
+    last() (e.g. the replica counts seen last)."""
+    began = time.time()
+    while time.time() < began + timeout_s:
         result = predicate()
         if result:
+            print(f"waited {time.time() - began:.1f} s for {what}")
             return result
         time.sleep(interval_s)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}"
+                         + (f"; last seen: {last()}" if last is not None else ""))

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from ray_cluster import tiny_config
+from ray_cluster import HANG_S, tiny_config
 
 from pdserve import ray_serve
 
@@ -160,11 +160,11 @@ def test_pdserve_serve_prints_the_dashboard_steps_and_they_reach_the_serve_api(t
     env.update(HOME=str(home), RAY_TMPDIR=ray_tmp, PATH=f"{bin_dir}{os.pathsep}{env.get('PATH', '')}",
                PYTHONUNBUFFERED="1")
     proc = subprocess.Popen([sys.executable, "-m", "pdserve", "serve", "--config", str(config_path),
-                             "--timeout", "540"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                             "--timeout", str(HANG_S)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     out = Output(proc)
     try:
-        out.wait_for(r"^pdserve serve: application 'pdserve' is RUNNING", 600)
+        out.wait_for(r"^pdserve serve: application 'pdserve' is RUNNING", HANG_S + 300)
         url = out.wait_for(r"^pdserve serve: Ray dashboard at (http://\S+) ", 120).group(1)
         sign_in = out.wait_for(r"^  token authentication is on: .*`(ray get-auth-token)`", 60)
         curl = out.wait_for(r"^  (curl .*)$", 60).group(1)
