@@ -9,6 +9,7 @@ returns False and the engine uses plain torch instead.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
@@ -27,12 +28,35 @@ OPS = ("paged_decode_attention", "add_rms_norm", "rope", "silu_mul")
 BASE_FLAGS = ["-O3", "-ffast-math", "-fopenmp"]
 
 
+def _name(isa_flags: list[str]) -> str:
+    return f"pdserve_cpu_kernels_{hashlib.sha1(' '.join(isa_flags).encode()).hexdigest()[:8]}"
+
+
+def build_directory(isa_flags: list[str]) -> Path:
+    """Where torch builds (and caches) the kernels for these flags (TORCH_EXTENSIONS_DIR honoured)."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    return Path(_get_build_directory(_name(isa_flags), False))
+
+
 def _build(isa_flags: list[str]) -> None:
     from torch.utils.cpp_extension import load as build
 
-    tag = hashlib.sha1(" ".join(isa_flags).encode()).hexdigest()[:8]
-    build(name=f"pdserve_cpu_kernels_{tag}", sources=SOURCES, extra_cflags=BASE_FLAGS + isa_flags,
-          extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+    directory = build_directory(isa_flags)
+    # torch marks a build in progress with a file, `lock`, and every other process waits for it
+    # to go away; a process killed mid-build (Ctrl-C on a first start, a replica stopped while
+    # starting) leaves it, and each later start then waits forever. An flock ends with its
+    # holder: whoever holds it builds, so whoever gets it and still finds `lock` knows it is stale.
+    fd = os.open(directory / "pdserve.flock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        if (directory / "lock").exists():
+            log.warning("pdserve CPU kernels: removing a stale build lock left by a killed build (%s)", directory)
+            (directory / "lock").unlink(missing_ok=True)
+        build(name=_name(isa_flags), sources=SOURCES, extra_cflags=BASE_FLAGS + isa_flags, extra_ldflags=["-fopenmp"],
+              build_directory=str(directory), is_python_module=False, verbose=False)
+    finally:
+        os.close(fd)  # releases the flock
 
 
 @cache
