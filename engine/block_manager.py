@@ -162,7 +162,8 @@ class BlockManager:
         """Names seq's full blocks whose KV is computed, so that later sequences can share them."""
         if not self.enable_prefix_caching:
             return
-        full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        # KV computed past the last token (drafts accepted beyond a stop) names nothing.
+        full = min(min(seq.num_computed_tokens, seq.num_tokens) // self.block_size, len(seq.block_table))
         if full <= seq.num_named_blocks:
             return
         names = self._hashes(seq, full)

@@ -113,17 +113,21 @@ class Scheduler:
             # KV is valid up to the last accepted draft; a rejected draft's positions are dropped.
             seq.num_computed_tokens += n - len(seq.draft_token_ids) + max(len(tokens) - 1, 0)
             seq.draft_token_ids = []
-            self.block_manager.cache_computed_blocks(seq)
             if seq.is_finished:  # aborted meanwhile
                 continue
+            reason = None
             for j, token_id in enumerate(tokens):
                 seq.output_token_ids.append(token_id)
                 reason = self._stop_reason(seq, token_id)
                 if reason is not None:
                     del tokens[j + 1:]  # accepted drafts past the stop are not output
-                    self.finish(seq, reason)
-                    finished.append(seq)
                     break
+            # Blocks are named only now that the accepted drafts are in the output: a name hashes
+            # the block's tokens, and a block filled by drafts named without them would be wrong.
+            self.block_manager.cache_computed_blocks(seq)
+            if reason is not None:
+                self.finish(seq, reason)
+                finished.append(seq)
             else:
                 self.block_manager.trim(seq, seq.num_tokens)  # blocks that held only rejected drafts
         return finished

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections import Counter
 
 import numpy as np
@@ -11,6 +12,7 @@ from cluster import local_cluster, wait_for_no_blocks
 from conftest import assert_no_blocks_used, make_engine, run_to_completion
 
 from engine import EngineConfig, SamplingParams
+from engine.block_manager import block_hashes
 from engine.speculative import NgramProposer, SpeculativeConfig, ngram_draft
 from engine.sequence import Sequence
 from router.client import AsyncClient
@@ -276,3 +278,48 @@ def test_draft_model_settings_are_checked(tiny_llama, tmp_path):
     other_vocab = make_tiny_model(tmp_path / "v", vocab_size=300)
     with pytest.raises(ValueError, match=r"vocabulary \(300 tokens\) must be the target's \(320\)"):
         make_engine(tiny_llama, speculative={"method": "draft_model", "draft_model": str(other_vocab)})
+
+
+def assert_blocks_named_by_their_tokens(engine) -> None:
+    """Every name a sequence gave its full blocks is the hash of the tokens they hold."""
+    bs = engine.block_manager.block_size
+    for seq in [*engine.scheduler.running, *engine.scheduler.waiting]:
+        want = block_hashes(seq.token_ids(0, seq.num_tokens), bs)
+        assert seq.block_hashes == want[:len(seq.block_hashes)], seq.request_id
+
+
+def test_a_next_turn_over_a_speculative_answer_hits_every_block(tiny_llama):
+    """Blocks filled by accepted drafts are named after their tokens (they were named before the
+    drafts joined the output: a next turn found fewer cached tokens than without speculation)."""
+    params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
+    hits = {}
+    for name, kwargs in {"plain": {}, "ngram": {"speculative": NGRAM}}.items():
+        engine = make_engine(tiny_llama, **kwargs)
+        answer = generate(engine, {"x": PROMPTS["hello"]}, params)["x"]
+        turn = engine.tokenize(PROMPTS["hello"]) + answer.token_ids + engine.tokenize(" Again:")
+        names = block_hashes(turn[:-1], engine.block_manager.block_size)
+        hits[name] = sum(1 for _ in itertools.takewhile(engine.block_manager.cached.__contains__, names))
+    assert engine.num_accepted_tokens > 0
+    assert hits["ngram"] == hits["plain"] >= (len(engine.tokenize(PROMPTS["hello"])) + 63) // 4
+
+
+def test_shared_prefixes_with_different_drafts_and_preemption(tiny_llama):
+    """Sequences sharing a prefix accept different drafts at the same positions, in a pool small
+    enough to preempt them: each block keeps the name of its own tokens, so a preempted sequence
+    is never handed another's KV (fp32: the same tokens as without speculation)."""
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    stem = "Hello world! Hello world! Hello world! "
+    prompts = {f"{i}": stem + tail for i, tail in enumerate(["Hello", "Hello world", "0123 0123 01", "fox fox",
+                                                              "Hello world! Hello"])}
+    want = generate(make_engine(tiny_llama), prompts, params)
+    engine = make_engine(tiny_llama, speculative=NGRAM, num_kv_blocks=56)
+    for rid, prompt in prompts.items():
+        engine.add_request(rid, prompt, params)
+    done = {}
+    while engine.has_unfinished():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+        assert_blocks_named_by_their_tokens(engine)
+    assert engine.scheduler.num_preemptions > 0 and engine.num_accepted_tokens > 0
+    assert engine.block_manager.num_hit_tokens > 0
+    assert {rid: o.token_ids for rid, o in done.items()} == {rid: o.token_ids for rid, o in want.items()}
+    assert_no_blocks_used(engine)
