@@ -202,39 +202,78 @@ async def decode_dies(model, prompts, expected, max_tokens, transport: str = "au
     return out
 
 
+STALL_S = 60.0  # no request in the soak got a message for this long: the ones in flight are stuck
+TIMINGS = ("prefill_start", "prefill_end", "transfer_start", "transfer_end", "decode_admitted", "first_token", "done")
+
+
+def timeline(timings: common_pb2.Timings) -> str:
+    """Where a request's time went: each step of its final message's timeline, after the router got it."""
+    return " ".join(f"{name} +{getattr(timings, name) - timings.queued:.1f}s" for name in TIMINGS
+                    if getattr(timings, name))
+
+
 async def soak(router: Router, nodes, num_requests: int, concurrency: int, cancel_fraction: float,
-               seed: int = 0) -> Outcome:
-    """num_requests at `concurrency` in flight, a fraction cancelled at a random moment."""
+               seed: int = 0, stall_s: float = STALL_S) -> Outcome:
+    """num_requests at `concurrency` in flight, a fraction cancelled at a random moment.
+
+    A request is lost when it is stuck, not when it is slow: the soak only gives up on the requests
+    in flight once none of them has received a message for stall_s (so a busy machine slows it down
+    without failing it, and a hung request is caught at the latest stall_s after the others ended).
+    The slowest request's time and timeline are recorded in details["slowest"]."""
     out = Outcome(f"soak: {num_requests} requests, {concurrency} concurrent, "
                   f"{cancel_fraction:.0%} cancelled at random")
     rng = random.Random(seed)
     limit = asyncio.Semaphore(concurrency)
+    in_flight: set[asyncio.Task] = set()
+    last_message = time.monotonic()
+    slowest = 0.0
 
-    async def one(client, i):
+    async def receive(client, prompt, max_tokens) -> None:
+        nonlocal last_message, slowest
+        started = time.monotonic()
+        async for message in client.stream(prompt, max_tokens=max_tokens, ignore_eos=True):
+            last_message = time.monotonic()
+            if message.finished and last_message - started > slowest:
+                slowest = last_message - started
+                out.details["slowest"] = f"{slowest:.1f} s: {timeline(message.timings)}"
+
+    async def one(client):
         prompt = [rng.randrange(1, 300) for _ in range(rng.randint(2, 40))]
         cancel_after = rng.random() * 0.2 if rng.random() < cancel_fraction else None
+        max_tokens = rng.randint(1, 48)
         async with limit:
-            task = asyncio.create_task(client.generate(prompt, max_tokens=rng.randint(1, 48), ignore_eos=True))
+            task = asyncio.create_task(receive(client, prompt, max_tokens))
+            in_flight.add(task)
             try:
-                if cancel_after is None:
-                    await asyncio.wait_for(asyncio.shield(task), 60)
+                done, _ = await asyncio.wait([task], timeout=cancel_after)
+                if done or cancel_after is None:
+                    await task
                     out.completed += 1
                 else:
-                    done, _ = await asyncio.wait([task], timeout=cancel_after)
-                    if done:
-                        task.result()
-                        out.completed += 1
-                    else:
-                        task.cancel()
-                        out.cancelled += 1
-            except asyncio.TimeoutError:
-                out.lost += 1
-                task.cancel()
+                    task.cancel()
+                    out.cancelled += 1
+            except asyncio.CancelledError:
+                if not task.cancelled():
+                    raise
+                out.lost += 1  # the watchdog gave up on it
             except grpc.aio.AioRpcError as e:
                 out.failed[e.code().name] = out.failed.get(e.code().name, 0) + 1
                 out.details.setdefault(e.code().name, e.details())
+            finally:
+                in_flight.discard(task)
+
+    async def watchdog():
+        while True:
+            await asyncio.sleep(1.0)
+            if in_flight and time.monotonic() - last_message > stall_s:
+                for task in list(in_flight):
+                    task.cancel()
 
     async with AsyncClient(router.address) as client:
         out.sent = num_requests
-        await asyncio.gather(*(one(client, i) for i in range(num_requests)))
+        guard = asyncio.create_task(watchdog())
+        try:
+            await asyncio.gather(*(one(client) for _ in range(num_requests)))
+        finally:
+            guard.cancel()
     return out
