@@ -12,6 +12,7 @@ Verbs, as in RDMA/NIXL:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import platform
 import re
@@ -53,8 +54,7 @@ class SharedKVRegion:
         sweep_stale_regions()
         self.name = f"{PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.path = SHM_DIR / self.name
-        with open(self.path, "wb") as f:
-            f.truncate(nbytes)
+        _create_owner_only(self.path, nbytes)
         self.nbytes = nbytes
         self.tensor = torch.from_file(str(self.path), shared=True, size=nbytes, dtype=torch.uint8)
         self.tensor.zero_()  # touch every page now, not during a timed prefill
@@ -65,8 +65,7 @@ class SharedKVRegion:
         block can be reused): a reader that sees a block's generation unchanged before and after
         its copy read bytes that nobody overwrote, without hashing them."""
         self.gen_path = SHM_DIR / f"{self.name}{GEN_SUFFIX}"
-        with open(self.gen_path, "wb") as f:
-            f.truncate(num_blocks * 8)
+        _create_owner_only(self.gen_path, num_blocks * 8)
         self.generations = torch.from_file(str(self.gen_path), shared=True, size=num_blocks, dtype=torch.int64)
 
     def end_lease(self, block_ids: list[int]) -> None:
@@ -80,15 +79,29 @@ class SharedKVRegion:
             self.gen_path.unlink(missing_ok=True)
 
 
+def _create_owner_only(path: Path, nbytes: int) -> None:
+    """A new file of nbytes that only this user can read: it holds every request's KV (0600
+    from its creation, whatever the umask; never an existing file)."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, nbytes)
+    finally:
+        os.close(fd)
+
+
 def sweep_stale_regions() -> None:
-    """Removes regions whose owning process is gone (a node that crashed)."""
+    """Removes this user's regions whose owning process is gone (a node that crashed); another
+    user's files are left alone."""
     for path in SHM_DIR.glob(f"{PREFIX}*"):
         try:
+            if path.stat().st_uid != os.getuid():
+                continue
             pid = int(path.name[len(PREFIX):].split("-")[0])
             os.kill(pid, 0)
         except ProcessLookupError:
-            path.unlink(missing_ok=True)
-        except (ValueError, PermissionError):
+            with contextlib.suppress(OSError):
+                path.unlink(missing_ok=True)
+        except (ValueError, OSError):  # not a pid, another user's process, a file gone meanwhile
             continue
 
 

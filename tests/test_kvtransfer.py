@@ -4,6 +4,9 @@ corruption caught before any decode."""
 from __future__ import annotations
 
 import asyncio
+import os
+import stat
+import subprocess
 import time
 
 import pytest
@@ -17,7 +20,7 @@ from kvtransfer.grpc_stream import GrpcStreamReader
 from kvtransfer.layout import KVLayout, KVLayoutMismatch, StreamWriter, block_runs, copy_blocks, gather, kv_digest
 from kvtransfer.lease import LeaseTable
 from kvtransfer.receiver import KVReceiver
-from kvtransfer.shm import GENERATION_CHECK, SHM_DIR, SharedKVRegion, ShmReader, host_id
+from kvtransfer.shm import GENERATION_CHECK, SHM_DIR, SharedKVRegion, ShmReader, host_id, sweep_stale_regions
 from pdserve.grpc_server import GrpcServer
 from pdserve_api import nodes_pb2, nodes_pb2_grpc
 
@@ -146,6 +149,47 @@ def test_shm_one_sided_read():
             region.close()
 
     asyncio.run(scenario())
+
+
+def test_shm_regions_are_owner_only():
+    """A region holds every request's KV: 0600 from its creation (they were 0644, readable by any
+    local user past mTLS and lease keys), whatever the umask."""
+    old = os.umask(0o022)
+    try:
+        region = SharedKVRegion(1 << 16)
+        region.add_generations(16)
+    finally:
+        os.umask(old)
+    try:
+        for path in (region.path, region.gen_path):
+            assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
+    finally:
+        region.close()
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="making another user's file takes root")
+def test_the_sweep_leaves_another_users_regions_alone():
+    """A stale region (its process gone) of another user is not this node's to remove: the sweep
+    skips it (as a non-root user, removing it failed and took the node's start down)."""
+    dead = _dead_pid()
+    theirs = SHM_DIR / f"pdserve-kv-{dead}-0badc0de"
+    mine = SHM_DIR / f"pdserve-kv-{dead}-0000c0de"
+    for path in (theirs, mine):
+        path.write_bytes(b"")
+    os.chown(theirs, 65534, 65534)
+    try:
+        sweep_stale_regions()
+        assert theirs.exists() and not mine.exists()
+    finally:
+        theirs.unlink(missing_ok=True)
+        mine.unlink(missing_ok=True)
+
+
+def _dead_pid() -> int:
+    """The pid of a process that has exited (and been waited for)."""
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
 
 
 @pytest.mark.skipif(not GENERATION_CHECK, reason="generation checks are used on x86 only")
