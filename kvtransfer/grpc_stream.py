@@ -59,9 +59,14 @@ class KVPlaneServicer(nodes_pb2_grpc.KVPlaneServicer):
         if not 0 < chunk <= MAX_MESSAGE_BYTES - 4096:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"chunk_bytes must be in (0, {MAX_MESSAGE_BYTES - 4096}]")
         nbytes = self.layout.num_bytes(lease.num_tokens)
+        if self.leases.pin(request.lease_id) is None:  # expired during the checks
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no kv_lease {request.lease_id!r} (released or expired)")
         buf = self.buffers.acquire(nbytes)
         try:
-            data = await asyncio.to_thread(gather, self.kv_cache.kv, lease.block_ids, lease.num_tokens, buf)
+            try:  # pinned: the lease does not expire (its blocks are not reused) under the copy
+                data = await asyncio.to_thread(gather, self.kv_cache.kv, lease.block_ids, lease.num_tokens, buf)
+            finally:
+                self.leases.unpin(lease)
             view = data.numpy()
             header = nodes_pb2.KVHeader(layout=self.layout.to_proto(), num_tokens=lease.num_tokens,
                                         num_bytes=nbytes, digest=lease.digest)

@@ -1,10 +1,14 @@
 """The prefill side's kv_leases: a finished prefill's KV stays in its blocks until the decode side
 confirms its read (ReleaseKV) or the lease expires, then the blocks are freed. A layer-wise lease
-begins while its prefill still computes (`progress`); its clock starts when the prefill ends."""
+begins while its prefill still computes (`progress`); its clock starts when the prefill ends.
+A read in flight pins its lease (`pin`/`unpin`): it does not expire under the read (its blocks
+could be reused while their bytes are still being sent), it expires once the read has ended.
+The table is shared by the event loop and the TCP plane's threads, under one lock."""
 
 from __future__ import annotations
 
 import secrets
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -23,6 +27,7 @@ class Lease:
     # A secret per lease (as an RDMA rkey): only a holder of the KVSource may read the blocks.
     access_key: str = field(default_factory=lambda: secrets.token_hex(16))
     progress: LayerProgress | None = None  # layer-wise: the KV as it is written
+    readers: int = 0  # reads in flight (pin): the lease does not expire under them
 
 
 class LeaseTable:
@@ -31,6 +36,7 @@ class LeaseTable:
             raise ValueError(f"kv lease ttl must be > 0 seconds, got {ttl_s}")
         self.ttl_s = ttl_s
         self._leases: dict[str, Lease] = {}
+        self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._leases)
@@ -40,24 +46,43 @@ class LeaseTable:
         """With progress (the prefill still computes) the lease never expires until `start_clock`."""
         expires = float("inf") if progress is not None else time.time() + self.ttl_s
         lease = Lease(request_id, block_ids, num_tokens, digest, expires, progress=progress)
-        self._leases[lease.lease_id] = lease
+        with self._lock:
+            self._leases[lease.lease_id] = lease
         return lease
 
     def start_clock(self, lease: Lease) -> None:
         lease.expires_at = time.time() + self.ttl_s
 
     def get(self, lease_id: str) -> Lease | None:
+        with self._lock:
+            return self._valid(lease_id)
+
+    def pin(self, lease_id: str) -> Lease | None:
+        """The lease, held against expiry until `unpin` (a read of its blocks in flight)."""
+        with self._lock:
+            lease = self._valid(lease_id)
+            if lease is not None:
+                lease.readers += 1
+            return lease
+
+    def unpin(self, lease: Lease) -> None:
+        with self._lock:
+            lease.readers -= 1
+
+    def _valid(self, lease_id: str) -> Lease | None:
         lease = self._leases.get(lease_id)
-        if lease is None or lease.expires_at < time.time():
+        if lease is None or lease.expires_at < time.time():  # an expired lease takes no new read
             return None
         return lease
 
     def pop(self, lease_id: str) -> Lease | None:
-        return self._leases.pop(lease_id, None)
+        with self._lock:
+            return self._leases.pop(lease_id, None)
 
     def pop_expired(self, now: float | None = None) -> list[Lease]:
         now = time.time() if now is None else now
-        expired = [lease for lease in self._leases.values() if lease.expires_at < now]
-        for lease in expired:
-            del self._leases[lease.lease_id]
+        with self._lock:
+            expired = [lease for lease in self._leases.values() if lease.expires_at < now and not lease.readers]
+            for lease in expired:
+                del self._leases[lease.lease_id]
         return expired

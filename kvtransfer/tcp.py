@@ -183,12 +183,11 @@ class TcpKVServer:
     def _serve_one(self, sock: socket.socket) -> bool:
         """Serves one read; False when the peer closed the connection instead of asking again."""
         magic = bytearray(4)
-        sock.settimeout(IDLE_S)
+        sock.settimeout(IDLE_S)  # also while sending: a peer that takes no byte this long ends the read and its pin
         got = sock.recv_into(magic)
         if got == 0:
             return False
         _recv_exact(sock, memoryview(magic)[got:])
-        sock.settimeout(None)
         if bytes(magic) != MAGIC:
             return False
         request = _recv_json(sock)
@@ -196,12 +195,21 @@ class TcpKVServer:
         if refusal:
             _send_json(sock, {"ok": False, "code": refusal[0], "error": refusal[1]})
             return True
+        try:
+            self._send(sock, request, lease, layers)
+        finally:
+            self.leases.unpin(lease)
+        return True
+
+    def _send(self, sock: socket.socket, request: dict, lease, layers: range) -> None:
+        """Sends a pinned lease's layers (the lease cannot expire under the read: a read that raced
+        its expiry would send blocks already reused, with digests of those bytes)."""
         first = int(request.get("first_block", 0))
         num_tokens = lease.num_tokens - first * self.layout.block_size
         if not 0 <= first < len(lease.block_ids) or num_tokens <= 0:
             _send_json(sock, {"ok": False, "code": "INVALID_ARGUMENT",
                               "error": f"first_block {first} outside the lease's {len(lease.block_ids)} blocks"})
-            return True
+            return
         num_bytes = self.layout.num_bytes(num_tokens) * len(layers) // self.layout.num_layers
         progress = lease.progress
         per_layer_digest = progress is not None or first > 0
@@ -219,7 +227,6 @@ class TcpKVServer:
                 sock.sendall(struct.pack("<Q", digest_views(layer_bytes)))
         if progress is not None and layers.stop == self.layout.num_layers:
             _send_json(sock, progress.wait_outcome(LAYER_WAIT_S))
-        return True
 
     def _check(self, request: dict):
         """(refusal (code, message) or None, lease, layers)."""
@@ -241,6 +248,8 @@ class TcpKVServer:
             return ("FAILED_PRECONDITION", str(e)), None, None
         if not 0 <= a < b <= self.layout.num_layers:
             return ("INVALID_ARGUMENT", f"layers [{a}, {b}) outside [0, {self.layout.num_layers})"), None, None
+        if self.leases.pin(lease_id) is None:  # expired during the checks
+            return ("NOT_FOUND", f"no kv_lease {lease_id!r} (released, expired or a wrong key)"), None, None
         return None, lease, range(a, b)
 
 
@@ -259,7 +268,10 @@ def _client_context(security: Security) -> ssl.SSLContext | None:
     if not (security.tls or security.ca):
         return None
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-    ctx.load_verify_locations(security.ca)
+    if security.ca:
+        ctx.load_verify_locations(security.ca)
+    else:  # as the gRPC plane without --tls-ca: the system's trusted roots
+        ctx.load_default_certs()
     if security.cert:
         ctx.load_cert_chain(security.cert, security.key)
     return ctx

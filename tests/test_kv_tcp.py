@@ -287,3 +287,34 @@ def test_only_tcp_reads_a_layerwise_source(plane):
     assert not GrpcStreamReader().can_read(source, layout)
     assert not ShmReader().can_read(source, layout)
     assert TcpReader().can_read(source, layout)
+
+
+def test_a_lease_does_not_expire_under_a_read_in_flight(plane):
+    """A layer-wise read stalls past the lease's TTL (its prefill ended, a layer still to come):
+    the read pins the lease, so the expiry sweep leaves it (and its blocks) until the read ends; it
+    used to expire it mid-read, and its blocks could be reused while their bytes were still sent."""
+    src, leases, server = plane
+    leases.ttl_s = 0.2
+    src_ids, dst_ids, n = [7, 2, 3], [5, 1], 10
+    progress, source = layerwise_source(src, leases, server, src_ids, n)
+    lease, dst = leases.get(source.lease_id), cache(8, 8)
+
+    async def scenario():
+        read = asyncio.ensure_future(TcpReader().read(source, dst, KVLayout.of(dst, "fp"), dst_ids))
+        progress.layer_done(0)
+        for _ in range(1000):  # the read is in flight: layer 0 has arrived
+            if torch.equal(layer_bytes(dst, dst_ids, n, 0), layer_bytes(src, src_ids, n, 0)):
+                break
+            await asyncio.sleep(0.01)
+        leases.start_clock(lease)
+        await asyncio.sleep(0.5)  # past the TTL, the read still waiting for layer 1
+        assert leases.pop_expired() == [] and not read.done()
+        assert leases.get(lease.lease_id) is None  # an expired lease takes no new read
+        for layer in range(1, src.kv.shape[0]):
+            progress.layer_done(layer)
+        progress.finish({"finished": False, "token_id": 42, "text_chars": 3})
+        await read
+        assert leases.pop_expired() == [lease]  # unpinned: it expires now
+
+    asyncio.run(scenario())
+    assert torch.equal(tokens(dst, dst_ids, n), tokens(src, src_ids, n))

@@ -126,6 +126,30 @@ def test_mutual_tls_on_the_tcp_kv_plane(tiny_llama, tmp_path):
     asyncio.run(scenario())
 
 
+def test_tls_without_a_ca_on_the_tcp_kv_plane(tiny_llama, tmp_path):
+    """--tls-cert/--tls-key without --tls-ca: the TCP plane trusts the system's roots, as the gRPC
+    plane does (its reader raised TypeError at start), so a private CA's certificate is refused
+    with a clear error and nothing is read."""
+    from kvtransfer.base import KVTransferError
+    from kvtransfer.tcp import TcpReader
+
+    pki = make_pki(tmp_path, "cluster")
+    cluster_tls = Security(pki["cert"], pki["key"], pki["ca"], require_client_cert=True)
+    no_ca = TcpReader(Security(pki["cert"], pki["key"]), timeout_s=5)
+
+    async def scenario():
+        async with local_cluster(tiny_llama, security=cluster_tls, kv_transport="tcp") as (router, prefills, decodes):
+            async with cluster_tls.channel(prefills[0].address) as channel:
+                reply = await nodes_pb2_grpc.PrefillNodeStub(channel).Prefill(nodes_pb2.PrefillRequest(
+                    request_id="r", prompt_token_ids=[5, 6, 7], sampling=common_pb2.SamplingParams(max_tokens=4)))
+            with pytest.raises(KVTransferError, match="certificate"):
+                await no_ca.read(reply.kv, decodes[0].engine.engine.kv_cache, decodes[0].layout, [0])
+            await prefills[0].release(reply.kv.lease_id)
+            await wait_for_no_blocks(prefills + decodes)
+
+    asyncio.run(scenario())
+
+
 def test_shared_token(tiny_llama):
     token = Security(token="s3cret")
 
