@@ -6,6 +6,7 @@ import argparse
 import sys
 import time
 
+from pdserve.process import pin_cpus
 from router.placement import add_placement_args
 
 DTYPE_HELP = "auto: bfloat16 on CUDA and on CPUs with native bf16 (AMX or AVX512_BF16), float32 on other CPUs"
@@ -49,7 +50,8 @@ def add_engine_args(p: argparse.ArgumentParser, num_threads_default: str = "torc
                    help='speculative decoding on decode steps, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'; '
                         "settings in engine/speculative.py (default: off)")
     p.add_argument("--num-threads", type=int, default=None, help=f"torch threads (default: {num_threads_default})")
-    p.add_argument("--cpus", default=None, help="pin the process to these cores, e.g. 0 or 0-1 (default: not pinned)")
+    p.add_argument("--cpus", default=None,
+                   help="pin the process, and the processes it starts, to these cores, e.g. 0 or 0-1 (default: not pinned)")
 
 
 def speculative_json(text: str) -> dict:
@@ -137,6 +139,7 @@ def cmd_generate_offline(args) -> int:
     from engine import LLM
     from engine.tokenizer import apply_chat_template
 
+    pin_cpus(args.cpus)
     started = time.perf_counter()
     llm = LLM(**vars(engine_config(args)))
     loaded = time.perf_counter()
@@ -163,6 +166,7 @@ def cmd_up(args) -> int:
     from pdserve.up import NodeFailed, up
 
     setup_logging("WARNING")
+    pin_cpus(args.cpus)  # the router here, and every node process (they inherit it)
     try:
         return asyncio.run(up(args))
     except (NodeFailed, OSError) as e:  # one line, not a traceback (a node's is in its log)
@@ -230,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
                    "(default: serve until Ctrl-C)")
     p.add_argument("--metrics-port", type=int, default=None,
                    help="Prometheus /metrics: the router on this port, the nodes on the next ones")
-    p.add_argument("--pin-cpus", action="store_true", help="give each node process its own core (round robin)")
+    p.add_argument("--pin-cpus", action="store_true", help="give each node process its own core (round robin over --cpus, or all cores)")
     p.add_argument("--max-tokens", type=int, default=256, help="with --ask")
     p.add_argument("--rate-limit", type=float, default=None, help="requests/s per client at the router")
     p.add_argument("--http-port", type=int, default=None,

@@ -31,13 +31,18 @@ def setup_logging(level: str = "INFO") -> None:
 
 
 def pin_cpus(spec: str | None) -> None:
-    """Restricts this process to the given cores ('0', '0,1', '2-3'); None leaves it free."""
+    """Restricts this process (and the processes it starts) to the given cores ('0', '0,1',
+    '2-3'); None leaves it free. A spec that names no core of this machine is a ValueError."""
     if not spec:
         return
     import os
 
     cores = set()
-    for part in spec.split(","):
-        lo, _, hi = part.partition("-")
-        cores.update(range(int(lo), int(hi or lo) + 1))
-    os.sched_setaffinity(0, cores)
+    try:
+        for part in spec.split(","):
+            lo, _, hi = part.partition("-")
+            cores.update(range(int(lo), int(hi or lo) + 1))
+        os.sched_setaffinity(0, cores)
+    except (ValueError, OSError):
+        raise ValueError(f"--cpus {spec!r}: not cores of this machine (e.g. 0 or 0-1; it has "
+                         f"{os.cpu_count()})") from None

@@ -149,7 +149,9 @@ def check_ports(args) -> None:
 async def start_nodes(args, stop: asyncio.Event, log_dir: Path) -> list[Node]:
     """Starts every node and waits until all are ready; [] if `stop` is set first. Raises
     NodeFailed (having stopped the others) when one exits, or is not ready in time."""
-    threads = args.num_threads or max(1, (os.cpu_count() or 1) // (args.prefill + args.decode))
+    # The cores this process may use (--cpus pinned it to them; macOS has no affinity: all)
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    threads = args.num_threads or max(1, len(cores) // (args.prefill + args.decode))
     nodes = []
     for role, count in (("prefill", args.prefill), ("decode", args.decode)):
         module = f"{role}_node"
@@ -158,7 +160,7 @@ async def start_nodes(args, stop: asyncio.Event, log_dir: Path) -> list[Node]:
             # Metrics ports: the router on --metrics-port, the nodes on the ports after it.
             metrics_port = args.metrics_port + 1 + len(nodes) if args.metrics_port else None
             if args.pin_cpus:
-                extra += ["--cpus", str(len(nodes) % (os.cpu_count() or 1))]
+                extra += ["--cpus", str(cores[len(nodes) % len(cores)])]
             log = log_dir / f"{role}-{i}.log"
             with open(os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as stderr:  # the child keeps its own
                 proc = await asyncio.create_subprocess_exec(

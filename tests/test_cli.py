@@ -29,6 +29,20 @@ def test_generate_offline_reports_bad_input():
     r = run("generate-offline", "Hello", "--model", "nope")
     assert r.returncode == 2
     assert "unknown model name or path 'nope'" in r.stderr
+    r = run("generate-offline", "Hello", "--model", "nope", "--cpus", "4096")
+    assert r.returncode == 2 and "--cpus '4096': not cores of this machine" in r.stderr, r.stderr
+
+
+def test_generate_offline_runs_on_the_cores_it_is_given(tiny_llama):
+    """--cpus pins the engine's process (it was accepted and ignored)."""
+    core = max(os.sched_getaffinity(0))
+    script = ("import os, sys; from pdserve.cli import main; code = main(sys.argv[1:]); "
+              "print('cores', sorted(os.sched_getaffinity(0))); sys.exit(code)")
+    r = subprocess.run([sys.executable, "-c", script, "generate-offline", "Hello", "--model", str(tiny_llama),
+                        "--max-tokens", "2", "--dtype", "float32", "--cpus", str(core)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert f"cores [{core}]" in r.stdout
 
 
 def test_up_then_generate_streams_and_stops_cleanly(tiny_llama, tmp_path):
@@ -42,8 +56,9 @@ def test_up_then_generate_streams_and_stops_cleanly(tiny_llama, tmp_path):
     from engine import SamplingParams
 
     speculative = '{"method": "ngram", "num_speculative_tokens": 4}'
-    up = subprocess.Popen([*UP, "--model", str(tiny_llama), "--log-dir", str(tmp_path),
-                           "--speculative-config", speculative], stderr=subprocess.PIPE, text=True)
+    core = max(os.sched_getaffinity(0))  # --cpus: the router and every node on this core only
+    up = subprocess.Popen([*UP, "--model", str(tiny_llama), "--log-dir", str(tmp_path), "--cpus", str(core),
+                           "--pin-cpus", "--speculative-config", speculative], stderr=subprocess.PIPE, text=True)
     try:
         address, node_lines = None, []
         for line in up.stderr:
@@ -62,6 +77,7 @@ def test_up_then_generate_streams_and_stops_cleanly(tiny_llama, tmp_path):
         for child in children:  # the engine settings reach every node process
             cmd = child.cmdline()
             assert json.loads(cmd[cmd.index("--speculative-config") + 1]) == json.loads(speculative)
+        assert [os.sched_getaffinity(p.pid) for p in [psutil.Process(up.pid), *children]] == [{core}] * 3
         r = run("generate", "--addr", address, "--json", "--raw", "--max-tokens", "8", "--temperature", "0",
                 "Hello world")
         assert r.returncode == 0, r.stderr
