@@ -10,6 +10,12 @@ evictable, least recently freed first; a new sequence whose prompt starts with t
 takes those blocks (one more reference each) instead of computing them. Only full blocks are
 shared and a sequence always computes at least its last token, so nothing ever writes into a
 shared block. A block that runs out of free, unnamed company is evicted: its name is forgotten.
+
+A name is 64 bits, so two prefixes can share one (by chance, or crafted: CVE-2025-25183). A hit
+is therefore checked, never trusted: each named block keeps its key, (the block it follows and
+that block's generation, its own tokens), and a lookup takes a block only if its key is exactly
+the prefix being matched. A collision costs a miss, never another prefix's KV. (Generations
+count a block's reuses, so a key never points at a parent block that was since recycled.)
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import xxhash
 
 from engine.sequence import Sequence
 
+ROOT = ("root",)  # the parent of a prompt's first block
 CACHE_EVENTS = 1 << 16  # name changes kept for routers that poll; one further behind gets a snapshot
 
 
@@ -49,6 +56,10 @@ class BlockManager:
         self.evictable: OrderedDict[int, None] = OrderedDict()  # free, named: least recently freed first
         self.block_hash: list[int | None] = [None] * num_blocks
         self.cached: dict[int, int] = {}  # name -> block id
+        self.generation = [0] * num_blocks  # bumped each time a block is taken for new contents
+        # A named block's key: ((parent block, its generation) or ROOT, its tokens), checked on a hit.
+        self.block_key: list[tuple | None] = [None] * num_blocks
+        self.num_collisions = 0  # names found whose block held other tokens (misses, never used)
         # What routers follow (cache_changes): a version bumped by every name added or evicted.
         self.cache_version = 0
         self.cache_events: deque[tuple[int, int, bool]] = deque(maxlen=CACHE_EVENTS)  # (version, name, added)
@@ -96,9 +107,10 @@ class BlockManager:
             block_id, _ = self.evictable.popitem(last=False)
             del self.cached[self.block_hash[block_id]]
             self._event(self.block_hash[block_id], added=False)
-            self.block_hash[block_id] = None
+            self.block_hash[block_id] = self.block_key[block_id] = None
             self.num_evicted_blocks += 1
         self.ref_counts[block_id] = 1
+        self.generation[block_id] += 1
         return block_id
 
     def incref(self, block_ids: list[int]) -> None:
@@ -131,6 +143,7 @@ class BlockManager:
         self.decref(seq.block_table[::-1])
         seq.block_table = []
         seq.num_named_blocks = 0
+        seq.cache_chain = []
 
     # ---- prefix caching ----------------------------------------------------------------
     def _hashes(self, seq: Sequence, num_blocks: int) -> list[int]:
@@ -141,25 +154,38 @@ class BlockManager:
             hashes.append(chain_hash(hashes[-1] if hashes else 0, seq.token_ids(i * bs, (i + 1) * bs)))
         return hashes[:num_blocks]
 
+    def _key(self, seq: Sequence, i: int) -> tuple:
+        """What block i of seq must hold to stand for it: its parent as seq's chain found it, and
+        its tokens."""
+        bs = self.block_size
+        return (seq.cache_chain[i - 1] if i else ROOT, tuple(seq.token_ids(i * bs, (i + 1) * bs)))
+
     def acquire_prefix(self, seq: Sequence) -> int:
         """For a sequence with no KV yet: takes the cached blocks of the longest cached prefix of its
         tokens, leaving at least its last token to compute; returns the number of tokens they hold."""
         assert not seq.block_table and seq.num_computed_tokens == 0
+        seq.cache_chain = []
         if not self.enable_prefix_caching:
             return 0
-        for name in self._hashes(seq, (seq.num_tokens - 1) // self.block_size):
+        for i, name in enumerate(self._hashes(seq, (seq.num_tokens - 1) // self.block_size)):
             block_id = self.cached.get(name)
             if block_id is None:
+                break
+            if self.block_key[block_id] != self._key(seq, i):
+                self.num_collisions += 1
                 break
             if self.ref_counts[block_id] == 0:
                 del self.evictable[block_id]
             self.ref_counts[block_id] += 1
             seq.block_table.append(block_id)
+            seq.cache_chain.append((block_id, self.generation[block_id]))
         seq.num_named_blocks = len(seq.block_table)
         return len(seq.block_table) * self.block_size
 
     def cache_computed_blocks(self, seq: Sequence) -> None:
-        """Names seq's full blocks whose KV is computed, so that later sequences can share them."""
+        """Names seq's full blocks whose KV is computed, so that later sequences can share them.
+        Each block joins seq's chain: itself, or the named block already holding the same prefix;
+        past a block whose name another prefix holds (a collision), nothing more of seq is named."""
         if not self.enable_prefix_caching:
             return
         # KV computed past the last token (drafts accepted beyond a stop) names nothing.
@@ -168,11 +194,21 @@ class BlockManager:
             return
         names = self._hashes(seq, full)
         for i in range(seq.num_named_blocks, full):
-            block_id, name = seq.block_table[i], names[i]
-            if self.block_hash[block_id] is None and name not in self.cached:
-                self.block_hash[block_id] = name
-                self.cached[name] = block_id
+            if len(seq.cache_chain) < i:
+                break  # the chain broke at a collision
+            block_id, name, key = seq.block_table[i], names[i], self._key(seq, i)
+            if self.block_hash[block_id] is not None:  # already named (taken from the cache, forked)
+                chained = block_id
+            elif name not in self.cached:
+                self.block_hash[block_id], self.block_key[block_id] = name, key
+                self.cached[name] = chained = block_id
                 self._event(name, added=True)
+            elif self.block_key[self.cached[name]] == key:  # computed twice: the named one stands for it
+                chained = self.cached[name]
+            else:
+                self.num_collisions += 1
+                break
+            seq.cache_chain.append((chained, self.generation[chained]))
         seq.num_named_blocks = full
 
     # ---- what the cache holds, for routers ------------------------------------------------

@@ -50,6 +50,8 @@ class Sequence:
     num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache at first admission
     block_hashes: list[int] = field(default_factory=list)  # names of its full blocks (engine/block_manager.py)
     num_named_blocks: int = 0  # leading blocks of block_table already in the prefix cache
+    # Per named block: the cached block (id, generation) holding that prefix (engine/block_manager.py)
+    cache_chain: list[tuple[int, int]] = field(default_factory=list)
     # Speculative decoding (engine/speculative.py): tokens proposed to follow this step's token,
     # verified in the same forward, and the proposer's state.
     draft_token_ids: list[int] = field(default_factory=list)

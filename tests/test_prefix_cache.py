@@ -26,6 +26,17 @@ def computed(bm: BlockManager, q: Sequence, num_tokens: int | None = None) -> No
     bm.cache_computed_blocks(q)
 
 
+def greedy_tokens(model, prompts: dict, **engine_kwargs):
+    """12 greedy tokens per prompt, all in one engine (batched, preempted where the pool is small);
+    checks no block is left used. Returns (request id -> tokens, the engine)."""
+    engine = make_engine(model, **engine_kwargs)
+    for rid, prompt in prompts.items():
+        engine.add_request(rid, prompt, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    done = run_to_completion(engine)
+    assert_no_blocks_used(engine)
+    return {rid: out.token_ids for rid, out in done.items()}, engine
+
+
 def test_a_shared_prefix_is_taken_from_the_cache_and_the_last_token_is_always_computed():
     bm = BlockManager(16, 4)
     a = seq("a", range(1, 11))  # 10 tokens: 2 full blocks named
@@ -99,17 +110,8 @@ def test_shared_system_prompt_across_a_batch_with_preemption_gives_the_same_toke
     """Many requests on one system prompt in a pool too small for them all: blocks are shared,
     preempted sequences recompute from the cache, evictions happen; tokens are as without caching."""
     prompts = {f"r{i}": SYSTEM + [200 + i, 201 + i, 202 + i] * (1 + i % 3) for i in range(8)}
-
-    def run(**kwargs):
-        engine = make_engine(tiny_llama, num_kv_blocks=24, **kwargs)
-        for rid, prompt in prompts.items():
-            engine.add_request(rid, prompt, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
-        done = run_to_completion(engine)
-        assert_no_blocks_used(engine)
-        return {rid: out.token_ids for rid, out in done.items()}, engine
-
-    reference, _ = run(enable_prefix_caching=False)
-    tokens, engine = run()
+    reference, _ = greedy_tokens(tiny_llama, prompts, num_kv_blocks=24, enable_prefix_caching=False)
+    tokens, engine = greedy_tokens(tiny_llama, prompts, num_kv_blocks=24)
     assert tokens == reference
     assert engine.block_manager.num_hit_tokens > 0
     assert engine.scheduler.num_preemptions > 0 or engine.block_manager.num_evicted_blocks > 0
@@ -211,3 +213,59 @@ def test_a_decode_node_reads_only_the_blocks_its_cache_lacks(tiny_llama, transpo
             await wait_for_no_blocks(prefills + decodes)
 
     asyncio.run(scenario())
+
+
+def test_a_name_collision_is_a_miss_never_another_prefixs_blocks(monkeypatch):
+    """Names are 64-bit hashes: two prefixes can share one (by chance, or crafted as in
+    CVE-2025-25183). Here every block of the same token sum gets one name, so [1,2,3,4] and
+    [4,3,2,1] collide: the second must compute its own KV, not take the first's."""
+    import engine.block_manager as block_manager
+
+    monkeypatch.setattr(block_manager, "chain_hash", lambda parent, tokens: parent * 31 + sum(tokens))
+    bm = BlockManager(16, 4)
+    a = seq("a", [1, 2, 3, 4, 9, 9, 9, 9, 5])
+    computed(bm, a)
+    assert bm.num_cached_blocks == 2
+    b = seq("b", [4, 3, 2, 1, 9, 9, 9, 9, 5])  # the same names, other tokens in block 0
+    assert bm.acquire_prefix(b) == 0 and b.block_table == [] and bm.num_collisions == 1
+    computed(bm, b)  # its own blocks: block 0's name is taken, so neither is named after b's tokens
+    assert bm.num_cached_blocks == 2 and bm.num_collisions == 2
+    c = seq("c", [4, 3, 2, 1, 9, 9, 9, 9, 6])
+    assert bm.acquire_prefix(c) == 0
+    d = seq("d", [1, 2, 3, 4, 9, 9, 9, 9, 7])  # a's prefix: found, and checked
+    assert bm.acquire_prefix(d) == 8 and d.block_table == a.block_table[:2]
+
+
+def test_a_recycled_parent_block_is_never_a_prefix_for_its_old_children():
+    """A key names its parent by (block, generation): when a parent block is evicted and reused
+    while its child stays cached, the child (computed after the old contents) is not taken, even
+    if the new contents carry the old name (as a colliding prefix would)."""
+    bm = BlockManager(4, 2)
+    a = seq("a", [1, 2, 3, 4, 5])
+    computed(bm, a)  # blocks 0 (1, 2) and 1 (3, 4) named, 2 holds the tail
+    parent, child = a.block_table[:2]
+    bm.decref([a.block_table[2], parent, child])  # the parent freed before its child: evicted first
+    a.block_table = []
+    y = seq("y", [8, 8, 8])
+    bm.allocate(y, 3)  # the two empty blocks
+    x = seq("x", [1, 2])
+    computed(bm, x)  # evicts the parent block and names it (1, 2) again
+    assert x.block_table == [parent] and bm.block_hash[parent] is not None and bm.block_hash[child] is not None
+    again = seq("again", [1, 2, 3, 4, 5])
+    assert bm.acquire_prefix(again) == 2 and again.block_table == [parent]  # not the child
+    assert bm.num_collisions == 1
+
+
+def test_colliding_names_in_an_engine_give_the_tokens_of_no_cache(tiny_llama, monkeypatch):
+    """Shared prefixes, preemption and eviction with a hash that collides all the time: every hit
+    is checked, so the tokens are those without caching (fp32)."""
+    import engine.block_manager as block_manager
+
+    prompts = {f"r{i}": SYSTEM[:4 + 3 * (i % 4)] + [200 + i, 201 + i, 202 + i] * (1 + i % 3) for i in range(10)}
+    prompts |= {f"rev{i}": list(reversed(p)) for i, p in enumerate(list(prompts.values())[:4])}
+
+    reference, _ = greedy_tokens(tiny_llama, prompts, num_kv_blocks=28, enable_prefix_caching=False)
+    monkeypatch.setattr(block_manager, "chain_hash", lambda parent, tokens: (parent + sum(tokens)) % 5)
+    tokens, engine = greedy_tokens(tiny_llama, prompts, num_kv_blocks=28)
+    assert tokens == reference
+    assert engine.block_manager.num_collisions > 0 and engine.block_manager.num_hit_tokens > 0
