@@ -139,8 +139,14 @@ async def prefill_dies(model, prompts, expected, max_tokens, transport: str = "a
     decode node reads their KV layer by layer)."""
     out = Outcome(f"prefill node killed during prefill ({transport})")
     async with cluster(model, 2, 1, decode_extra=["--kv-transport", transport]) as (router, nodes):
+        victim = next(e for e in router.prefill_pool.endpoints if e.address == nodes[0].address)
+
         async def killer():
-            await asyncio.sleep(0.05)
+            # The moment the router has prefills in flight on it (recorded: the kill hit work).
+            give_up = time.monotonic() + 60
+            while not victim.prefilling and time.monotonic() < give_up:
+                await asyncio.sleep(0)
+            out.details["prefills_in_flight_at_kill"] = victim.prefilling
             nodes[0].kill()
         await asyncio.gather(killer(), run_requests(router, prompts, expected, max_tokens, out))
         out.leaked_blocks = await wait_blocks_freed(nodes)

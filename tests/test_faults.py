@@ -41,6 +41,8 @@ def test_a_killed_node_loses_no_request_and_leaks_no_block(tiny_llama, expected,
     assert out.leaked_blocks == 0, out
     if scenario in (transfer_fails, decode_dies):
         assert out.migrations >= 1, out
+    if scenario is prefill_dies:
+        assert out.details["prefills_in_flight_at_kill"] >= 1, out  # the kill hit work in flight
 
 
 def test_soak_with_random_cancellations(tiny_llama):

@@ -217,14 +217,20 @@ def test_the_proposer_backs_off_when_drafts_fail():
     assert draft_len() <= 1
 
 
-def test_a_decode_node_speculates_across_the_split(tiny_llama):
-    """Through the router and a real transfer: the decode node drafts and verifies, the client sees
-    the tokens of decoding without it, several per stream message."""
-    params = dict(max_tokens=40, temperature=0, ignore_eos=True)
+@pytest.mark.parametrize("params, local_prefill", [
+    (dict(max_tokens=40, temperature=0, ignore_eos=True), "off"),
+    (dict(max_tokens=40, temperature=0.2, seed=3, ignore_eos=True), "off"),  # low: drafts get accepted
+    (dict(max_tokens=40, temperature=0.2, seed=3, ignore_eos=True), "auto"),
+], ids=["greedy", "seeded", "seeded-local-prefill-auto"])
+def test_a_decode_node_speculates_across_the_split(tiny_llama, params, local_prefill):
+    """Through the router and a real transfer (or, with auto, wherever the router places the
+    prefill, as users run it): the decode node drafts and verifies, the client sees the tokens of
+    decoding without it (greedy, and seeded sampling: fp32), several per stream message."""
     want = generate(make_engine(tiny_llama), PROMPTS, SamplingParams(**params))
 
     async def scenario():
-        async with local_cluster(tiny_llama, decode_engine={"speculative": NGRAM}) as (router, prefills, decodes):
+        async with local_cluster(tiny_llama, decode_engine={"speculative": NGRAM},
+                                 local_prefill=local_prefill) as (router, prefills, decodes):
             async with AsyncClient(router.address) as client:
                 for rid, prompt in PROMPTS.items():
                     result = await client.generate(prompt, **params, logprobs=1)
