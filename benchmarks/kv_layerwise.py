@@ -77,7 +77,8 @@ def main() -> int:
         return 1
     rate = None if args.rate == "none" else args.rate
     with two_hosts(rate) as (a, b, addr_a, addr_b):
-        engine = ["--model", args.model, "--dtype", "auto", "--kv-cache-gb", "1"]
+        # No prefix caching: each repeat of the same prompt is a full prefill and a full transfer.
+        engine = ["--model", args.model, "--dtype", "auto", "--kv-cache-gb", "1", "--no-prefix-caching"]
         nodes = [InNamespace(a, "-m", "prefill_node", "--host", addr_a, *engine),
                  InNamespace(b, "-m", "decode_node", "--host", addr_b, "--kv-transport", "tcp", *engine)]
         try:

@@ -39,7 +39,8 @@ from kvtransfer.tcp import DEFAULT_CONNECTIONS, TcpReader
 from pdserve.cli import HelpFormatter
 from pdserve_api import common_pb2, nodes_pb2, nodes_pb2_grpc
 
-NODE_ARGS = ["--dtype", "auto", "--kv-cache-gb", "0.25", "--block-size", "16"]
+# No prefix caching: the same prompt is sent again and again, and each time must be the full prefill.
+NODE_ARGS = ["--dtype", "auto", "--kv-cache-gb", "0.25", "--block-size", "16", "--no-prefix-caching"]
 
 
 def start_node(module: str, *extra: str) -> tuple[subprocess.Popen, str]:
@@ -122,7 +123,8 @@ async def bench_reader(reader, source, kv_cache: KVCache, layout: KVLayout, repe
 
 
 def prefill_alone(model_dir, prompt: list[int], repeat: int) -> list[float]:
-    engine = LLMEngine(EngineConfig(model=str(model_dir), dtype="auto", kv_cache_bytes=256 << 20))
+    engine = LLMEngine(EngineConfig(model=str(model_dir), dtype="auto", kv_cache_bytes=256 << 20,
+                                    enable_prefix_caching=False))  # each repeat computes the whole prompt
     times = []
     for i in range(repeat + 1):
         engine.add_request(str(i), prompt, SamplingParams(max_tokens=1, temperature=0))
