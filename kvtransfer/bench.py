@@ -139,7 +139,7 @@ async def bench_cluster(prefill_addr: str, decode_addr: str, model: str, prompt:
     from router.client import AsyncClient
     from router.server import Router
 
-    router = Router(model, [prefill_addr], [decode_addr])
+    router = Router(model, [prefill_addr], [decode_addr], local_prefill="off")  # the KV always crosses
     await router.start()
     ttft, second, transfer, prefill, kv_transport = [], [], [], [], set()
     try:
@@ -159,6 +159,8 @@ async def bench_cluster(prefill_addr: str, decode_addr: str, model: str, prompt:
                 kv_transport.add(last.timings.kv_transport)
     finally:
         await router.stop(0)
+    if "" in kv_transport:
+        raise RuntimeError("a request was prefilled on the decode node: no KV transfer to measure")
     return {"ttft_s": statistics.median(ttft), "second_token_s": statistics.median(second),
             "transfer_s": statistics.median(transfer), "prefill_on_node_s": statistics.median(prefill),
             "kv_transport": sorted(kv_transport)}
