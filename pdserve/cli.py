@@ -234,6 +234,9 @@ def main(argv: list[str] | None = None) -> int:
                    "(default: serve until Ctrl-C)")
     p.add_argument("--metrics-port", type=int, default=None,
                    help="Prometheus /metrics: the router on this port, the nodes on the next ones")
+    p.add_argument("--node-restarts", type=int, default=5,
+                   help="a node that exits while serving is restarted, at most this many times in 5 minutes; one "
+                        "more exit stops everything (0: the first exit does)")
     p.add_argument("--pin-cpus", action="store_true", help="give each node process its own core (round robin over --cpus, or all cores)")
     p.add_argument("--max-tokens", type=int, default=256, help="with --ask")
     p.add_argument("--rate-limit", type=float, default=None, help="requests/s per client at the router")

@@ -7,11 +7,14 @@ by the OS and announced on its READY line; its stderr, where it logs, goes to
 where the logs go, one line per node as it becomes ready (role, address, PID, time, log), then
 the router's. A temporary log directory (no --log-dir) is removed at exit unless a node failed.
 
-A node that exits, before it is ready or while serving, stops everything: `pdserve up` prints
-one line naming the node (role, index, PID, exit code) with the error line of its log (e.g.
-`ValueError: ...`, not the traceback, which stays in the log), stops the others by PID and exits
-1. Restarting the node instead would hide a crash loop and need the router to learn a new port;
-a supervisor (systemd, Kubernetes) restarts the whole of `pdserve up` better.
+A node that exits before the cluster is up stops everything: `pdserve up` prints one line naming
+the node (role, index, PID, exit code) with the error line of its log (e.g. `ValueError: ...`,
+not the traceback, which stays in the log), stops the others by PID and exits 1. A node that exits
+while serving is restarted: one line says so, the router stops sending it work (its in-flight
+requests migrate to the other nodes), the other nodes keep serving, and after a backoff (1, 2,
+4, ... 30 s) a new process takes its place (same role, index and log, appended) and joins the
+router when ready. A crash loop gives up: a node's `--node-restarts`+1-th exit within 5 minutes
+stops everything and exits 1 (`--node-restarts 0`: the first exit does).
 
 Ctrl-C or SIGTERM stops the router, then every node by its PID (SIGTERM, then SIGKILL after a
 grace period).
@@ -33,6 +36,8 @@ from pathlib import Path
 
 READY_TIMEOUT_S = 600.0  # the first start converts the model
 STOP_GRACE_S = 10.0
+RESTART_BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 16.0, 30.0)  # before a node's restart, by its exits in the window
+CRASH_WINDOW_S = 300.0  # exits of one node counted towards --node-restarts
 # The last line of a Python traceback: "ValueError: ...", "torch.OutOfMemoryError: ...".
 ERROR_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\b")
 
@@ -100,15 +105,35 @@ def last_error(log: Path, tail_bytes: int = 65536) -> str:
     return next((line.strip() for line in reversed(lines) if ERROR_LINE.match(line)), "")
 
 
-async def first_exit(nodes: list[Node]) -> Node:
-    """The first node whose process exits."""
-    waits = {asyncio.ensure_future(n.proc.wait()): n for n in nodes}
-    try:
-        done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-        return waits[done.pop()]
-    finally:
-        for w in waits:
-            w.cancel()
+async def keep_running(nodes: list[Node], i: int, spawner: Spawner, restarts: int, on_change) -> str:
+    """Restarts nodes[i] whenever it exits, after a backoff; `on_change()` after each exit and each
+    restart's ready (the router follows). Returns the line that gives up: its restarts+1-th exit
+    within CRASH_WINDOW_S."""
+    exits: list[float] = []
+    while True:
+        node = nodes[i]
+        code = await node.proc.wait()
+        now = time.monotonic()
+        exits = [t for t in exits if now - t < CRASH_WINDOW_S] + [now]
+        if len(exits) > restarts:
+            return (f"{node.exit_message(code)}; {len(exits)} exit{'s' if len(exits) > 1 else ''} in "
+                    f"{CRASH_WINDOW_S:.0f} s (--node-restarts {restarts}): stopping the others")
+        delay = RESTART_BACKOFF_S[min(len(exits), len(RESTART_BACKOFF_S)) - 1]
+        print(f"pdserve up: {node.exit_message(code)}; the other nodes keep serving, restarting it in {delay:.0f} s",
+              file=sys.stderr, flush=True)
+        await node.stop()  # its output pump
+        await on_change()
+        await asyncio.sleep(delay)
+        spawner.num_restarts += 1
+        nodes[i] = await spawner.spawn(node.role, node.index, restart=True)
+        try:
+            await asyncio.wait_for(nodes[i].wait_ready(), READY_TIMEOUT_S)
+        except NodeFailed:
+            continue  # it exited: counted above
+        except asyncio.TimeoutError:
+            nodes[i].proc.kill()
+            continue
+        await on_change()
 
 
 def security_args(args) -> list[str]:
@@ -146,28 +171,40 @@ def check_ports(args) -> None:
             raise OSError(f"could not bind {host}:{port} ({flag}): {os.strerror(e.errno) if e.errno else e}") from None
 
 
-async def start_nodes(args, stop: asyncio.Event, log_dir: Path) -> list[Node]:
+class Spawner:
+    """Starts node processes as `pdserve up` was told to (each node's own port, cores and log)."""
+
+    def __init__(self, args, log_dir: Path):
+        self.args, self.log_dir = args, log_dir
+        # The cores this process may use (--cpus pinned it to them; macOS has no affinity: all)
+        self.cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
+            else list(range(os.cpu_count() or 1))
+        self.threads = args.num_threads or max(1, len(self.cores) // (args.prefill + args.decode))
+        self.slots = [(role, i) for role, count in (("prefill", args.prefill), ("decode", args.decode))
+                      for i in range(count)]
+        self.num_restarts = 0  # a temporary log dir is kept when a node had to be restarted
+
+    async def spawn(self, role: str, index: int, restart: bool = False) -> Node:
+        args, slot = self.args, self.slots.index((role, index))
+        extra = ["--kv-transport", args.kv_transport] if role == "decode" else []
+        # Metrics ports: the router on --metrics-port, the nodes on the ports after it.
+        metrics_port = args.metrics_port + 1 + slot if args.metrics_port else None
+        if args.pin_cpus:
+            extra += ["--cpus", str(self.cores[slot % len(self.cores)])]
+        log = self.log_dir / f"{role}-{index}.log"
+        mode = os.O_APPEND if restart else os.O_TRUNC  # a restart keeps the crash's log above its own
+        with open(os.open(log, os.O_WRONLY | os.O_CREAT | mode, 0o600), "ab") as stderr:  # the child keeps its own
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", f"{role}_node", "--host", args.host, "--port", "0",
+                *node_args(args, self.threads, metrics_port), *extra, *security_args(args),
+                stdout=asyncio.subprocess.PIPE, stderr=stderr)
+        return Node(role, index, proc, log)
+
+
+async def start_nodes(spawner: Spawner, stop: asyncio.Event) -> list[Node]:
     """Starts every node and waits until all are ready; [] if `stop` is set first. Raises
     NodeFailed (having stopped the others) when one exits, or is not ready in time."""
-    # The cores this process may use (--cpus pinned it to them; macOS has no affinity: all)
-    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
-    threads = args.num_threads or max(1, len(cores) // (args.prefill + args.decode))
-    nodes = []
-    for role, count in (("prefill", args.prefill), ("decode", args.decode)):
-        module = f"{role}_node"
-        for i in range(count):
-            extra = ["--kv-transport", args.kv_transport] if role == "decode" else []
-            # Metrics ports: the router on --metrics-port, the nodes on the ports after it.
-            metrics_port = args.metrics_port + 1 + len(nodes) if args.metrics_port else None
-            if args.pin_cpus:
-                extra += ["--cpus", str(cores[len(nodes) % len(cores)])]
-            log = log_dir / f"{role}-{i}.log"
-            with open(os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as stderr:  # the child keeps its own
-                proc = await asyncio.create_subprocess_exec(
-                    sys.executable, "-m", module, "--host", args.host, "--port", "0",
-                    *node_args(args, threads, metrics_port), *extra, *security_args(args),
-                    stdout=asyncio.subprocess.PIPE, stderr=stderr)
-            nodes.append(Node(role, i, proc, log))
+    nodes = [await spawner.spawn(role, i) for role, i in spawner.slots]
     ready = [asyncio.ensure_future(n.wait_ready()) for n in nodes]
     all_ready = asyncio.gather(*ready)
     stopped = asyncio.ensure_future(stop.wait())
@@ -179,7 +216,7 @@ async def start_nodes(args, stop: asyncio.Event, log_dir: Path) -> list[Node]:
             return nodes
         if stopped not in done:
             late = ", ".join(str(n) for n, t in zip(nodes, ready) if not t.done())
-            raise NodeFailed(f"{late} not ready after {READY_TIMEOUT_S:.0f} s (logs in {log_dir})")
+            raise NodeFailed(f"{late} not ready after {READY_TIMEOUT_S:.0f} s (logs in {spawner.log_dir})")
     except BaseException:
         await asyncio.gather(*(n.stop() for n in nodes))
         raise
@@ -201,16 +238,17 @@ async def up(args) -> int:
           f"processes, logs in {log_dir}{' (removed at exit unless a node fails)' if temporary else ''}",
           file=sys.stderr, flush=True)
     failed = True
+    spawner = Spawner(args, log_dir)
     try:
         resolve_model(args.model)  # convert once here, not in every node at the same time
-        failed = await serve(args, log_dir) != 0
+        failed = await serve(args, spawner) != 0
         return 0 if not failed else 1
     finally:
-        if temporary and not failed:
+        if temporary and not failed and not spawner.num_restarts:
             shutil.rmtree(log_dir, ignore_errors=True)  # kept otherwise: a failed node's line names its log
 
 
-async def serve(args, log_dir: Path) -> int:
+async def serve(args, spawner: Spawner) -> int:
     """The nodes, then the router; until Ctrl-C, SIGTERM, the --ask answer or a node's exit."""
     from pdserve.cli import internal_security, public_security
     from router.placement import placement_kwargs
@@ -221,10 +259,11 @@ async def serve(args, log_dir: Path) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    nodes = await start_nodes(args, stop, log_dir)
+    nodes = await start_nodes(spawner, stop)
     if not nodes:
         return 0
     router = None
+    supervisors: list[asyncio.Task] = []
     try:
         public = public_security(args)
         router = Router(args.model, [n.address for n in nodes if n.role == "prefill"],
@@ -250,18 +289,24 @@ async def serve(args, log_dir: Path) -> int:
         else:
             print("Ctrl-C stops everything.", file=sys.stderr, flush=True)
             work = asyncio.ensure_future(stop.wait())
-        exited = asyncio.ensure_future(first_exit(nodes))
-        await asyncio.wait([work, exited], return_when=asyncio.FIRST_COMPLETED)
-        if exited.done():
+        async def follow_nodes() -> None:  # the router's pools: the nodes alive and ready now
+            for role, pool in (("prefill", router.prefill_pool), ("decode", router.decode_pool)):
+                await pool.update([n.address for n in nodes if n.role == role and n.address
+                                   and n.proc.returncode is None])
+
+        supervisors = [asyncio.ensure_future(keep_running(nodes, i, spawner, args.node_restarts, follow_nodes))
+                       for i in range(len(nodes))]
+        done, _ = await asyncio.wait([work, *supervisors], return_when=asyncio.FIRST_COMPLETED)
+        if work not in done:
             work.cancel()
-            node = exited.result()
-            print(f"pdserve up: {node.exit_message(node.proc.returncode)}; stopping the others", file=sys.stderr,
-                  flush=True)
+            print(f"pdserve up: {done.pop().result()}", file=sys.stderr, flush=True)
             return 1
-        exited.cancel()
         work.result()  # the answer's error, if any
         return 0
     finally:
+        for task in supervisors:
+            task.cancel()
+        await asyncio.gather(*supervisors, return_exceptions=True)
         if router is not None:
             await router.stop(STOP_GRACE_S)
         await asyncio.gather(*(n.stop() for n in nodes))

@@ -33,6 +33,9 @@ from pdserve_api import common_pb2, nodes_pb2_grpc
 log = logging.getLogger(__name__)
 AFFINITY_TOKENS = 512  # cached prompt tokens on a node worth one more request in flight there
 UNRESPONSIVE_S = 10.0  # a node that answered no health check for this long is hung, not busy
+# A node removed from the pool keeps its channel this long once idle: a call still in flight on a
+# closed channel raises CancelledError in its caller (a request migrating off a dead node hung so).
+RETIRED_GRACE_S = 60.0
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 8 << 20), ("grpc.max_send_message_length", 8 << 20)]
 
 
@@ -54,6 +57,7 @@ class Endpoint:
     prefilling: int = 0      # this router's prefills in flight there (on a decode node: local ones)
     prefill_tokens: int = 0  # and the tokens they compute
     refreshing: asyncio.Task | None = None  # a GetLoad in flight (EndpointPool.refresh)
+    retired_at: float | None = None  # when update() removed it from the pool
     last_answer: float = field(default_factory=time.monotonic)  # when a health check last answered
 
     def apply_load(self, load: common_pb2.NodeLoad) -> None:
@@ -125,14 +129,21 @@ class EndpointPool:
         new = [self._endpoint(a) for a in addresses if a not in known]
         gone = [e for e in self.endpoints if e.address not in set(addresses)]
         for e in gone:
-            e.healthy = False
+            e.healthy, e.retired_at = False, time.monotonic()
         self.endpoints = [e for e in self.endpoints if e not in gone] + new
         self.retired += gone
         await asyncio.gather(*(self._check(e) for e in new))
-        for e in [e for e in self.retired if e.outstanding == 0]:
+        await self._close_retired()
+        await self._changed()
+
+    async def _close_retired(self, grace_s: float = RETIRED_GRACE_S) -> None:
+        """Closes the channels of removed nodes that have been idle a while (no request, no load
+        refresh, removed grace_s ago: longer than any check's deadline)."""
+        now = time.monotonic()
+        for e in [e for e in self.retired if e.outstanding == 0 and now - e.retired_at >= grace_s
+                  and (e.refreshing is None or e.refreshing.done())]:
             self.retired.remove(e)
             await e.channel.close()
-        await self._changed()
 
     def healthy(self, exclude: set[str] = frozenset()) -> list[Endpoint]:
         return [e for e in self.endpoints if e.healthy and e.address not in exclude]
@@ -170,7 +181,7 @@ class EndpointPool:
         return e.refreshing
 
     async def _refresh(self, e: Endpoint) -> None:
-        if self.closed:  # a request that ended after the router closed its pools
+        if self.closed or e.retired_at is not None:  # after the pools closed, or the node left the pool
             return
         with contextlib.suppress(grpc.aio.AioRpcError):
             e.apply_load(await e.stub.GetLoad(common_pb2.LoadRequest(cache_since=e.cache_version), timeout=1.0))
@@ -202,9 +213,12 @@ class EndpointPool:
         while True:
             await asyncio.sleep(self.check_interval_s)
             await self.check_all()
+            await self._close_retired()
 
     async def check(self, endpoint: Endpoint) -> None:
         """Checks one node now (after a failure): a dead one leaves the pool at once."""
+        if endpoint.retired_at is not None:  # out of the pool already
+            return
         endpoint.failures = self.failure_threshold - 1
         await self._check(endpoint)
         await self._changed()

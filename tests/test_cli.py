@@ -7,6 +7,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -201,26 +202,115 @@ def test_up_says_in_one_line_that_a_port_is_taken_before_starting_a_node(tiny_ll
     assert both.returncode == 1 and both.stderr == "pdserve up: error: --port and --http-port both need port 8123\n"
 
 
-def test_up_stops_everything_and_exits_1_when_a_node_exits(tiny_llama, tmp_path):
+def start_up(model, *flags) -> tuple[subprocess.Popen, dict, str]:
+    """`pdserve up` with two decode nodes; (process, node name -> pid, router address) once it is up."""
+    up = subprocess.Popen([*UP, "--model", str(model), "--decode", "2", *flags], stderr=subprocess.PIPE, text=True)
+    pids, address = {}, None
+    for line in up.stderr:
+        pids.update({role: int(pid) for role, pid in re.findall(r"^pdserve up: (\w+ node \d+) on \S+, pid (\d+)", line)})
+        if line.startswith("pdserve up: router on "):
+            address = line.split()[4]
+            break
+    assert set(pids) == {"prefill node 0", "decode node 0", "decode node 1"}
+    return up, pids, address
+
+
+def assert_gone(pids) -> None:
     import psutil
 
-    up = subprocess.Popen([*UP, "--model", str(tiny_llama), "--decode", "2", "--log-dir", str(tmp_path)],
-                          stderr=subprocess.PIPE, text=True)
-    try:
-        pids = {}
+    assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids)
+
+
+class Lines:
+    """`pdserve up`'s stderr read to the end in a thread (a full pipe would block it), each line
+    kept; next(prefix) waits for the next one that starts with prefix."""
+
+    def __init__(self, up: subprocess.Popen):
+        import queue
+        import threading
+
+        self.all: list[str] = []
+        self._queue: queue.Queue = queue.Queue()
+        threading.Thread(target=self._read, args=(up,), daemon=True).start()
+
+    def _read(self, up) -> None:
         for line in up.stderr:
-            pids.update({role: int(pid) for role, pid in re.findall(r"^pdserve up: (\w+ node \d+) on \S+, pid (\d+)",
-                                                                   line)})
-            if line.startswith("pdserve up: router on "):
-                break
-        assert set(pids) == {"prefill node 0", "decode node 0", "decode node 1"}
+            self.all.append(line)
+            self._queue.put(line)
+        self._queue.put("")
+
+    def next(self, prefix: str, timeout_s: float = 300) -> str:
+        deadline = time.monotonic() + timeout_s
+        while (line := self._queue.get(timeout=max(0.0, deadline - time.monotonic()))) and not line.startswith(prefix):
+            pass
+        return line
+
+    def tail(self, n: int = 40) -> str:
+        return "".join(self.all[-n:])
+
+
+def test_up_restarts_a_node_that_exits_and_keeps_serving(tiny_llama, tmp_path):
+    """kill -9 of one of two decode nodes: the stream on it migrates and finishes, the others keep
+    serving, the node comes back (a new process, its log appended) and serves again; SIGTERM then
+    stops everything. (pdserve up used to stop the whole cluster.)"""
+    import psutil
+
+    import threading
+
+    from router.client import Client
+
+    up, pids, address = start_up(tiny_llama, "--log-dir", str(tmp_path))
+    lines = Lines(up)
+    try:
+        # two long streams in flight (one on each decode node) while decode node 1 dies
+        counts, errors = [0, 0], []
+
+        def stream(i):
+            try:
+                with Client(address) as client:
+                    for part in client.stream([5 + i, 6, 7], max_tokens=300, temperature=0, ignore_eos=True):
+                        counts[i] += len(part.token_ids)
+            except Exception as e:  # noqa: BLE001 - recorded, asserted below
+                errors.append(e)
+
+        streams = [threading.Thread(target=stream, args=(i,)) for i in range(2)]
+        for t in streams:
+            t.start()
+        while min(counts) < 10 and not errors and any(t.is_alive() for t in streams):
+            time.sleep(0.005)
+        os.kill(pids["decode node 1"], signal.SIGKILL)
+        line = lines.next("pdserve up: decode node 1 ")
+        assert re.fullmatch(rf"pdserve up: decode node 1 \(pid {pids['decode node 1']}, \S+\) exited with code -9 "
+                            r"\(SIGKILL\) \(log: \S+\); the other nodes keep serving, restarting it in 1 s\n", line), line
+        for t in streams:
+            t.join(timeout=300)
+        print(lines.tail())
+        assert not errors and counts == [300, 300], (errors, counts)
+        assert run("generate", "--addr", address, "--max-tokens", "4", "hi").returncode == 0  # meanwhile
+        back = re.match(r"pdserve up: decode node 1 on \S+, pid (\d+), ready in", lines.next("pdserve up: "))
+        assert back and int(back[1]) != pids["decode node 1"] and psutil.pid_exists(int(back[1]))
+        pids["decode node 1 again"] = int(back[1])
+        for _ in range(4):  # both decode nodes serve again
+            assert run("generate", "--addr", address, "--max-tokens", "4", "hi").returncode == 0
+        up.send_signal(signal.SIGTERM)
+        assert up.wait(timeout=60) == 0
+        assert_gone(pids.values())
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+
+
+def test_up_stops_everything_and_exits_1_when_a_node_exits_past_its_restarts(tiny_llama, tmp_path):
+    up, pids, _ = start_up(tiny_llama, "--log-dir", str(tmp_path), "--node-restarts", "0")
+    try:
         os.kill(pids["decode node 1"], signal.SIGKILL)
         assert up.wait(timeout=60) == 1
         last = up.stderr.read().strip().splitlines()[-1]
         assert re.fullmatch(rf"pdserve up: decode node 1 \(pid {pids['decode node 1']}, \S+\) exited with code -9 "
-                            r"\(SIGKILL\) \(log: \S+\); stopping the others", last), last
-        assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
-                       for p in pids.values())
+                            r"\(SIGKILL\) \(log: \S+\); 1 exit in 300 s \(--node-restarts 0\): stopping the others",
+                            last), last
+        assert_gone(pids.values())
     finally:
         if up.poll() is None:
             up.kill()

@@ -104,3 +104,26 @@ def test_closing_a_pool_with_refreshes_in_flight_leaves_no_task_error():
         return errors
 
     assert asyncio.run(scenario()) == []
+
+
+def test_a_node_removed_while_a_check_is_in_flight_does_not_cancel_the_checker():
+    """update() removes a node (it died; pdserve up restarts it elsewhere) while a check on it is in
+    flight: closing its channel then raised CancelledError in whoever awaited the check, a request
+    migrating off that node, which then hung. The channel stays open until idle for a grace period."""
+    async def scenario():
+        silent = await asyncio.start_server(lambda reader, writer: None, "127.0.0.1", 0)  # accepts, never answers
+        address = f"127.0.0.1:{silent.sockets[0].getsockname()[1]}"
+        pool = EndpointPool("decode", [address], check_interval_s=1.0)
+        e = pool.endpoints[0]
+        checking = asyncio.ensure_future(pool.check(e))
+        await asyncio.sleep(0.2)
+        await pool.update([])
+        await checking  # its deadline passes: no CancelledError
+        assert pool.endpoints == [] and pool.retired == [e]
+        await pool.check(e)  # out of the pool: not checked again
+        await pool._close_retired(grace_s=0)
+        assert pool.retired == []
+        await pool.close()
+        silent.close()
+
+    asyncio.run(scenario())
