@@ -221,6 +221,22 @@ def assert_gone(pids) -> None:
     assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids)
 
 
+def stop_all(up: subprocess.Popen, pids: dict) -> None:
+    """After a failed test too: `pdserve up` stopped (SIGTERM stops its nodes), then any node left, by PID."""
+    import psutil
+
+    if up.poll() is None:
+        up.terminate()
+        try:
+            up.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            up.kill()
+            up.wait()
+    for pid in pids.values():
+        if psutil.pid_exists(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
 class Lines:
     """`pdserve up`'s stderr read to the end in a thread (a full pipe would block it), each line
     kept; next(prefix) waits for the next one that starts with prefix."""
@@ -296,9 +312,7 @@ def test_up_restarts_a_node_that_exits_and_keeps_serving(tiny_llama, tmp_path):
         assert up.wait(timeout=60) == 0
         assert_gone(pids.values())
     finally:
-        if up.poll() is None:
-            up.kill()
-            up.wait()
+        stop_all(up, pids)
 
 
 def test_up_stops_everything_and_exits_1_when_a_node_exits_past_its_restarts(tiny_llama, tmp_path):
@@ -312,9 +326,7 @@ def test_up_stops_everything_and_exits_1_when_a_node_exits_past_its_restarts(tin
                             last), last
         assert_gone(pids.values())
     finally:
-        if up.poll() is None:
-            up.kill()
-            up.wait()
+        stop_all(up, pids)
 
 
 def test_version_and_one_line_client_errors(tmp_path):
