@@ -122,7 +122,7 @@ class DecodeNode(nodes_pb2_grpc.DecodeNodeServicer):
         except KVTransferError as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         kv_tokens = (list(request.prompt_token_ids) + output_token_ids)[:source.num_tokens] if partial else None
-        blocks, skip = await self._reserve(source.num_tokens, request.deadline, context, kv_tokens)
+        blocks, skip = await self._reserve(source.num_tokens, request.deadline, context, kv_tokens, params.cache_salt)
         owned = True  # until add_prefilled_request takes the blocks over
         transfer = None
         try:
@@ -209,14 +209,14 @@ class DecodeNode(nodes_pb2_grpc.DecodeNodeServicer):
         task.add_done_callback(self._tasks.discard)
 
     async def _reserve(self, num_tokens: int, deadline: float, context,
-                       kv_tokens: list[int] | None = None) -> tuple[list[int], int]:
+                       kv_tokens: list[int] | None = None, cache_salt: str = "") -> tuple[list[int], int]:
         """Blocks for num_tokens of KV, and how many leading ones the prefix cache filled (with
         kv_tokens, the tokens of that KV, they are looked up)."""
         engine = self.engine.engine
         give_up = deadline or time.time() + BLOCK_WAIT_S
         while True:
             try:
-                reserved = await self.engine.call_or_undo(lambda: self._try_reserve(num_tokens, kv_tokens),
+                reserved = await self.engine.call_or_undo(lambda: self._try_reserve(num_tokens, kv_tokens, cache_salt),
                                                           lambda r: self.engine.engine.free_kv(r[0]))
             except ValueError as e:  # longer than this node can ever hold
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
@@ -228,10 +228,11 @@ class DecodeNode(nodes_pb2_grpc.DecodeNodeServicer):
                                     f"({engine.block_manager.num_free_blocks} free)")
             await asyncio.sleep(0.01)
 
-    def _try_reserve(self, num_tokens: int, kv_tokens: list[int] | None) -> tuple[list[int], int] | None:
+    def _try_reserve(self, num_tokens: int, kv_tokens: list[int] | None,
+                     cache_salt: str) -> tuple[list[int], int] | None:
         engine = self.engine.engine
         if kv_tokens is not None and len(kv_tokens) == num_tokens:
-            return engine.reserve_kv_cached(kv_tokens)
+            return engine.reserve_kv_cached(kv_tokens, cache_salt)
         return (engine.reserve_kv(num_tokens), 0) if engine.can_reserve_kv(num_tokens) else None
 
     async def _confirm_read(self, source: nodes_pb2.KVSource) -> None:

@@ -5,7 +5,9 @@ transfer) holds another, so a sequence can finish while its KV is still being re
 
 Prefix caching (as vLLM's automatic prefix caching): every full block a sequence has computed is
 named by a hash of (the hash of the block before it, its token ids), so a hash names the whole
-prefix up to that block. When its last reference goes, a named block stays in the cache, free but
+prefix up to that block. A prompt's first block chains from its request's cache_salt: requests
+with different salts (tenants: a router salts each API key's requests) never share a block, so
+one cannot learn another's prompts from how fast its own are answered. When its last reference goes, a named block stays in the cache, free but
 evictable, least recently freed first; a new sequence whose prompt starts with the same tokens
 takes those blocks (one more reference each) instead of computing them. Only full blocks are
 shared and a sequence always computes at least its last token, so nothing ever writes into a
@@ -27,7 +29,7 @@ import xxhash
 
 from engine.sequence import Sequence
 
-ROOT = ("root",)  # the parent of a prompt's first block
+ROOT = "root"  # with the request's cache_salt, the parent of a prompt's first block
 CACHE_EVENTS = 1 << 16  # name changes kept for routers that poll; one further behind gets a snapshot
 
 
@@ -37,9 +39,14 @@ def chain_hash(parent: int, token_ids: list[int]) -> int:
     return xxhash.xxh3_64_intdigest(struct.pack(f"<Q{len(token_ids)}q", parent, *token_ids))
 
 
-def block_hashes(token_ids: list[int], block_size: int, parent: int = 0) -> list[int]:
+def salt_root(cache_salt: str) -> int:
+    """The name a prompt's first block chains from: 0, or one per cache_salt (tenants apart)."""
+    return xxhash.xxh3_64_intdigest(b"cache_salt\0" + cache_salt.encode()) if cache_salt else 0
+
+
+def block_hashes(token_ids: list[int], block_size: int, cache_salt: str = "") -> list[int]:
     """The names of the full blocks of a token sequence, in order."""
-    hashes = []
+    hashes, parent = [], salt_root(cache_salt)
     for start in range(0, len(token_ids) - block_size + 1, block_size):
         parent = chain_hash(parent, token_ids[start:start + block_size])
         hashes.append(parent)
@@ -57,7 +64,7 @@ class BlockManager:
         self.block_hash: list[int | None] = [None] * num_blocks
         self.cached: dict[int, int] = {}  # name -> block id
         self.generation = [0] * num_blocks  # bumped each time a block is taken for new contents
-        # A named block's key: ((parent block, its generation) or ROOT, its tokens), checked on a hit.
+        # A named block's key: ((parent block, its generation) or (ROOT, salt), its tokens), checked on a hit.
         self.block_key: list[tuple | None] = [None] * num_blocks
         self.num_collisions = 0  # names found whose block held other tokens (misses, never used)
         # What routers follow (cache_changes): a version bumped by every name added or evicted.
@@ -151,14 +158,16 @@ class BlockManager:
         hashes, bs = seq.block_hashes, self.block_size
         while len(hashes) < num_blocks:
             i = len(hashes)
-            hashes.append(chain_hash(hashes[-1] if hashes else 0, seq.token_ids(i * bs, (i + 1) * bs)))
+            parent = hashes[-1] if hashes else salt_root(seq.params.cache_salt)
+            hashes.append(chain_hash(parent, seq.token_ids(i * bs, (i + 1) * bs)))
         return hashes[:num_blocks]
 
     def _key(self, seq: Sequence, i: int) -> tuple:
         """What block i of seq must hold to stand for it: its parent as seq's chain found it, and
-        its tokens."""
+        its tokens (a first block's parent is its salt)."""
         bs = self.block_size
-        return (seq.cache_chain[i - 1] if i else ROOT, tuple(seq.token_ids(i * bs, (i + 1) * bs)))
+        parent = seq.cache_chain[i - 1] if i else (ROOT, seq.params.cache_salt)
+        return (parent, tuple(seq.token_ids(i * bs, (i + 1) * bs)))
 
     def acquire_prefix(self, seq: Sequence) -> int:
         """For a sequence with no KV yet: takes the cached blocks of the longest cached prefix of its

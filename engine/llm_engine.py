@@ -309,12 +309,12 @@ class LLMEngine:
             self._check_length(num_tokens)
         return self.block_manager.allocate_blocks(self.block_manager.blocks_for(num_tokens))
 
-    def reserve_kv_cached(self, token_ids: list[int]) -> tuple[list[int], int] | None:
+    def reserve_kv_cached(self, token_ids: list[int], cache_salt: str = "") -> tuple[list[int], int] | None:
         """reserve_kv for the KV of token_ids, whose longest cached prefix of full blocks is taken
         from the prefix cache (shared: never write them); returns (blocks, how many of them came
         from the cache), or None when the pool cannot hold the rest."""
         self._check_length(len(token_ids))
-        probe = Sequence("", list(token_ids), SamplingParams(max_tokens=1))
+        probe = Sequence("", list(token_ids), SamplingParams(max_tokens=1, cache_salt=cache_salt))
         bm = self.block_manager
         cached = bm.acquire_prefix(probe)  # leaves the last token's block to fill
         need = bm.blocks_for(len(token_ids)) - len(probe.block_table)

@@ -8,6 +8,7 @@ MAX_LOGPROBS = 20
 MAX_SAMPLES = 16  # n and best_of
 MAX_BEAM_WIDTH = MAX_LOGPROBS // 2  # each beam step asks for the top 2 x width logprobs
 MAX_STOP_STRINGS, MAX_STOP_LEN = 16, 256
+MAX_CACHE_SALT = 1024
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,9 @@ class SamplingParams:
     best_of: int | None = None  # completions generated, the n with the highest cumulative logprob returned
     beam_width: int = 1  # > 1: beam search (engine/beam_search.py), returning its W hypotheses, best first
     length_penalty: float = 1.0  # beam search: a hypothesis scores logprob / length ** length_penalty
+    # Prefix caching: only requests with the same salt share cached blocks (vLLM's cache_salt); a
+    # router with API keys prefixes each key's own (engine/block_manager.py, docs/prefix_caching.md)
+    cache_salt: str = ""
 
     def __post_init__(self):
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
@@ -56,6 +60,8 @@ class SamplingParams:
             raise ValueError(f"best_of must be an integer in [n ({self.n}), {MAX_SAMPLES}] or None, got {self.best_of!r}")
         if not _is_int(self.beam_width) or not 1 <= self.beam_width <= MAX_BEAM_WIDTH:
             raise ValueError(f"beam_width must be an integer in [1, {MAX_BEAM_WIDTH}], got {self.beam_width!r}")
+        if not isinstance(self.cache_salt, str) or len(self.cache_salt) > MAX_CACHE_SALT:
+            raise ValueError(f"cache_salt must be a string of at most {MAX_CACHE_SALT} characters")
         if not _is_number(self.length_penalty) or self.length_penalty != self.length_penalty:
             raise ValueError(f"length_penalty must be a number, got {self.length_penalty!r}")
         if self.beam_width > 1:

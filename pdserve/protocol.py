@@ -15,13 +15,13 @@ def sampling_from_proto(m: common_pb2.SamplingParams) -> SamplingParams:
         if m.HasField(name):
             kwargs[name] = getattr(m, name)
     return SamplingParams(top_k=m.top_k, stop=tuple(m.stop), stop_token_ids=tuple(m.stop_token_ids),
-                          ignore_eos=m.ignore_eos, **kwargs)
+                          ignore_eos=m.ignore_eos, cache_salt=m.cache_salt, **kwargs)
 
 
 def sampling_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
     m = common_pb2.SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature, top_k=p.top_k,
                                   top_p=p.top_p, stop=list(p.stop), stop_token_ids=list(p.stop_token_ids),
-                                  ignore_eos=p.ignore_eos)
+                                  ignore_eos=p.ignore_eos, cache_salt=p.cache_salt)
     if p.seed is not None:
         m.seed = p.seed
     if p.logprobs is not None:

@@ -11,6 +11,7 @@ probes); every other method needs the token when one is configured.
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 from dataclasses import dataclass
 from pathlib import Path
@@ -104,6 +105,14 @@ def authorized(given: str, accepted: tuple[bytes, ...]) -> bool:
     against every key (not stopping at a match)."""
     matches = [hmac.compare_digest(given.encode(), k) for k in accepted]
     return any(matches)
+
+
+def tenant_salt(authorization: str, cache_salt: str) -> str:
+    """A request's cache_salt under API keys: its key's own (a digest, never the key) before the
+    salt the client chose, so that requests under different keys never share a cached block and no
+    client can pick another key's salt."""
+    key = authorization.removeprefix("Bearer ").encode()
+    return f"key:{hashlib.sha256(key).hexdigest()[:32]}/{cache_salt}"
 
 
 class TokenCheck(grpc.aio.ServerInterceptor):

@@ -16,6 +16,7 @@ from engine.model_source import resolve_model
 from engine.tokenizer import apply_chat_template, check_prompt_length, load_tokenizer, prompt_token_ids
 from pdserve.metrics import Metrics
 from pdserve.protocol import sampling_from_proto
+from pdserve.security import tenant_salt
 from pdserve_api import common_pb2, generate_pb2, generate_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -59,6 +60,8 @@ class RateLimiter:
 
 
 class Frontend(generate_pb2_grpc.GenerationServicer):
+    api_keys: tuple[str, ...] = ()  # the public API's keys, when it has any (a router sets them)
+
     def __init__(self, model: str, max_model_len: int | None = None, metrics: Metrics | None = None,
                  max_outstanding: int = 1024, rate_limit: float | None = None, rate_burst: float | None = None):
         """max_outstanding: requests in flight before new ones get RESOURCE_EXHAUSTED at once;
@@ -83,10 +86,13 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
         return {"status": "ok"}
 
     # ---- a request's life ---------------------------------------------------------------
-    async def serve(self, request: generate_pb2.GenerateRequest, deadline: float = 0.0,
-                    client: str = "") -> AsyncIterator[generate_pb2.GenerateResponse]:
+    async def serve(self, request: generate_pb2.GenerateRequest, deadline: float = 0.0, client: str = "",
+                    authorization: str = "") -> AsyncIterator[generate_pb2.GenerateResponse]:
         """The request's path (`_serve`), behind admission control, and measured: TTFT, TPOT,
-        end-to-end, outcome, tokens."""
+        end-to-end, outcome, tokens. authorization: the API key the request came with; under API
+        keys it salts the request's prefix-cache blocks (tenants never share one)."""
+        if self.api_keys:
+            request.sampling.cache_salt = tenant_salt(authorization, request.sampling.cache_salt)
         if self.num_outstanding >= self.max_outstanding:
             self.metrics.inc("pdserve_requests_total", outcome="unavailable")
             raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -151,14 +157,15 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
     # ---- Generation service (grpc.aio) ------------------------------------------------------
     async def Generate(self, request, context):
         try:
-            async for msg in self.serve(request, _deadline(context), _client(context)):
+            async for msg in self.serve(request, _deadline(context), _client(context), _authorization(context)):
                 yield msg
         except RequestError as e:
             await context.abort(e.code, e.details)
 
     async def GenerateUnary(self, request, context) -> generate_pb2.GenerateResponse:
         try:
-            return await self.generate_unary(request, _deadline(context), _client(context))
+            return await self.generate_unary(request, _deadline(context), _client(context),
+                                             _authorization(context))
         except RequestError as e:
             await context.abort(e.code, e.details)
 
@@ -172,12 +179,13 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
         return self.list_models()
 
     # ---- the same, transport-free (the Ray Serve ingress calls these) ---------------------------
-    async def generate_unary(self, request, deadline: float = 0.0, client: str = "") -> generate_pb2.GenerateResponse:
+    async def generate_unary(self, request, deadline: float = 0.0, client: str = "",
+                             authorization: str = "") -> generate_pb2.GenerateResponse:
         """The whole stream in one message: sample 0 in the top-level fields, and with n > 1 every
         sample in `samples`."""
         whole = generate_pb2.GenerateResponse()
         samples: dict[int, generate_pb2.Sample] = {}
-        async for msg in self.serve(request, deadline, client):
+        async for msg in self.serve(request, deadline, client, authorization):
             whole.request_id = msg.request_id
             sample = samples.setdefault(msg.index, generate_pb2.Sample(index=msg.index))
             sample.token_ids.extend(msg.token_ids)
@@ -218,6 +226,10 @@ def _client(context) -> str:
     """Who is asking, for the rate limit: the x-client-id metadata, else the peer's address."""
     metadata = dict(context.invocation_metadata() or ())
     return metadata.get("x-client-id") or context.peer().rsplit(":", 1)[0]
+
+
+def _authorization(context) -> str:
+    return dict(context.invocation_metadata() or ()).get("authorization", "")
 
 
 def _deadline(context) -> float:

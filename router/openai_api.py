@@ -93,10 +93,11 @@ class OpenAIAPI:
             # continuous usage names the prompt's tokens on every chunk, before the final message does
             prompt_tokens = self._prompt_length(req) if continuous else None
             client = request.headers.get("x-client-id") or (request.client.host if request.client else "")
+            key = request.headers.get("authorization", "")
             if not stream:
-                whole = await self.frontend.generate_unary(req, _deadline(request), client)
+                whole = await self.frontend.generate_unary(req, _deadline(request), client, key)
                 return JSONResponse(self._response(whole, chat, logprobs, body))
-            parts = self.frontend.serve(req, _deadline(request), client)
+            parts = self.frontend.serve(req, _deadline(request), client, key)
             first = await anext(parts, None)  # errors before the first token get a proper status
             return StreamingResponse(self._sse(first, parts, chat, include_usage, prompt_tokens, logprobs, body),
                                      media_type="text/event-stream")
@@ -159,6 +160,11 @@ class OpenAIAPI:
             raise APIError(400, "stop must be a string or a list of strings", "stop")
         sampling.stop.extend(stop)
         sampling.ignore_eos = bool(body.get("ignore_eos", False))
+        salt = body.get("cache_salt")  # vLLM's extension: prefix caching only among requests with this salt
+        if salt is not None:
+            if not isinstance(salt, str) or not salt:
+                raise APIError(400, "cache_salt must be a non-empty string", "cache_salt")
+            sampling.cache_salt = salt
         if not sampling.HasField("max_tokens"):  # chat without max_tokens
             sampling.max_tokens = self._rest_of_context(req)
         return req, bool(body.get("stream", False)), logprobs

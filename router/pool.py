@@ -152,7 +152,8 @@ class EndpointPool:
         return (f"no healthy {self.role} node (of {len(self.endpoints)}: "
                 f"{', '.join(e.address for e in self.endpoints) or 'none configured'})")
 
-    def pick(self, exclude: set[str] = frozenset(), prompt: list[int] | None = None) -> Endpoint:
+    def pick(self, exclude: set[str] = frozenset(), prompt: list[int] | None = None,
+             cache_salt: str = "") -> Endpoint:
         healthy = self.healthy(exclude)
         if not healthy:
             raise NoHealthyNode(self.no_healthy_node())
@@ -160,7 +161,7 @@ class EndpointPool:
         names: dict[int, list[int]] = {}
         if prompt and self.affinity_tokens:
             for size in {e.load.block_size for e in healthy if e.cached and e.load.block_size}:
-                names[size] = block_hashes(prompt[:-1], size)  # the last token is always computed
+                names[size] = block_hashes(prompt[:-1], size, cache_salt)  # the last token is always computed
 
         def cost(e: Endpoint) -> float:
             return e.outstanding - (e.cached_tokens(names) / self.affinity_tokens if names else 0.0)
@@ -168,11 +169,11 @@ class EndpointPool:
         return min(healthy, key=lambda e: (cost(e), e.load.num_waiting + e.load.num_running,
                                            (self.endpoints.index(e) - turn) % len(self.endpoints)))
 
-    def cached_tokens(self, e: Endpoint, prompt: list[int]) -> int:
+    def cached_tokens(self, e: Endpoint, prompt: list[int], cache_salt: str = "") -> int:
         """How many leading tokens of the prompt a node's cache holds, as it last reported."""
         if not e.cached or not e.load.block_size:
             return 0
-        return e.cached_tokens({e.load.block_size: block_hashes(prompt[:-1], e.load.block_size)})
+        return e.cached_tokens({e.load.block_size: block_hashes(prompt[:-1], e.load.block_size, cache_salt)})
 
     def refresh(self, e: Endpoint) -> asyncio.Task:
         """Asks a node for its load and cache changes now (after it served a request); the task is

@@ -130,16 +130,17 @@ class Router(Frontend):
         # the lease, so greedy, no EOS, two tokens), one transfer, and every sample (beam) draws its
         # first token on the decode node, which forks them over the imported blocks
         several = params.forks
-        prefill_sampling = sampling_to_proto(SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)) \
-            if several else sampling
+        prefill_sampling = sampling_to_proto(SamplingParams(max_tokens=2, temperature=0, ignore_eos=True,
+                                                            cache_salt=params.cache_salt)) if several else sampling
+        salt = params.cache_salt
         generated: list[int] = []  # every token streamed to the client so far
         emitted = 0  # characters of text streamed so far
         for attempt in range(MIGRATIONS + 1):
             tokens = prompt + generated
             began = time.time()
-            decode = _pick(self.decode_pool, prompt=tokens)  # cache-aware: where the conversation is
+            decode = _pick(self.decode_pool, prompt=tokens, cache_salt=salt)  # cache-aware: where the conversation is
             # 2. place the prefill
-            plan, prefill = await self._place(decode, tokens)
+            plan, prefill = await self._place(decode, tokens, salt)
             self.metrics.inc("pdserve_prefills_total", where="local" if plan.local else "remote")
             prefill_call = contextlib.nullcontext(False)
             kv = reply = replies = call = None
@@ -241,17 +242,17 @@ class Router(Frontend):
                     # nobody read the KV: free it on the prefill node now (a finished prefill did)
                     await asyncio.shield(self._release_kv(prefill, kv.lease_id))
 
-    async def _place(self, decode, tokens: list[int]):
+    async def _place(self, decode, tokens: list[int], salt: str):
         """Where this request's prefill runs (router/placement.py), and the prefill node that
         would run it remotely (None: no healthy one; then the decode node does, if it may)."""
         try:
-            prefill = self.prefill_pool.pick(prompt=tokens)
+            prefill = self.prefill_pool.pick(prompt=tokens, cache_salt=salt)
         except NoHealthyNode:
             prefill = None
         if self.placement.mode == "auto":
             await self.decode_pool.settled(decode)
-        decode_cached = self.decode_pool.cached_tokens(decode, tokens)
-        prefill_cached = self.prefill_pool.cached_tokens(prefill, tokens) if prefill else 0
+        decode_cached = self.decode_pool.cached_tokens(decode, tokens, salt)
+        prefill_cached = self.prefill_pool.cached_tokens(prefill, tokens, salt) if prefill else 0
         # the decode node reads only the blocks it lacks (shm with generation counters, tcp), when
         # both sides' blocks are of one size
         partial = decode.load.kv_transport != "grpc" and prefill is not None and \
@@ -287,7 +288,7 @@ class Router(Frontend):
         tokens = list(request.prompt_token_ids) + list(request.output_token_ids)
         while True:
             if prefill is None:
-                prefill = _pick(self.prefill_pool, exclude=tried, prompt=tokens)  # cache-aware
+                prefill = _pick(self.prefill_pool, tried, tokens, request.sampling.cache_salt)  # cache-aware
             try:
                 with prefill.track(), self._outstanding(prefill), prefill.prefill(num_tokens) as alone:
                     if not self._layerwise(prefill, decode):
@@ -370,8 +371,9 @@ async def _chain(first, call):
         yield part
 
 
-def _pick(pool: EndpointPool, exclude: set[str] = frozenset(), prompt: list[int] | None = None):
+def _pick(pool: EndpointPool, exclude: set[str] = frozenset(), prompt: list[int] | None = None,
+          cache_salt: str = ""):
     try:
-        return pool.pick(exclude, prompt)
+        return pool.pick(exclude, prompt, cache_salt)
     except NoHealthyNode as e:
         raise RequestError(grpc.StatusCode.UNAVAILABLE, str(e)) from None

@@ -287,6 +287,28 @@ def test_the_same_api_keys_guard_the_grpc_api(up):
     assert refused.returncode == 1 and refused.stderr.startswith("pdserve: error: UNAUTHENTICATED: invalid or missing")
 
 
+def test_each_api_key_and_cache_salt_has_its_own_prefix_cache(up):
+    """Under API keys a key's requests share cached blocks (over HTTP and gRPC alike), another
+    key's never do: one tenant cannot time another's prompts. cache_salt splits a key further."""
+    http, grpc_addr, model, _ = up
+    prompt = [(43 * i) % 300 + 10 for i in range(41)]  # seen by no other test
+
+    def cached(key: str, **extra) -> int:
+        c = openai.OpenAI(base_url=http, api_key=key, max_retries=0)
+        reply = c.completions.create(model=model, prompt=prompt, max_tokens=2, extra_body=extra)
+        return reply.usage.prompt_tokens_details.cached_tokens
+
+    assert cached(KEY) == 0 and cached(KEY) == 40
+    with Client(grpc_addr, api_key=KEY) as c:  # the same key over gRPC: the same tenant
+        assert c.generate(prompt, max_tokens=2).timings["cached_tokens"] == 40
+    assert cached(OTHER_KEY) == 0 and cached(OTHER_KEY) == 40
+    assert cached(KEY, cache_salt="team-1") == 0 and cached(KEY, cache_salt="team-1") == 40
+    assert cached(OTHER_KEY, cache_salt="team-1") == 0
+    bad = openai.OpenAI(base_url=http, api_key=KEY, max_retries=0)
+    with pytest.raises(openai.BadRequestError, match="cache_salt must be a non-empty string"):
+        bad.completions.create(model=model, prompt=prompt, max_tokens=2, extra_body={"cache_salt": 7})
+
+
 @contextlib.asynccontextmanager
 async def http_over_local_cluster(model):
     """An in-process cluster (nodes whose health a test can change) with the HTTP API on it."""

@@ -236,6 +236,30 @@ def test_a_name_collision_is_a_miss_never_another_prefixs_blocks(monkeypatch):
     assert bm.acquire_prefix(d) == 8 and d.block_table == a.block_table[:2]
 
 
+def test_a_cache_salt_shares_blocks_only_among_requests_with_that_salt(monkeypatch):
+    """cache_salt (vLLM's): tenants apart. The same prompt under another salt finds nothing, even
+    when the names collide (here every salt's root is 0): the salt is in the checked key too. The
+    router names the prompt the same way the node does."""
+    import engine.block_manager as block_manager
+
+    bm = BlockManager(32, 4)
+    tokens = list(range(1, 11))
+    a = Sequence("a", tokens, Params(max_tokens=4, cache_salt="tenant-a"))
+    computed(bm, a)
+    assert a.block_hashes == block_hashes(tokens, 4, "tenant-a")[:2] != block_hashes(tokens, 4)[:2]
+    for salt, hit in (("tenant-a", 8), ("tenant-b", 0), ("", 0)):
+        q = Sequence("q", tokens, Params(max_tokens=4, cache_salt=salt))
+        assert bm.acquire_prefix(q) == hit, salt
+        bm.free(q)
+    monkeypatch.setattr(block_manager, "salt_root", lambda salt: 0)  # every salt names alike
+    q = Sequence("q", tokens, Params(max_tokens=4, cache_salt="tenant-b"))
+    q.block_hashes = block_hashes(tokens, 4)  # as if its names were a's
+    bm.cached[q.block_hashes[0]] = a.block_table[0]
+    assert bm.acquire_prefix(q) == 0 and bm.num_collisions == 1
+    with pytest.raises(ValueError, match="cache_salt"):
+        Params(cache_salt="x" * 1025)
+
+
 def test_a_recycled_parent_block_is_never_a_prefix_for_its_old_children():
     """A key names its parent by (block, generation): when a parent block is evicted and reused
     while its child stays cached, the child (computed after the old contents) is not taken, even
