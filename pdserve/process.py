@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
+
+log = logging.getLogger(__name__)
+PARENT_ENV = "PDSERVE_PARENT_PID"  # set by `pdserve up`: its nodes exit when it is gone
 
 
 async def run_until_signalled(make_node, grace_s: float = 30.0, metrics_port: int | None = None) -> None:
@@ -20,10 +24,23 @@ async def run_until_signalled(make_node, grace_s: float = 30.0, metrics_port: in
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    parent = os.environ.pop(PARENT_ENV, None)
+    watch = asyncio.create_task(_stop_when_gone(int(parent), stop)) if parent else None
     await stop.wait()
+    if watch:
+        watch.cancel()
     if hasattr(node, "drain"):  # finish what is in flight first
         await node.drain(grace_s)
     await node.stop(grace_s)
+
+
+async def _stop_when_gone(parent: int, stop: asyncio.Event) -> None:
+    """A node `pdserve up` started stops when up is gone (killed with SIGKILL, it cannot stop its
+    nodes): orphans would hold their ports, cores and KV memory with nobody to route to them."""
+    while os.getppid() == parent:
+        await asyncio.sleep(1)
+    log.warning("pdserve up (pid %d) is gone: stopping", parent)
+    stop.set()
 
 
 def setup_logging(level: str = "INFO") -> None:

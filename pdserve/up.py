@@ -34,6 +34,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from pdserve.process import PARENT_ENV
+
 READY_TIMEOUT_S = 600.0  # the first start converts the model
 STOP_GRACE_S = 10.0
 RESTART_BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 16.0, 30.0)  # before a node's restart, by its exits in the window
@@ -197,7 +199,7 @@ class Spawner:
             proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", f"{role}_node", "--host", args.host, "--port", "0",
                 *node_args(args, self.threads, metrics_port), *extra, *security_args(args),
-                stdout=asyncio.subprocess.PIPE, stderr=stderr)
+                stdout=asyncio.subprocess.PIPE, stderr=stderr, env={**os.environ, PARENT_ENV: str(os.getpid())})
         return Node(role, index, proc, log)
 
 

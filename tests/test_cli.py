@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+HANG_S = 120  # guards against a hang, never a timing
 UP = [sys.executable, "-m", "pdserve", "up", "--port", "0", "--dtype", "float32", "--kv-cache-gb", "0.01",
       "--block-size", "4", "--num-threads", "1"]
 
@@ -311,6 +312,25 @@ def test_up_restarts_a_node_that_exits_and_keeps_serving(tiny_llama, tmp_path):
         up.send_signal(signal.SIGTERM)
         assert up.wait(timeout=60) == 0
         assert_gone(pids.values())
+    finally:
+        stop_all(up, pids)
+
+
+def test_nodes_exit_when_pdserve_up_is_killed(tiny_llama, tmp_path):
+    """kill -9 of `pdserve up` itself (the OOM killer, a lost terminal): its nodes notice within
+    seconds and exit, ports and KV memory freed, rather than run on orphaned (they used to)."""
+    import psutil
+
+    up, pids, _ = start_up(tiny_llama, "--log-dir", str(tmp_path))
+    try:
+        up.kill()
+        up.wait()
+        deadline = time.monotonic() + HANG_S
+        while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids.values()):
+            assert time.monotonic() < deadline, "nodes still running after pdserve up was killed"
+            time.sleep(0.1)
+        for role in ("prefill-0", "decode-0", "decode-1"):
+            assert "pdserve up (pid" in (tmp_path / f"{role}.log").read_text(), role
     finally:
         stop_all(up, pids)
 
