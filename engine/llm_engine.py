@@ -259,6 +259,8 @@ class LLMEngine:
             if stopped:
                 if not seq.is_finished:
                     self._finish(seq, FinishReason.STOP)
+                else:  # the last token allowed (max_tokens) held a stop string: it stopped (as vLLM)
+                    seq.finish_reason = FinishReason.STOP
                 if not last:  # accepted drafts after a stop string are not output
                     del seq.output_token_ids[j + 1 - len(tokens):]
                     tokens = tokens[:j + 1]

@@ -143,6 +143,11 @@ def test_stop_string_cuts_the_text_before_it(tiny_llama):
     assert "".join(streamed) == out.text  # streaming never leaks part of the stop string
     assert len(out.token_ids) < 20
     assert_no_blocks_used(engine)
+    # max_tokens ending on the very token that completes the stop string: it stopped (as in vLLM),
+    # text cut; a prefill node (max_tokens 1 for the first token) relies on it to end the request
+    at_max = SamplingParams(max_tokens=len(out.token_ids), temperature=0, ignore_eos=True, stop=[stop])
+    last = generate(make_engine(tiny_llama), {"x": PROMPT}, at_max)["x"]
+    assert (last.finish_reason, last.text, last.token_ids) == ("stop", out.text, out.token_ids)
 
 
 def test_stop_token_ids_max_tokens_and_eos(tiny_llama):
