@@ -276,7 +276,7 @@ class LLMEngine:
             token_ids=list(seq.output_token_ids), text=detok.text if detok else "",
             new_token_ids=list(tokens), new_text=new_text, finished=seq.is_finished,
             finish_reason=seq.finish_reason.value if seq.finish_reason else None,
-            logprobs=seq.output_logprobs if seq.params.logprobs is not None else None,
+            logprobs=list(seq.output_logprobs) if seq.params.logprobs is not None else None,
             num_preemptions=seq.num_preemptions, num_cached_tokens=seq.num_cached_tokens or 0, index=seq.index,
             cumulative_logprob=seq.cumulative_logprob if seq.output_logprobs else None)
 

@@ -123,6 +123,17 @@ def test_logprobs_are_the_model_distribution(tiny_llama):
             assert lp == pytest.approx(ref[t].item(), abs=1e-5)
 
 
+def test_an_output_is_a_snapshot_the_next_step_does_not_change(tiny_llama):
+    """A node's engine thread steps on while the event loop still sends the last output: its
+    logprobs must stay those of its own tokens (they were the live list: a stream now and then
+    carried the next token's logprobs in place of its own)."""
+    engine = make_engine(tiny_llama)
+    engine.add_request("x", PROMPT, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=2))
+    outs = [o for _ in range(6) for o in engine.step()]
+    assert [len(o.token_ids) for o in outs] == [len(o.logprobs) for o in outs] == [1, 2, 3, 4, 5, 6]
+    assert all(o.new_token_ids[-1] in o.logprobs[-1] for o in outs)
+
+
 def test_stop_string_cuts_the_text_before_it(tiny_llama):
     greedy = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
     full = generate(make_engine(tiny_llama), {"x": PROMPT}, greedy)["x"]
