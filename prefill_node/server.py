@@ -148,10 +148,13 @@ class PrefillNode(nodes_pb2_grpc.PrefillNodeServicer):
         rid = f"{request.request_id}#{uuid.uuid4().hex[:8]}"
         prior = list(request.output_token_ids)  # a migrated request's tokens so far
         once = dataclasses.replace(params, max_tokens=len(prior) + 1)
-        progress = LayerProgress(self.layout.num_layers) if layerwise else None
+        # The first token is the request's last (max_tokens): no KV is handed on, and its text is
+        # final here (an incomplete character flushed as the engine alone does, not held back)
+        last = params.max_tokens <= len(prior) + 1
+        progress = LayerProgress(self.layout.num_layers) if layerwise and not last else None
         scheduled = _signal(progress)
         start = time.time()
-        compute = asyncio.ensure_future(self._compute(rid, prompt, once, prior, request, progress))
+        compute = asyncio.ensure_future(self._compute(rid, prompt, once, prior, request, progress, keep_kv=not last))
         lease = None
         kept = False  # the lease outlives this call: a decode node reads (or will read) it
         try:
@@ -198,11 +201,11 @@ class PrefillNode(nodes_pb2_grpc.PrefillNodeServicer):
                 else:
                     await asyncio.shield(self.engine.call(engine.release_kv, rid))
 
-    async def _compute(self, rid: str, prompt: list[int], once, prior: list[int], request, progress):
+    async def _compute(self, rid: str, prompt: list[int], once, prior: list[int], request, progress, keep_kv: bool):
         engine = self.engine.engine
         out = None
         async for out in self.engine.stream(rid, lambda: engine.add_request(
-                rid, prompt, once, keep_kv=True, output_token_ids=prior,
+                rid, prompt, once, keep_kv=keep_kv, output_token_ids=prior,
                 num_emitted_chars=request.num_emitted_chars if prior else None, kv_progress=progress)):
             pass
         return out

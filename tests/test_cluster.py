@@ -89,6 +89,28 @@ def test_streaming_is_in_order_and_equals_unary(tiny_llama):
     asyncio.run(scenario())
 
 
+@pytest.mark.parametrize("kv_transport", ["shm", "tcp"])
+def test_a_one_token_answer_has_the_text_of_the_engine_alone(tiny_llama, kv_transport):
+    """max_tokens 1 ends at the prefill node: its text is final there, an incomplete character
+    flushed as U+FFFD as the engine alone does (it was held back for a decode that never came: '')."""
+    engine = make_engine(tiny_llama)
+    greedy = SamplingParams(max_tokens=1, temperature=0)
+    for start in range(10, 200):  # a prompt whose greedy first token is an incomplete character
+        engine.add_request(str(start), [start, start + 1, start + 2], greedy)
+        if run_to_completion(engine)[str(start)].text == "\ufffd":
+            break
+    else:
+        pytest.fail("no prompt found")
+
+    async def scenario():
+        async with local_cluster(tiny_llama, kv_transport=kv_transport) as (router, prefills, decodes):
+            async with AsyncClient(router.address) as client:
+                return await client.generate([start, start + 1, start + 2], max_tokens=1, temperature=0)
+
+    result = asyncio.run(scenario())
+    assert (result.text, result.finish_reason) == ("\ufffd", "length")
+
+
 @pytest.mark.parametrize("local_prefill", ["off", "auto"])
 def test_32_concurrent_requests_over_1_prefill_and_2_decodes(tiny_llama, local_prefill):
     """off: every prefill remote, so every KV crosses; auto (what users run): the router places each."""
@@ -347,7 +369,7 @@ def test_layerwise_prefill_cancelled_or_finished_at_once_frees_both_sides(tiny_l
                     await task
                 await wait_for_no_blocks(prefills + decodes)
                 assert len(prefills[0].leases) == 0 and decodes[0].num_active == 0
-                # the first token ends the request: the decode node reads the trailer and stops
+                # the first token ends the request (max_tokens 1): the prefill node answers with no KV
                 result = await client.generate(PROMPTS[1], max_tokens=1, temperature=0)
                 assert len(result.token_ids) == 1 and result.finish_reason == "length"
             await wait_for_no_blocks(prefills + decodes)
