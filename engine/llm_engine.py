@@ -252,9 +252,10 @@ class LLMEngine:
             if detok is None:
                 continue
             # A keep_kv request (a prefill) ends here but its text goes on elsewhere: hold back
-            # an incomplete character rather than flush it.
+            # an incomplete character rather than flush it, unless it stopped (EOS, a stop token).
             last = j == len(tokens) - 1
-            text, stopped = detok.add(token_id, final=last and seq.is_finished and not seq.keep_kv)
+            goes_on = seq.keep_kv and seq.finish_reason != FinishReason.STOP
+            text, stopped = detok.add(token_id, final=last and seq.is_finished and not goes_on)
             new_text += text
             if stopped:
                 if not seq.is_finished:

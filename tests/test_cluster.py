@@ -91,13 +91,15 @@ def test_streaming_is_in_order_and_equals_unary(tiny_llama):
 
 @pytest.mark.parametrize("kv_transport", ["shm", "tcp"])
 def test_a_one_token_answer_has_the_text_of_the_engine_alone(tiny_llama, kv_transport):
-    """max_tokens 1 ends at the prefill node: its text is final there, an incomplete character
-    flushed as U+FFFD as the engine alone does (it was held back for a decode that never came: '')."""
+    """A first token that ends the request (max_tokens 1, or a stop token) ends at the prefill
+    node: its text is final there, an incomplete character flushed as U+FFFD as the engine alone
+    does (it was held back for a decode that never came: '')."""
     engine = make_engine(tiny_llama)
     greedy = SamplingParams(max_tokens=1, temperature=0)
     for start in range(10, 200):  # a prompt whose greedy first token is an incomplete character
         engine.add_request(str(start), [start, start + 1, start + 2], greedy)
-        if run_to_completion(engine)[str(start)].text == "\ufffd":
+        out = run_to_completion(engine)[str(start)]
+        if out.text == "\ufffd":
             break
     else:
         pytest.fail("no prompt found")
@@ -105,10 +107,13 @@ def test_a_one_token_answer_has_the_text_of_the_engine_alone(tiny_llama, kv_tran
     async def scenario():
         async with local_cluster(tiny_llama, kv_transport=kv_transport) as (router, prefills, decodes):
             async with AsyncClient(router.address) as client:
-                return await client.generate([start, start + 1, start + 2], max_tokens=1, temperature=0)
+                prompt = [start, start + 1, start + 2]
+                return (await client.generate(prompt, max_tokens=1, temperature=0),
+                        await client.generate(prompt, max_tokens=5, temperature=0, stop_token_ids=out.token_ids))
 
-    result = asyncio.run(scenario())
-    assert (result.text, result.finish_reason) == ("\ufffd", "length")
+    at_max, stopped = asyncio.run(scenario())
+    assert (at_max.text, at_max.finish_reason) == ("\ufffd", "length")
+    assert (stopped.token_ids, stopped.text, stopped.finish_reason) == (out.token_ids, "\ufffd", "stop")
 
 
 @pytest.mark.parametrize("local_prefill", ["off", "auto"])
