@@ -142,8 +142,8 @@ def test_least_outstanding_spreads_decodes(tiny_llama):
             counts = {d.address: 0 for d in decodes}
             original = router.decode_pool.pick
 
-            def counting_pick(exclude=frozenset(), prompt=None):
-                e = original(exclude, prompt)
+            def counting_pick(*args, **kwargs):
+                e = original(*args, **kwargs)
                 counts[e.address] += 1
                 return e
 
