@@ -20,6 +20,7 @@ from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 
 log = logging.getLogger(__name__)
+IDLE_WAIT_S = 0.005  # a step that ran nothing: wait this long, or until a command comes
 
 
 class EngineDead(RuntimeError):
@@ -121,6 +122,10 @@ class AsyncEngine:
                 if self.engine.has_unfinished():
                     started = time.perf_counter()
                     outputs = self.engine.step()
+                    if self.engine.idle:  # waiting for blocks to come back: not a spin at 100% CPU
+                        self._wake.wait(IDLE_WAIT_S)
+                        self._wake.clear()
+                        continue
                     if self.on_step is not None:
                         self.on_step(time.perf_counter() - started)
                     for out in outputs:

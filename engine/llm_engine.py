@@ -70,6 +70,7 @@ class LLMEngine:
         # Speculative decoding: a proposer drafts, the step verifies (engine/speculative.py).
         self.proposer = self._proposer(config.speculative_config)
         self.num_verifications = self.num_draft_tokens = self.num_accepted_tokens = 0
+        self.idle = False  # the last step ran nothing
 
     def _proposer(self, spec: SpeculativeConfig | None):
         if spec is None:
@@ -164,6 +165,7 @@ class LLMEngine:
         if self.proposer is not None:
             self.proposer.propose(self.scheduler.running)
         batch = self.scheduler.schedule()
+        self.idle = not batch  # work waits (for blocks a transfer or lease holds): nothing ran
         if not batch:
             return []
         for seq, n in zip(batch.seqs, batch.num_scheduled_tokens):

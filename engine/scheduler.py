@@ -86,9 +86,12 @@ class Scheduler:
             fits = n <= budget or cfg.enable_chunked_prefill
             n = min(n, budget)
             if not fits or not bm.can_allocate(seq, seq.num_computed_tokens + n, reserve=self.watermark_blocks):
+                need = seq.num_computed_tokens + n
                 if looked_up:  # wait without holding cached blocks
                     bm.free(seq)
                     seq.num_computed_tokens = 0
+                if fits and not self.running and not batch.seqs and self._take_back_behind(seq, need):
+                    continue  # nothing runs to free blocks: those of the sequences behind it were taken
                 break
             if looked_up:
                 bm.num_query_tokens += seq.num_tokens
@@ -154,12 +157,30 @@ class Scheduler:
             self.block_manager.free(seq)  # else the engine moves seq.block_table into a kv_lease
 
     def _preempt(self, seq: Sequence) -> None:
+        self._drop_kv(seq)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+
+    def _drop_kv(self, seq: Sequence) -> None:
+        """Frees seq's blocks: it is recomputed (prompt + output so far) when admitted again."""
         self.block_manager.free(seq)
         seq.draft_token_ids = []
         if seq.draft_state is not None:
             seq.draft_state.draft_computed = 0  # a draft model's KV went with the blocks
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
-        seq.status = SequenceStatus.WAITING
-        self.waiting.appendleft(seq)
         self.num_preemptions += 1
+
+    def _take_back_behind(self, head: Sequence, num_tokens: int) -> bool:
+        """The queue's head cannot start, and nothing runs that would free blocks: sequences
+        waiting behind it with blocks (imported KV, forked samples) would wait for it forever, and
+        it for them. Their blocks are taken back, newest first, until the head fits (each is
+        recomputed when its turn comes, as after a preemption). Returns whether any were."""
+        bm, taken = self.block_manager, False
+        for seq in reversed(self.waiting):
+            if bm.can_allocate(head, num_tokens):
+                break
+            if seq is not head and seq.block_table:
+                self._drop_kv(seq)
+                taken = True
+        return taken

@@ -156,3 +156,31 @@ def test_aborting_a_leased_request_before_it_finishes_frees_its_blocks(tiny_llam
     run_to_completion(engine)
     assert engine.kv_leases == {}
     assert_no_blocks_used(engine)
+
+
+def test_a_preempted_sequence_never_waits_forever_behind_imported_kv(tiny_llama):
+    """A decode node's deadlock (found by the random combination test): a sequence preempted
+    while nothing else runs heads the queue and needs more blocks than are free, while requests
+    behind it hold theirs (imported KV). FIFO admission froze the node, its engine spinning; now
+    the blocks of the sequences behind are taken back (they are recomputed, as after a preemption)."""
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    head, behind = list(range(20, 40)), list(range(50, 69))  # 20 tokens (5 blocks of 4), 19 tokens
+    want = {}
+    for rid, prompt in (("head", head), ("behind", behind)):
+        alone_engine = make_engine(tiny_llama)
+        alone_engine.add_request(rid, prompt, params)
+        want[rid] = run_to_completion(alone_engine)[rid].token_ids
+    prefill = make_engine(tiny_llama)
+    prefill.add_request("behind", behind, SamplingParams(max_tokens=1, temperature=0), keep_kv=True)
+    first = run_to_completion(prefill)["behind"].token_ids
+    engine = make_engine(tiny_llama, num_kv_blocks=10)
+    engine.add_request("head", head, params)
+    engine.step()  # head's prompt: 5 blocks
+    blocks = engine.reserve_kv(len(behind))  # the other 5: a transfer's destination
+    engine.kv_cache.import_kv(blocks, prefill.export_kv("behind"))
+    engine.step()  # head needs a 6th block: preempted (nothing else runs), back at the queue's head
+    assert engine.scheduler.num_preemptions == 1 and engine.scheduler.waiting[0].request_id == "head"
+    engine.add_prefilled_request("behind", behind, first, params, blocks)  # waits behind it, holding 5
+    done = run_to_completion(engine, max_steps=500)
+    assert {rid: o.token_ids for rid, o in done.items()} == want
+    assert_no_blocks_used(engine)
