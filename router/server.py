@@ -225,8 +225,11 @@ class Router(Frontend):
                 prefill.healthy = False  # until a health check passes again
             except grpc.aio.AioRpcError as e:
                 # n > 1 and beams do not migrate once tokens streamed: they forked on the node that died
-                if e.code() not in MIGRATE_ON or attempt == MIGRATIONS or (deadline and time.time() >= deadline) \
-                        or (several and generated):
+                if several and generated and e.code() in MIGRATE_ON:
+                    raise RequestError(e.code(), f"decode node {decode.address} failed after the samples began "
+                                       f"({e.details()}); requests with n, best_of or beam_width > 1 do not "
+                                       "migrate (every sample forked there): retry the request") from None
+                if e.code() not in MIGRATE_ON or attempt == MIGRATIONS or (deadline and time.time() >= deadline):
                     raise RequestError(e.code(), f"decode: {e.details()}") from None
                 log.warning("request %s: decode on %s failed (%s: %s) after %d tokens; migrating", rid,
                             decode.address, e.code().name, e.details(), len(generated))
