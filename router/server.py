@@ -31,8 +31,10 @@ KV_LAYERWISE = ("auto", "on", "off")
 MIGRATIONS = 3  # times one request may move to another decode node
 GENERATION = generate_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 # Failures of the decode side after which the request moves (a dead node, KV unreadable or corrupt).
+# A decode call's failures that move the request elsewhere. CANCELLED: the node cancelled it (a
+# node stopping at once); a cancel of ours ends the request with CancelledError, never here.
 MIGRATE_ON = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DATA_LOSS, grpc.StatusCode.ABORTED,
-              grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN}
+              grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.CANCELLED}
 
 
 class Router(Frontend):

@@ -188,3 +188,34 @@ def test_fuzzed_messages_get_clear_statuses_and_servers_stay_up(tiny_llama):
             await wait_for_no_blocks(prefills + decodes, timeout=10)
 
     asyncio.run(scenario())
+
+
+def test_a_decode_call_the_node_cancels_migrates(tiny_llama, monkeypatch):
+    """A decode node stopping with no grace cancels its calls: the router sees CANCELLED (a killed
+    process gives UNAVAILABLE) and must migrate the request all the same (it ended 'decode:
+    CANCELLED', found by the random combination test). Here the node's first Decode call is
+    cancelled by the node before its first token."""
+    from decode_node.server import DecodeNode
+    from router.client import AsyncClient
+
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    engine = make_engine(tiny_llama)
+    engine.add_request("x", [7, 8, 9], params)
+    want = run_to_completion(engine)["x"].token_ids
+    original, calls = DecodeNode._decode, []
+
+    async def cancelled_once(self, request, context):
+        calls.append(self.address)
+        if len(calls) == 1:
+            await context.abort(grpc.StatusCode.CANCELLED, "CANCELLED")
+        async for msg in original(self, request, context):
+            yield msg
+
+    async def scenario():
+        async with local_cluster(tiny_llama, num_decode=2) as (router, prefills, decodes):
+            async with AsyncClient(router.address) as client:
+                return await client.generate([7, 8, 9], max_tokens=20, temperature=0, ignore_eos=True)
+
+    monkeypatch.setattr(DecodeNode, "_decode", cancelled_once)
+    result = asyncio.run(scenario())
+    assert result.token_ids == want and len(calls) == 2
