@@ -20,6 +20,7 @@ from pdserve.security import tenant_salt
 from pdserve_api import common_pb2, generate_pb2, generate_pb2_grpc
 
 log = logging.getLogger(__name__)
+SLOW_FIRST_TOKEN_S = 5.0  # a first token later than this is logged with its timeline (where it waited)
 OUTCOME_BY_CODE = {grpc.StatusCode.INVALID_ARGUMENT: "invalid", grpc.StatusCode.NOT_FOUND: "invalid",
                    grpc.StatusCode.FAILED_PRECONDITION: "invalid", grpc.StatusCode.UNAVAILABLE: "unavailable",
                    grpc.StatusCode.RESOURCE_EXHAUSTED: "unavailable", grpc.StatusCode.DEADLINE_EXCEEDED: "timeout",
@@ -122,6 +123,9 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
                 self._observe(last.timings, last.usage)
 
     def _observe(self, t: common_pb2.Timings, usage: common_pb2.Usage) -> None:
+        if t.first_token and t.first_token - t.queued > SLOW_FIRST_TOKEN_S:  # where a slow one waited
+            log.warning("slow first token (%.1f s, %d prompt tokens, %d cached): %s", t.first_token - t.queued,
+                        usage.prompt_tokens, t.cached_tokens, timeline(t))
         m = self.metrics
         m.observe("pdserve_request_ttft_seconds", t.first_token - t.queued)
         m.observe("pdserve_request_e2e_seconds", t.done - t.queued)
@@ -239,6 +243,17 @@ def _deadline(context) -> float:
 
 def remaining(deadline: float) -> float | None:
     return max(0.001, deadline - time.time()) if deadline else None
+
+
+TIMELINE = ("prefill_start", "prefill_end", "transfer_start", "transfer_end", "decode_admitted", "first_token", "done")
+
+
+def timeline(t: common_pb2.Timings) -> str:
+    """Where a request's time went, each step since the router got it: 'prefill_start +0.0s ...'
+    (a gap before prefill_start is the prefill queue; before decode_admitted, the decode node's)."""
+    steps = " ".join(f"{name} +{getattr(t, name) - t.queued:.2f}s" for name in TIMELINE if getattr(t, name))
+    where = f" (prefill on {t.prefill_node}{', local' if t.local_prefill else ''})" if t.prefill_node else ""
+    return steps + where
 
 
 def final_message(msg: generate_pb2.GenerateResponse, reason: str, prompt_tokens: int, completion_tokens: int,

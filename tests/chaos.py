@@ -18,6 +18,7 @@ import grpc
 
 from pdserve_api import common_pb2, nodes_pb2_grpc
 from router.client import AsyncClient
+from router.frontend import timeline
 from router.server import Router
 
 NODE_FLAGS = ["--dtype", "float32", "--kv-cache-gb", "0.02", "--block-size", "4", "--num-threads", "1"]
@@ -209,15 +210,6 @@ async def decode_dies(model, prompts, expected, max_tokens, transport: str = "au
 
 
 STALL_S = 60.0  # no request in the soak got a message for this long: the ones in flight are stuck
-TIMINGS = ("prefill_start", "prefill_end", "transfer_start", "transfer_end", "decode_admitted", "first_token", "done")
-
-
-def timeline(timings: common_pb2.Timings) -> str:
-    """Where a request's time went: each step of its final message's timeline, after the router got it."""
-    return " ".join(f"{name} +{getattr(timings, name) - timings.queued:.1f}s" for name in TIMINGS
-                    if getattr(timings, name))
-
-
 async def soak(router: Router, nodes, num_requests: int, concurrency: int, cancel_fraction: float,
                seed: int = 0, stall_s: float = STALL_S) -> Outcome:
     """num_requests at `concurrency` in flight, a fraction cancelled at a random moment.

@@ -398,3 +398,24 @@ def test_a_long_step_does_not_make_a_node_look_dead(tiny_llama):
                 await request
 
     asyncio.run(scenario())
+
+
+def test_a_slow_first_token_is_logged_with_where_it_waited(tiny_llama, monkeypatch, caplog):
+    """Past SLOW_FIRST_TOKEN_S the router logs the request's timeline: each step's time since it
+    arrived, and where the prefill ran (a hang or a queue is found from the log, not guessed)."""
+    import router.frontend as frontend
+
+    monkeypatch.setattr(frontend, "SLOW_FIRST_TOKEN_S", 0.0)
+
+    async def scenario():
+        async with local_cluster(tiny_llama) as (router, prefills, decodes):
+            async with AsyncClient(router.address) as client:
+                await client.generate(PROMPTS[0], max_tokens=3, temperature=0)
+            return prefills[0].address
+
+    with caplog.at_level("WARNING", logger="router.frontend"):
+        prefill = asyncio.run(scenario())
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("slow first token")]
+    assert len(lines) == 1, lines
+    steps = ("prefill_start", "prefill_end", "transfer_start", "transfer_end", "decode_admitted", "first_token", "done")
+    assert all(f"{step} +" in lines[0] for step in steps) and f"(prefill on {prefill})" in lines[0], lines[0]
