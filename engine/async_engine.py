@@ -9,6 +9,7 @@ about gRPC.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -101,9 +102,11 @@ class AsyncEngine:
                 if finished:
                     return
         finally:
-            if not finished and self.error is None:
-                # Shielded: this runs while the caller is being cancelled.
-                await asyncio.shield(self.call(self._abort, request_id))
+            if not finished and self.error is None and not self._stopped:
+                # Shielded: this runs while the caller is being cancelled. (A stopped engine has
+                # nothing left to abort: its streams end with the node.)
+                with contextlib.suppress(EngineDead):
+                    await asyncio.shield(self.call(self._abort, request_id))
 
     def _abort(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
