@@ -38,7 +38,7 @@ def raw_sender(port: int, nbytes: int, repeat: int) -> None:
 
 
 def raw_receive(address: str, nbytes: int, repeat: int) -> list[float]:
-    from kvtransfer.bench import receive_repeatedly
+    from kv_transfer import receive_repeatedly  # benchmarks/, this script's own folder
 
     host, port = address.rsplit(":", 1)
     with socket.create_connection((host, int(port)), timeout=60) as s:

@@ -99,14 +99,15 @@ def test_up_then_generate_streams_and_stops_cleanly(tiny_llama, tmp_path):
     assert not [p for p in Path("/dev/shm").glob("pdserve-kv-*") if p.name.split("-")[2] in pids]
 
 
-COMMANDS = [["pdserve", "up"], ["pdserve", "serve"], ["pdserve", "bench"], ["pdserve", "generate"],
-            ["pdserve", "generate-offline"], ["prefill_node"], ["decode_node"], ["router"], ["router.colocated"],
-            ["kvtransfer.bench"]]
+COMMANDS = [["-m", "pdserve", "up"], ["-m", "pdserve", "serve"], ["-m", "pdserve", "bench"],
+            ["-m", "pdserve", "generate"], ["-m", "pdserve", "generate-offline"], ["-m", "prefill_node"],
+            ["-m", "decode_node"], ["-m", "router"], ["-m", "router.colocated"],
+            [str(Path(__file__).resolve().parents[1] / "benchmarks" / "kv_transfer.py")]]
 
 
-@pytest.mark.parametrize("command", COMMANDS, ids=" ".join)
+@pytest.mark.parametrize("command", COMMANDS, ids=lambda c: " ".join(c).rsplit("/", 1)[-1])
 def test_help_shows_every_default(command):
-    r = subprocess.run([sys.executable, "-m", *command, "--help"], capture_output=True, text=True, timeout=120,
+    r = subprocess.run([sys.executable, *command, "--help"], capture_output=True, text=True, timeout=120,
                        env={**os.environ, "COLUMNS": "200"})
     assert r.returncode == 0, r.stderr
     options, block = [], None

@@ -1,6 +1,6 @@
 """KV transfer bandwidth, and what the transfer adds to a request's latency.
 
-    python -m kvtransfer.bench [--tokens 1000] [--repeat 10] [--json FILE]
+    .venv/bin/python benchmarks/kv_transfer.py [--tokens 1000] [--repeat 10] [--json FILE]
 
 Starts a real prefill node process (default model, dtype auto), prefills a prompt of --tokens tokens
 and keeps its KV under a lease; then, in this process (the decode side), reads that KV --repeat
@@ -26,8 +26,12 @@ import subprocess
 import sys
 import time
 
+from pathlib import Path
+
 import grpc
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.kv_cache import KVCache
@@ -220,7 +224,7 @@ async def bench_transports(args, prefill_addr: str, model_dir, prompt: list[int]
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(prog="python -m kvtransfer.bench", formatter_class=HelpFormatter)
+    ap = argparse.ArgumentParser(prog="benchmarks/kv_transfer.py", formatter_class=HelpFormatter)
     ap.add_argument("--model", default="smollm2-135m", help="whose KV to move")
     ap.add_argument("--tokens", type=int, default=1000, help="prompt length: the KV of this many tokens moves")
     ap.add_argument("--repeat", type=int, default=10, help="reads per transport (the median is reported)")
