@@ -51,7 +51,6 @@ def workloads() -> dict[str, list[list[dict]]]:
 
 def run_one(engine: LLMEngine, prompt: list[int], params: SamplingParams) -> tuple[list[int], float]:
     engine.add_request("r", prompt, params)
-    start = time.perf_counter()
     first = None
     while engine.has_unfinished():
         for out in engine.step():

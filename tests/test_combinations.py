@@ -4,7 +4,6 @@ the module's command (docs/reliability.md)."""
 
 from __future__ import annotations
 
-import pytest
 from combinations import Report, engine_mix
 
 ENGINE_SEEDS = range(12)
