@@ -7,7 +7,9 @@ Prefix caching (as vLLM's automatic prefix caching): every full block a sequence
 named by a hash of (the hash of the block before it, its token ids), so a hash names the whole
 prefix up to that block. A prompt's first block chains from its request's cache_salt: requests
 with different salts (tenants: a router salts each API key's requests) never share a block, so
-one cannot learn another's prompts from how fast its own are answered. When its last reference goes, a named block stays in the cache, free but
+one cannot learn another's prompts from how fast its own are answered.
+
+When its last reference goes, a named block stays in the cache, free but
 evictable, least recently freed first; a new sequence whose prompt starts with the same tokens
 takes those blocks (one more reference each) instead of computing them. Only full blocks are
 shared and a sequence always computes at least its last token, so nothing ever writes into a

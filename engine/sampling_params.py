@@ -27,7 +27,7 @@ class SamplingParams:
     beam_width: int = 1  # > 1: beam search (engine/beam_search.py), returning its W hypotheses, best first
     length_penalty: float = 1.0  # beam search: a hypothesis scores logprob / length ** length_penalty
     # Prefix caching: only requests with the same salt share cached blocks (vLLM's cache_salt); a
-    # router with API keys prefixes each key's own (engine/block_manager.py, docs/prefix_caching.md)
+    # router with API keys prefixes each key's own (engine/block_manager.py, README)
     cache_salt: str = ""
 
     def __post_init__(self):

@@ -26,7 +26,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from cluster import engine_config  # noqa: E402
+
+from engine import LLMEngine, SamplingParams  # noqa: E402
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3}
 VOCAB = range(10, 250)
@@ -95,13 +97,13 @@ def random_workload(rng: random.Random, num_requests: int) -> list[Req]:
 def random_engine(rng: random.Random) -> dict:
     """Engine settings for a mix: a small pool (preemption, eviction), small steps (chunked
     prefill), speculation or not, prefix caching mostly on."""
-    return {"num_kv_blocks": rng.choice([32, 48, 64]), "block_size": 4,
+    return {"num_kv_blocks": rng.choice([32, 48, 64]),
             "max_num_batched_tokens": rng.choice([16, 32, 512]), "max_num_seqs": rng.choice([4, 8, 64]),
             "speculative": rng.choice([None, NGRAM]), "enable_prefix_caching": rng.random() < 0.85}
 
 
 def make_engine(model, **kwargs) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=str(model), dtype="float32", device="cpu", **kwargs))
+    return LLMEngine(engine_config(model, **kwargs))  # fp32 on the CPU, the tests' small blocks
 
 
 def step_outputs(engine: LLMEngine, outs: dict) -> list[str]:
@@ -122,7 +124,7 @@ def result(outs: dict, rid: str) -> list[tuple]:
 
 def run_alone(model, prompt: list[int], params: SamplingParams) -> list[tuple]:
     """The reference: the request on a fresh engine of its own (no speculation, a pool that holds it)."""
-    engine = make_engine(model, num_kv_blocks=256, block_size=4)
+    engine = make_engine(model)
     engine.add_request("alone", prompt, params)
     outs: dict = {}
     while engine.has_unfinished():
