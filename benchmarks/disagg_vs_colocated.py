@@ -56,7 +56,7 @@ def disaggregated(out: Path, extra: list[str] = ()) -> dict:
 
 
 def colocated(out: Path, extra: list[str] = ()) -> dict:
-    proc = subprocess.Popen([sys.executable, "-m", "router.colocated", "--port", "0", "--num-threads", "2",
+    proc = subprocess.Popen([sys.executable, "-m", "pdserve", "colocated", "--port", "0", "--num-threads", "2",
                              "--kv-cache-gb", "0.5", *extra], stdout=subprocess.PIPE, text=True)
     try:
         address = wait_line(proc, proc.stdout, "READY ").split()[1]
@@ -126,7 +126,7 @@ def main() -> int:
     ap.add_argument("--sizes", default="1,2,4,8,16,32,64,128", help="decode batch sizes; none: experiment 1 only")
     ap.add_argument("--json", default="disagg_vs_colocated.json", help="the summary's file name in --out")
     ap.add_argument("--up-args", default="", help="more `pdserve up` flags for the disaggregated cluster")
-    ap.add_argument("--colocated-args", default="", help="more `router.colocated` flags for the colocated engine")
+    ap.add_argument("--colocated-args", default="", help="more `pdserve colocated` flags for the colocated engine")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

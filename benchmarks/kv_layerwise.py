@@ -23,15 +23,17 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))  # netns.py: two hosts on one machine
 
 
 async def drive(prefill: str, decode: str, model: str, tokens: int, repeat: int) -> dict:
     """In the decode namespace: two routers over the same nodes, requests alternating between them."""
     from router.client import AsyncClient
+    from router.config import RouterConfig
     from router.server import Router
 
     prompt = [(i * 7919) % 40000 + 100 for i in range(tokens)]
-    routers = {mode: Router(model, [prefill], [decode], kv_layerwise=mode) for mode in ("off", "on")}
+    routers = {mode: Router(model, [prefill], [decode], RouterConfig(port=0, kv_layerwise=mode)) for mode in ("off", "on")}
     for r in routers.values():
         await r.start()
     runs: dict[str, list[dict]] = {"off": [], "on": []}
@@ -69,7 +71,7 @@ def main() -> int:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
         print(json.dumps(asyncio.run(drive(*args.drive, args.model, args.tokens, args.repeat))))
         return 0
-    from pdserve.netns import InNamespace, two_hosts, why_no_namespaces
+    from netns import in_namespace, two_hosts, why_no_namespaces
 
     why = why_no_namespaces()
     if why:
@@ -79,10 +81,10 @@ def main() -> int:
     with two_hosts(rate) as (a, b, addr_a, addr_b):
         # No prefix caching: each repeat of the same prompt is a full prefill and a full transfer.
         engine = ["--model", args.model, "--dtype", "auto", "--kv-cache-gb", "1", "--no-prefix-caching"]
-        nodes = [InNamespace(a, "-m", "prefill_node", "--host", addr_a, *engine),
-                 InNamespace(b, "-m", "decode_node", "--host", addr_b, "--kv-transport", "tcp", *engine)]
+        nodes = [in_namespace(a, "-m", "prefill_node", "--host", addr_a, *engine),
+                 in_namespace(b, "-m", "decode_node", "--host", addr_b, "--kv-transport", "tcp", *engine)]
         try:
-            prefill, decode = (n.ready() for n in nodes)
+            prefill, decode = (n.wait_ready() for n in nodes)
             r = subprocess.run(["ip", "netns", "exec", b, sys.executable, __file__, "--drive", prefill, decode,
                                 "--model", args.model, "--tokens", str(args.tokens), "--repeat", str(args.repeat)],
                                capture_output=True, text=True, cwd=ROOT, timeout=1800)

@@ -141,9 +141,10 @@ def prefill_alone(model_dir, prompt: list[int], repeat: int) -> list[float]:
 
 async def bench_cluster(prefill_addr: str, decode_addr: str, model: str, prompt: list[int], repeat: int) -> dict:
     from router.client import AsyncClient
+    from router.config import RouterConfig
     from router.server import Router
 
-    router = Router(model, [prefill_addr], [decode_addr], local_prefill="off")  # the KV always crosses
+    router = Router(model, [prefill_addr], [decode_addr], RouterConfig(port=0, local_prefill="off"))  # the KV always crosses
     await router.start()
     ttft, second, transfer, prefill, kv_transport = [], [], [], [], set()
     try:
@@ -218,7 +219,7 @@ async def bench_transports(args, prefill_addr: str, model_dir, prompt: list[int]
             results["tcp_s"].append(time.perf_counter() - t)
     results["grpc_s"] = await bench_reader(grpc_reader, source, kv_cache, layout, args.repeat)
     await grpc_reader.close()
-    await nodes_pb2_grpc.KVPlaneStub(channel).ReleaseKV(nodes_pb2.ReleaseKVRequest(lease_id=source.lease_id))
+    await nodes_pb2_grpc.PrefillNodeStub(channel).ReleaseKV(nodes_pb2.ReleaseKVRequest(lease_id=source.lease_id))
     await channel.close()
     return results
 

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))  # netns.py: two hosts on one machine
 RATES_GBPS = {"10gbit": 1.25, "25gbit": 3.125}  # bytes per second / 1e9
 
 
@@ -76,7 +77,7 @@ async def reader(prefill: str, raw: str, tokens: int, repeat: int) -> dict:
                 times.append(time.perf_counter() - t)
             seconds[name] = times
             await r.close()
-        await nodes_pb2_grpc.KVPlaneStub(channel).ReleaseKV(nodes_pb2.ReleaseKVRequest(lease_id=source.lease_id))
+        await nodes_pb2_grpc.PrefillNodeStub(channel).ReleaseKV(nodes_pb2.ReleaseKVRequest(lease_id=source.lease_id))
     seconds["tcp_raw"] = raw_receive(raw, source.num_bytes, repeat)
     return {"num_bytes": source.num_bytes, "num_tokens": source.num_tokens, "dtype": layout.dtype,
             "gbps": {k: source.num_bytes / statistics.median(v) / 1e9 for k, v in seconds.items()},
@@ -86,22 +87,22 @@ async def reader(prefill: str, raw: str, tokens: int, repeat: int) -> dict:
 def one_link(rate: str | None, args) -> dict:
     import subprocess
 
-    from pdserve.netns import InNamespace, two_hosts
+    from netns import in_namespace, two_hosts
 
     with two_hosts(rate) as (a, b, addr_a, addr_b):
         procs = []
         try:
-            prefill = InNamespace(a, "-m", "prefill_node", "--host", addr_a, "--model", args.model, "--dtype", "auto",
+            prefill = in_namespace(a, "-m", "prefill_node", "--host", addr_a, "--model", args.model, "--dtype", "auto",
                                   "--kv-cache-gb", "1", "--lease-ttl-s", "600")
             procs.append(prefill)
-            prefill_addr = prefill.ready()
+            prefill_addr = prefill.wait_ready()
             # The raw sender needs the byte count: the reader reports it, so lease once to learn it.
             r = subprocess.run(["ip", "netns", "exec", b, sys.executable, __file__, "--size-of", prefill_addr,
                                 "--tokens", str(args.tokens)], capture_output=True, text=True, cwd=ROOT, timeout=600)
             nbytes_probe = int(r.stdout.strip().splitlines()[-1])
-            sender = InNamespace(a, __file__, "--raw-sender", "5201", str(nbytes_probe), str(args.repeat))
+            sender = in_namespace(a, __file__, "--raw-sender", "5201", str(nbytes_probe), str(args.repeat))
             procs.append(sender)
-            sender.ready()
+            sender.wait_ready()
             r = subprocess.run(["ip", "netns", "exec", b, sys.executable, __file__, "--reader", prefill_addr,
                                 "--raw", f"{addr_a}:5201", "--tokens", str(args.tokens), "--repeat", str(args.repeat)],
                                capture_output=True, text=True, cwd=ROOT, timeout=900)
@@ -122,7 +123,7 @@ async def size_of(prefill: str, tokens: int) -> int:
         reply = await nodes_pb2_grpc.PrefillNodeStub(channel).Prefill(nodes_pb2.PrefillRequest(
             request_id="size", prompt_token_ids=[(i * 7919) % 40000 + 100 for i in range(tokens)],
             sampling=common_pb2.SamplingParams(max_tokens=2)))
-        await nodes_pb2_grpc.KVPlaneStub(channel).ReleaseKV(nodes_pb2.ReleaseKVRequest(lease_id=reply.kv.lease_id))
+        await nodes_pb2_grpc.PrefillNodeStub(channel).ReleaseKV(nodes_pb2.ReleaseKVRequest(lease_id=reply.kv.lease_id))
     return reply.kv.num_bytes
 
 
@@ -147,7 +148,7 @@ def main() -> int:
     if args.reader:
         print(json.dumps(asyncio.run(reader(args.reader, args.raw, args.tokens, args.repeat))))
         return 0
-    from pdserve.netns import why_no_namespaces
+    from netns import why_no_namespaces
 
     why = why_no_namespaces()
     if why:

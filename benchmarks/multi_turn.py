@@ -76,9 +76,9 @@ SERVERS = {  # name: (command, the line that announces the address, the address'
     "2p-cache-aware": ([*UP, "--prefill", "2", "--decode", "1", *SHARED], "pdserve up: router on", 4),
     "2p-cache-blind": ([*UP, "--prefill", "2", "--decode", "1", *SHARED, "--cache-affinity-tokens", "0"],
                        "pdserve up: router on", 4),
-    "colocated-cached": ([sys.executable, "-m", "router.colocated", "--port", "0", "--num-threads", "2",
+    "colocated-cached": ([sys.executable, "-m", "pdserve", "colocated", "--port", "0", "--num-threads", "2",
                           "--kv-cache-gb", "0.5"], "READY ", 1),
-    "colocated-uncached": ([sys.executable, "-m", "router.colocated", "--port", "0", "--num-threads", "2",
+    "colocated-uncached": ([sys.executable, "-m", "pdserve", "colocated", "--port", "0", "--num-threads", "2",
                             "--kv-cache-gb", "0.5", "--no-prefix-caching"], "READY ", 1),
 }
 

@@ -47,7 +47,7 @@ async def soak_run(model):
                              decode_engine={"max_num_seqs": 32}) as (router, prefills, decodes):
         out = await soak(router, prefills + decodes, num_requests=2000, concurrency=64, cancel_fraction=0.2)
         await wait_for_no_blocks(prefills + decodes, timeout=15)
-        out.leaked_blocks = sum(n.engine.engine.block_manager.num_used_blocks for n in prefills + decodes)
+        out.leaked_blocks = sum(n.llm.block_manager.num_used_blocks for n in prefills + decodes)
         return out
 
 

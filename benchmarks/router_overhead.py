@@ -23,7 +23,7 @@ from pathlib import Path
 
 import grpc
 
-from pdserve.grpc_server import GrpcServer
+from serving.grpc_server import GrpcServer
 from pdserve_api import common_pb2, nodes_pb2, nodes_pb2_grpc
 from router.client import AsyncClient
 
@@ -39,6 +39,9 @@ class InstantPrefill(nodes_pb2_grpc.PrefillNodeServicer):
     async def GetLoad(self, request, context):
         return common_pb2.NodeLoad()
 
+    async def ReleaseKV(self, request, context):
+        return nodes_pb2.ReleaseKVResponse(released=True)
+
 
 class InstantDecode(nodes_pb2_grpc.DecodeNodeServicer):
     async def Decode(self, request, context):
@@ -50,18 +53,11 @@ class InstantDecode(nodes_pb2_grpc.DecodeNodeServicer):
         return common_pb2.NodeLoad()
 
 
-class InstantKVPlane(nodes_pb2_grpc.KVPlaneServicer):
-    async def ReleaseKV(self, request, context):
-        return nodes_pb2.ReleaseKVResponse(released=True)
-
-
 def serve_nodes(queue) -> None:
     async def run():
         prefill, decode = GrpcServer(), GrpcServer()
         prefill.add(nodes_pb2_grpc.add_PrefillNodeServicer_to_server, InstantPrefill(),
                     nodes_pb2.DESCRIPTOR.services_by_name["PrefillNode"])
-        prefill.add(nodes_pb2_grpc.add_KVPlaneServicer_to_server, InstantKVPlane(),
-                    nodes_pb2.DESCRIPTOR.services_by_name["KVPlane"])
         decode.add(nodes_pb2_grpc.add_DecodeNodeServicer_to_server, InstantDecode(),
                    nodes_pb2.DESCRIPTOR.services_by_name["DecodeNode"])
         await prefill.start()

@@ -1,192 +1,221 @@
 """The decode node: pulls each sequence's KV from its prefill node, then decodes it in the
 continuous batch and streams the tokens. A request the router sends with prefill_locally (a
-short uncached suffix, router/placement.py) is prefilled here instead, from this node's prefix cache.
+short uncached suffix, router/placement.py) is prefilled here instead, from this node's prefix
+cache (_prefill_here).
 
-Lifecycle of a request here:
-  1. prealloc - blocks reserved for the prompt's KV (waits while the pool is full)
-  2. transfer - the KV is read from the prefill node straight into those blocks (shared memory
-                on one host, the raw TCP data plane otherwise), digest-checked; the prefill node is told
-                it may free its copy. A layer-wise source is read while its prefill still computes,
-                and the first token arrives with its last layer
-  3. running  - the sequence joins the decode batch between two steps
-  4. finished - EOS, stop, length, or cancelled: its blocks are freed
+Lifecycle of a request here (DecodeNode._decode_imported, a method per step):
+  1. prealloc - blocks reserved for the prompt's KV, its cached prefix taken from this node's
+                prefix cache where the transport can leave blocks out (waits while the pool is full)
+  2. transfer - the KV is read from the prefill node straight into those blocks, digest-checked
+                (kvtransfer/); the prefill node is told it may free its copy. A layer-wise source
+                is read while its prefill still computes; its first token comes with the last layer
+  3. running  - the sequence joins the decode batch between two steps; its tokens stream back
+  4. finished - EOS, stop, length, or cancelled: the engine frees its blocks (a request never
+                admitted gives them back once its transfer has settled)
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
 import os
 import time
+from dataclasses import dataclass
 
 import grpc
 
+from decode_node.config import DecodeConfig
 from engine import EngineConfig, LLMEngine
-from engine.async_engine import AsyncEngine
-from kvtransfer.base import KVCorrupt, KVTransferError
+from kvtransfer.base import KVCorrupt, KVTransfer, KVTransferError, host_id
 from kvtransfer.layout import KVLayout, KVLayoutMismatch, model_fingerprint
 from kvtransfer.receiver import KVReceiver
-from kvtransfer.shm import host_id
-from pdserve.grpc_server import GrpcServer
-from pdserve.metrics import EngineExporter, Metrics
-from pdserve.protocol import logprobs_to_proto, sampling_from_proto
-from pdserve.security import NONE, Security
+from kvtransfer.security import NONE, Security
 from pdserve_api import common_pb2, nodes_pb2, nodes_pb2_grpc
+from serving.metrics import Metrics
+from serving.node import EngineServer
+from serving.protocol import logprobs_to_proto, sampling_from_proto
 
-log = logging.getLogger(__name__)
 BLOCK_WAIT_S = 30.0  # how long a request may wait for free blocks without a deadline
 
 
-class DecodeNode(nodes_pb2_grpc.DecodeNodeServicer):
-    def __init__(self, config: EngineConfig, host: str = "127.0.0.1", port: int = 0, kv_transport: str = "auto",
-                 metrics: Metrics | None = None, security: Security = NONE, max_queued: int = 512,
-                 kv_tcp_connections: int = 1):
-        engine = LLMEngine(config)
-        self.engine = AsyncEngine(engine)
-        self.layout = KVLayout.of(engine.kv_cache, model_fingerprint(engine.model_dir))
-        self.receiver = KVReceiver(engine.kv_cache, self.layout, kv_transport, security, kv_tcp_connections)
-        self.max_queued = max_queued  # streams waiting for blocks or KV; beyond, RESOURCE_EXHAUSTED
-        # Fault injection for chaos tests: a pause before each transfer (PDSERVE_FAULT_DELAY_TRANSFER_S).
-        self.fault_delay_transfer_s = float(os.environ.get("PDSERVE_FAULT_DELAY_TRANSFER_S", "0"))
-        self._tasks: set[asyncio.Task] = set()
-        self.num_active = 0  # Decode streams open: transferring or decoding
-        self.metrics = metrics or Metrics()
-        self.exporter = EngineExporter(self.metrics, "decode", self.engine, lambda: self.num_active)
-        self._export: asyncio.Task | None = None
-        self.server = GrpcServer(host, port, security)
+@dataclass
+class Reserved:
+    """Blocks reserved for a request's KV; `owned` until the engine takes them over (admission)."""
+
+    blocks: list[int]
+    skip: int  # leading blocks taken from the prefix cache (not read)
+    owned: bool = True
+    transfer: KVTransfer | None = None  # what writes into them
+
+
+class DecodeNode(EngineServer, nodes_pb2_grpc.DecodeNodeServicer):
+    role = "decode"
+
+    def __init__(self, engine_config: EngineConfig, config: DecodeConfig = DecodeConfig(), *,
+                 host: str = "127.0.0.1", metrics: Metrics | None = None, security: Security = NONE,
+                 kv_options: tuple = ()):
+        """kv_options: the KV transports' reader options (kvtransfer/transports.py)."""
+        self.config = config
+        llm = LLMEngine(engine_config)
+        super().__init__(llm, host, config.port, security, metrics)
         self.server.add(nodes_pb2_grpc.add_DecodeNodeServicer_to_server, self,
                         nodes_pb2.DESCRIPTOR.services_by_name["DecodeNode"])
+        self.layout = KVLayout.of(llm.kv_cache, model_fingerprint(llm.model_dir))
+        self.receiver = KVReceiver(llm.kv_cache, self.layout, config.kv_transport, security, kv_options)
+        self.host_id = host_id()
+        # Fault injection for chaos tests: a pause before each transfer (PDSERVE_FAULT_DELAY_TRANSFER_S).
+        self.fault_delay_transfer_s = float(os.environ.get("PDSERVE_FAULT_DELAY_TRANSFER_S", "0"))
+        self.num_active = 0  # Decode streams open: transferring or decoding
 
-    @property
-    def address(self) -> str:
-        return self.server.address
+    def num_open(self) -> int:
+        return self.num_active
 
-    async def start(self) -> None:
-        await self.server.start()
-        self._export = asyncio.create_task(self.exporter.run())
+    def busy(self) -> bool:
+        return bool(self.num_active)
 
     async def stop(self, grace: float = 1.0) -> None:
-        await self.server.stop(grace)
-        if self._export:
-            self._export.cancel()
+        await super().stop(grace)
         await self.receiver.close()
-        self.engine.stop()
 
+    # ---- DecodeNode service -----------------------------------------------------------------
     async def Decode(self, request: nodes_pb2.DecodeRequest, context):
-        capacity = self.max_queued + self.engine.engine.config.max_num_seqs
-        if self.num_active >= capacity:
+        if self.num_active >= self.config.max_queued + self.llm.config.max_num_seqs:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"decode node at capacity ({self.num_active} streams open)")
         self.num_active += 1
         try:
-            async for msg in self._decode(request, context):
+            params = await self._check(request, context)
+            stream = self._prefill_here if request.prefill_locally else self._decode_imported
+            async for msg in stream(request, params, context):
                 yield msg
         finally:
             self.num_active -= 1
 
-    async def drain(self, timeout_s: float, min_s: float = 2.0) -> None:
-        """Stops taking work (health NOT_SERVING) and lets every open stream finish, at most
-        timeout_s (a scale-down loses no tokens); and waits at least min_s, so that routers see
-        the node go before it stops answering."""
-        await self.server.set_serving(False)
-        started = time.time()
-        while self.num_active and time.time() < started + timeout_s or time.time() < started + min_s:
-            await asyncio.sleep(0.05)
+    async def GetLoad(self, request, context) -> common_pb2.NodeLoad:
+        return common_pb2.NodeLoad(**self.llm.load(), **self.llm.cache_changes(request.cache_since),
+                                   host_id=self.host_id,
+                                   kv_transports=[c.to_proto() for c in self.receiver.capabilities()])
 
-    async def _decode(self, request: nodes_pb2.DecodeRequest, context):
-        engine = self.engine.engine
-        source = request.kv
+    # ---- a request's life -------------------------------------------------------------------
+    async def _decode_imported(self, request: nodes_pb2.DecodeRequest, params, context):
+        """1. to 4. (the module's docstring)."""
+        reserved = await self._prealloc(request, params, context)
         try:
-            params = sampling_from_proto(request.sampling)
-            if request.prefill_locally and source.lease_id:
-                raise ValueError("a request prefilled locally carries no kv source")
-            # n > 1: every sample draws its first token here, from the one imported KV
-            several = params.forks
-            if several and request.output_token_ids:
-                raise ValueError("output_token_ids must be empty with n, best_of or beam_width > 1: each sample "
-                                 "draws its first token on the decode node")
-            if not (request.prefill_locally or request.output_token_ids or source.layerwise or several):
-                raise ValueError("output_token_ids must hold the token sampled by the prefill")  # layer-wise: with the KV
-        except ValueError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        if request.prefill_locally:
-            async for msg in self._prefill_here(request, params, context):
-                yield msg
-            return
-        output_token_ids, num_emitted_chars = list(request.output_token_ids), request.num_emitted_chars
-        # 1. prealloc: where the transport can leave blocks out, the prompt's cached prefix is taken
-        #    from this node's prefix cache (a conversation's earlier turns) and only the rest is read
-        try:
-            partial = (engine.config.enable_prefix_caching and source.layout.block_size == engine.config.block_size
-                       and self.receiver.can_skip(source))
-        except KVTransferError as e:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-        kv_tokens = (list(request.prompt_token_ids) + output_token_ids)[:source.num_tokens] if partial else None
-        blocks, skip = await self._reserve(source.num_tokens, request.deadline, context, kv_tokens, params.cache_salt)
-        owned = True  # until add_prefilled_request takes the blocks over
-        transfer = None
-        try:
-            # 2. transfer
-            if self.fault_delay_transfer_s:
-                await asyncio.sleep(self.fault_delay_transfer_s)
-            try:
-                transfer = self.receiver.start(source, blocks, skip)
-                await transfer.wait()
-            except KVLayoutMismatch as e:
-                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
-            except KVCorrupt as e:
-                await context.abort(grpc.StatusCode.DATA_LOSS, str(e))
-            except KVTransferError as e:
-                await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-            if transfer.outcome is not None and not several:  # layer-wise: the prefill's first token
+            transfer = await self._transfer(request.kv, reserved, context)
+            output_token_ids, num_emitted_chars = list(request.output_token_ids), request.num_emitted_chars
+            if transfer.outcome is not None and not params.forks:  # layer-wise: the prefill's first token
                 if transfer.outcome["finished"]:  # nothing to decode; the prefill node ended the lease
                     yield nodes_pb2.DecodeResponse(finished=True, finish_reason=transfer.outcome["finish_reason"])
                     return
                 output_token_ids.append(transfer.outcome["token_id"])
                 num_emitted_chars += transfer.outcome["text_chars"]
-            self._background(self._confirm_read(source))
-            seconds = transfer.seconds
-            self.metrics.observe("pdserve_kv_transfer_seconds", seconds, transport=transfer.transport)
-            self.metrics.observe("pdserve_kv_transfer_bytes", transfer.num_bytes, transport=transfer.transport)
-            if seconds > 0:
-                self.metrics.set("pdserve_kv_transfer_gbps", transfer.num_bytes / seconds / 1e9,
-                                 transport=transfer.transport)
+            self.background(self.receiver.release(request.kv))  # the prefill node may free its copy
+            async for msg in self._run(request, params, output_token_ids, num_emitted_chars, reserved, context):
+                yield msg
+        finally:
+            if reserved.owned:  # 4. never admitted: the blocks go back once nothing writes them; one
+                #                  shielded task, so that a cancellation cannot stop it half-way
+                await asyncio.shield(self._give_back(reserved))
 
-            # 3. running: from the moment the admission is queued, the engine owns the blocks (it
-            #    frees them if the admission fails or the request is aborted)
-            admitted = []
+    async def _check(self, request: nodes_pb2.DecodeRequest, context):
+        """The request's sampling parameters, or INVALID_ARGUMENT naming what is wrong."""
+        try:
+            params = sampling_from_proto(request.sampling)
+            if request.prefill_locally and request.kv.lease_id:
+                raise ValueError("a request prefilled locally carries no kv source")
+            # n > 1: every sample draws its first token here, from the one imported KV
+            if params.forks and request.output_token_ids:
+                raise ValueError("output_token_ids must be empty with n, best_of or beam_width > 1: each sample "
+                                 "draws its first token on the decode node")
+            if not (request.prefill_locally or request.output_token_ids or request.kv.layerwise or params.forks):
+                raise ValueError("output_token_ids must hold the token sampled by the prefill")  # layer-wise: with the KV
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return params
 
-            def admit():  # in the engine thread, between two steps: the next step decodes it
-                admitted.append(time.time())
-                engine.add_prefilled_request(request.request_id, list(request.prompt_token_ids),
-                                             output_token_ids, params, blocks, num_emitted_chars=num_emitted_chars)
+    async def _prealloc(self, request: nodes_pb2.DecodeRequest, params, context) -> Reserved:
+        """1. Blocks for the source's tokens. Where the transport can leave blocks out, the
+        prompt's cached prefix (a conversation's earlier turns) comes from this node's prefix
+        cache and only the rest is read."""
+        source = request.kv
+        try:
+            partial = (self.llm.config.enable_prefix_caching and source.layout.block_size == self.llm.config.block_size
+                       and self.receiver.can_skip(source))
+        except KVTransferError as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        kv_tokens = (list(request.prompt_token_ids) + list(request.output_token_ids))[:source.num_tokens] \
+            if partial else None
+        give_up = request.deadline or time.time() + BLOCK_WAIT_S
+        while True:
+            try:
+                reserved = await self.engine.call_or_undo(
+                    lambda: self.llm.try_reserve_kv(source.num_tokens, kv_tokens, params.cache_salt),
+                    lambda r: self.llm.free_kv(r[0]))
+            except ValueError as e:  # longer than this node can ever hold
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            if reserved is not None:
+                return Reserved(*reserved)
+            if time.time() >= give_up:
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                    f"decode node out of KV blocks for {source.num_tokens} tokens "
+                                    f"({self.llm.block_manager.num_free_blocks} free)")
+            await asyncio.sleep(0.01)
 
-            first = True
-            owned = False  # no await between this and the admission being queued
+    async def _transfer(self, source: nodes_pb2.KVSource, reserved: Reserved, context) -> KVTransfer:
+        """2. The KV read into the reserved blocks (all but the cached ones), or the call aborted
+        with the status the router acts on (UNAVAILABLE and DATA_LOSS: it migrates)."""
+        if self.fault_delay_transfer_s:
+            await asyncio.sleep(self.fault_delay_transfer_s)
+        try:
+            transfer = self.receiver.start(source, reserved.blocks, reserved.skip)
+            reserved.transfer = transfer
+            await transfer.wait()
+        except KVLayoutMismatch as e:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        except KVCorrupt as e:
+            await context.abort(grpc.StatusCode.DATA_LOSS, str(e))
+        except KVTransferError as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        self.metrics.observe("pdserve_kv_transfer_seconds", transfer.seconds, transport=transfer.transport)
+        self.metrics.observe("pdserve_kv_transfer_bytes", transfer.num_bytes, transport=transfer.transport)
+        if transfer.seconds > 0:
+            self.metrics.set("pdserve_kv_transfer_gbps", transfer.num_bytes / transfer.seconds / 1e9,
+                             transport=transfer.transport)
+        return transfer
+
+    async def _run(self, request: nodes_pb2.DecodeRequest, params, output_token_ids: list[int],
+                   num_emitted_chars: int, reserved: Reserved, context):
+        """3. running: from the moment the admission is queued the engine owns the blocks (it frees
+        them if the admission fails or the request is aborted)."""
+        admitted = []
+
+        def admit():  # in the engine thread, between two steps: the next step decodes it
+            admitted.append(time.time())
+            self.llm.add_prefilled_request(request.request_id, list(request.prompt_token_ids), output_token_ids,
+                                           params, reserved.blocks, num_emitted_chars=num_emitted_chars)
+
+        first = True
+        reserved.owned = False  # no await between this and the admission being queued
+        try:
             async for out in self.engine.stream(request.request_id, admit):
                 msg = _response(out)
                 if first:
+                    transfer = reserved.transfer
                     msg.transfer_start, msg.transfer_end = transfer.started, transfer.ended
-                    msg.decode_admitted, msg.kv_transport, msg.kv_bytes = admitted[0], transfer.transport, transfer.num_bytes
-                    msg.cached_tokens = transfer.skipped_tokens
+                    msg.decode_admitted, msg.kv_transport = admitted[0], transfer.transport
+                    msg.kv_bytes, msg.cached_tokens = transfer.num_bytes, transfer.skipped_tokens
                     first = False
                 yield msg
         except ValueError as e:  # refused at admission (e.g. the request id is in use)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        finally:
-            if owned:  # 4. (never admitted) the reserved blocks go back, once nothing writes them;
-                #          one shielded task, so that a cancellation cannot stop it half-way
-                await asyncio.shield(self._give_back(transfer, blocks))
 
     async def _prefill_here(self, request: nodes_pb2.DecodeRequest, params, context):
         """Conditional disaggregation: the prompt's KV computed here, in the continuous batch
         (a mixed step), from the longest prefix this node's cache holds; then decoding goes on."""
-        engine = self.engine.engine
         prior = list(request.output_token_ids)  # a migrated request's tokens so far: recomputed
         start = time.time()
         first = True
         try:
-            async for out in self.engine.stream(request.request_id, lambda: engine.add_request(
+            async for out in self.engine.stream(request.request_id, lambda: self.llm.add_request(
                     request.request_id, list(request.prompt_token_ids), params, output_token_ids=prior,
                     num_emitted_chars=request.num_emitted_chars if prior else None)):
                 msg = _response(out)
@@ -198,57 +227,10 @@ class DecodeNode(nodes_pb2_grpc.DecodeNodeServicer):
         except ValueError as e:  # refused at admission: names what is wrong
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
-    async def _give_back(self, transfer, blocks: list[int]) -> None:
-        if transfer is not None:
-            await transfer.settle()
-        await self.engine.call(self.engine.engine.free_kv, blocks)
-
-    def _background(self, coro) -> None:
-        task = asyncio.create_task(coro)
-        self._tasks.add(task)  # held until done: the loop keeps only weak references
-        task.add_done_callback(self._tasks.discard)
-
-    async def _reserve(self, num_tokens: int, deadline: float, context,
-                       kv_tokens: list[int] | None = None, cache_salt: str = "") -> tuple[list[int], int]:
-        """Blocks for num_tokens of KV, and how many leading ones the prefix cache filled (with
-        kv_tokens, the tokens of that KV, they are looked up)."""
-        engine = self.engine.engine
-        give_up = deadline or time.time() + BLOCK_WAIT_S
-        while True:
-            try:
-                reserved = await self.engine.call_or_undo(lambda: self._try_reserve(num_tokens, kv_tokens, cache_salt),
-                                                          lambda r: self.engine.engine.free_kv(r[0]))
-            except ValueError as e:  # longer than this node can ever hold
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-            if reserved is not None:
-                return reserved
-            if time.time() >= give_up:
-                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                    f"decode node out of KV blocks for {num_tokens} tokens "
-                                    f"({engine.block_manager.num_free_blocks} free)")
-            await asyncio.sleep(0.01)
-
-    def _try_reserve(self, num_tokens: int, kv_tokens: list[int] | None,
-                     cache_salt: str) -> tuple[list[int], int] | None:
-        engine = self.engine.engine
-        if kv_tokens is not None and len(kv_tokens) == num_tokens:
-            return engine.reserve_kv_cached(kv_tokens, cache_salt)
-        return (engine.reserve_kv(num_tokens), 0) if engine.can_reserve_kv(num_tokens) else None
-
-    async def _confirm_read(self, source: nodes_pb2.KVSource) -> None:
-        """Tells the prefill node it may free its copy of the KV."""
-        try:
-            stub = nodes_pb2_grpc.KVPlaneStub(self.receiver.grpc.channel(source.kv_address))
-            await stub.ReleaseKV(nodes_pb2.ReleaseKVRequest(lease_id=source.lease_id), timeout=5)
-        except grpc.aio.AioRpcError as e:  # the lease will expire on its own
-            log.warning("ReleaseKV of %s at %s failed: %s", source.lease_id, source.kv_address, e.code().name)
-
-    async def GetLoad(self, request, context) -> common_pb2.NodeLoad:
-        # plain counters read now, not between two steps: a long step must not look like a dead node
-        engine = self.engine.engine
-        return common_pb2.NodeLoad(**engine.load(), host_id=host_id(), kv_transport=self.receiver.transport,
-                                   block_size=engine.config.block_size,
-                                   **engine.block_manager.cache_changes(request.cache_since))
+    async def _give_back(self, reserved: Reserved) -> None:
+        if reserved.transfer is not None:
+            await reserved.transfer.settle()
+        await self.engine.call(self.llm.free_kv, reserved.blocks)
 
 
 def _response(out) -> nodes_pb2.DecodeResponse:

@@ -1,13 +1,24 @@
-"""Engine configuration: one frozen dataclass, validated once at construction."""
+"""Engine configuration: one frozen dataclass, validated once at construction.
+
+Each field is an option of every process that runs an engine: its metadata holds the help text
+(and a flag, choices or unit where the command line differs from the field), from which the
+command lines and the Serve config's `engine:` sections are derived (serving/options.py).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.speculative import SpeculativeConfig
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 SCHEDULING = ("continuous", "static")
+GIB = 1 << 30
+
+
+def option(default, help: str, **more):
+    """A field that is an option (see serving/options.py for the metadata's keys)."""
+    return field(default=default, metadata={"help": help, **more})
 
 
 def _check(ok: bool, field: str, allowed: str, value) -> None:
@@ -17,23 +28,45 @@ def _check(ok: bool, field: str, allowed: str, value) -> None:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str = "smollm2-135m"
-    dtype: str = "auto"  # "auto": bf16 on CUDA and CPUs with native bf16, else fp32 (engine/hardware.py)
-    device: str = "auto"  # "auto": cuda when available, else cpu
-    block_size: int = 16  # tokens per KV block
-    kv_cache_bytes: int = 1 << 30  # memory budget for the one KV tensor
-    num_kv_blocks: int | None = None  # overrides kv_cache_bytes (tests use tiny pools)
-    max_num_seqs: int = 256  # sequences in one step
-    max_num_batched_tokens: int = 4096  # tokens in one step (prefill chunks + decodes)
-    max_model_len: int | None = None  # None: the model's max_position_embeddings
-    scheduling: str = "continuous"  # "static": a new batch only once the whole batch is done
-    enable_chunked_prefill: bool = True
-    enable_prefix_caching: bool = True  # reuse the KV of full blocks of a prompt prefix seen before
-    cpu_kernels: bool = True  # C++ attention/fused ops on CPUs where they build; False: plain torch
-    num_threads: int | None = None  # torch intra-op threads on CPU; None leaves torch's choice
-    seed: int = 0  # seeds the sampler for requests without their own seed
-    # Speculative decoding, e.g. {"method": "ngram", "num_speculative_tokens": 4} (engine/speculative.py)
-    speculative: dict | None = None
+    model: str = option("smollm2-135m", "short name (smollm2-135m), a Hugging Face directory, or a .gguf file")
+    dtype: str = option(
+        "auto",
+        "auto: bfloat16 on CUDA and on CPUs with native bf16 (AMX or AVX512_BF16), float32 on other CPUs",
+        choices=DTYPES,
+    )
+    device: str = option("auto", "auto, cpu, cuda or cuda:N (auto: cuda when available, else cpu)")
+    block_size: int = option(16, "tokens per KV cache block")
+    kv_cache_bytes: int = option(GIB, "memory for the KV cache", flag="--kv-cache-gb", unit=GIB)
+    num_kv_blocks: int | None = option(None, "KV cache blocks, overriding --kv-cache-gb (tests use tiny pools)")
+    max_num_seqs: int = option(256, "sequences in one decode batch at most")
+    max_num_batched_tokens: int = option(4096, "tokens in one forward at most (prefill chunks + decodes)")
+    max_model_len: int | None = option(
+        None, "longest prompt + output in tokens (default: the model's context length)"
+    )
+    scheduling: str = option(
+        "continuous", "static: a new batch only once the whole batch is done (for comparison)", choices=SCHEDULING
+    )
+    enable_chunked_prefill: bool = option(
+        True, "compute a long prompt in one step (by default it is split over steps within the token budget)",
+        flag="--no-chunked-prefill",
+    )
+    enable_prefix_caching: bool = option(
+        True,
+        "compute every prompt in full (by default the KV of full blocks of a prompt prefix seen before is reused)",
+        flag="--no-prefix-caching",
+    )
+    cpu_kernels: bool = option(
+        True, "plain torch ops on the CPU (by default C++ attention and fused ops, where they build)",
+        flag="--no-cpu-kernels",
+    )
+    num_threads: int | None = option(None, "torch threads on CPU (default: torch's choice)")
+    seed: int = option(0, "seeds the sampler for requests without their own seed", where=("serve",))
+    speculative: dict | None = option(
+        None,
+        'speculative decoding on decode steps, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'; '
+        "settings in engine/speculative.py (default: off)",
+        flag="--speculative-config",
+    )
 
     def __post_init__(self):
         _check(isinstance(self.model, str) and self.model != "", "model", "a model name or path", self.model)

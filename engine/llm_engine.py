@@ -39,8 +39,8 @@ class KVLease:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, kv_allocator: Callable[[int], torch.Tensor] | None = None):
-        """kv_allocator(nbytes) -> a uint8 tensor to hold the KV cache (e.g. in shared memory);
-        None allocates it on the device."""
+        """kv_allocator(nbytes) -> a uint8 tensor to hold the KV cache (e.g. in shared memory), or
+        None; without one (or None) the KV cache is allocated on the device."""
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
@@ -89,13 +89,28 @@ class LLMEngine:
         check_prompt_length(num_tokens, self.max_model_len)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    keep_kv: bool = False, output_token_ids: list[int] | None = None,
-                    num_emitted_chars: int | None = None, kv_progress: LayerProgress | None = None) -> None:
-        """Queues a request. Raises ValueError, naming what is wrong, and changes nothing else.
-        With keep_kv the KV outlives the request under a kv_lease (see export_kv); kv_progress
-        then follows its KV as each layer is written (engine/kv_progress.py).
-        output_token_ids: tokens a request already generated elsewhere (a migration): they are
-        recomputed with the prompt, as after a preemption, and generation goes on after them."""
+                    output_token_ids: list[int] | None = None, num_emitted_chars: int | None = None) -> None:
+        """Queues a request that generates here. Raises ValueError, naming what is wrong, and
+        changes nothing else. output_token_ids: tokens it already generated elsewhere (a
+        migration): recomputed with the prompt, as after a preemption; generation goes on after
+        them, its text after the num_emitted_chars characters already streamed."""
+        self._add(request_id, prompt, params, output_token_ids, num_emitted_chars)
+
+    def add_prefill(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    output_token_ids: list[int] | None = None, num_emitted_chars: int | None = None,
+                    kv_progress: LayerProgress | None = None) -> None:
+        """The prefill side of a disaggregated request: computes the prompt's KV (and a migrated
+        request's tokens) and samples the next token as add_request would, then hands off: its
+        output ends with finish_reason None, the request going on elsewhere, or with the reason its
+        own rule ended it at this token (stop, length). Either way the KV stays under a kv_lease
+        until release_kv (export_kv or a transport reads it); kv_progress follows it as each
+        layer is written (engine/kv_progress.py)."""
+        self._add(request_id, prompt, params, output_token_ids, num_emitted_chars, prefill=True,
+                  kv_progress=kv_progress)
+
+    def _add(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+             output_token_ids: list[int] | None, num_emitted_chars: int | None, prefill: bool = False,
+             kv_progress: LayerProgress | None = None) -> None:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         if (request_id, 0) in self.requests or request_id in self.kv_leases or request_id in self.beams:
@@ -105,15 +120,13 @@ class LLMEngine:
         self._check_length(len(ids) + len(prior))
         if len(prior) >= params.max_tokens:
             raise ValueError(f"output_token_ids: {len(prior)} tokens already reach max_tokens ({params.max_tokens})")
-        if kv_progress is not None and not keep_kv:
-            raise ValueError("kv_progress needs keep_kv: the KV must outlive the request to be read")
-        if params.forks and (keep_kv or prior):
-            raise ValueError("n, best_of and beam_width must be 1 for a prefill to export (keep_kv) or a migrated "
-                             "request: the samples fork where the request decodes")
+        if params.forks and (prefill or prior):
+            raise ValueError("n, best_of and beam_width must be 1 for a prefill to export or a migrated request: the "
+                             "samples fork where the request decodes")
         if params.beam_width > 1:
             self._start_beam_search(request_id, ids, params)
             return
-        seq = Sequence(request_id, ids, params, output_token_ids=prior, keep_kv=keep_kv, kv_progress=kv_progress)
+        seq = Sequence(request_id, ids, params, output_token_ids=prior, keep_kv=prefill, kv_progress=kv_progress)
         self.num_prompt_tokens += len(ids)
         self._track(seq, num_emitted_chars)
         if params.num_samples > 1:
@@ -150,10 +163,17 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     def load(self) -> dict[str, int]:
-        """What a router or autoscaler looks at."""
+        """What a router or autoscaler looks at. Plain counters, safe to read from another thread
+        at any time (a long step must not look like a dead node)."""
         return {"num_waiting": len(self.scheduler.waiting), "num_running": len(self.scheduler.running),
                 "num_free_blocks": self.block_manager.num_free_blocks,
-                "num_total_blocks": self.block_manager.num_blocks, "num_kv_leases": len(self.kv_leases)}
+                "num_total_blocks": self.block_manager.num_blocks, "num_kv_leases": len(self.kv_leases),
+                "block_size": self.config.block_size}
+
+    def cache_changes(self, since: int) -> dict:
+        """The prefix cache's names added and removed since a version (engine/block_manager.py);
+        safe to call from another thread."""
+        return self.block_manager.cache_changes(since)
 
     def prefix_cache_stats(self) -> dict[str, int]:
         bm = self.block_manager
@@ -253,10 +273,10 @@ class LLMEngine:
                 seq.cumulative_logprob += logprobs[j][token_id]
             if detok is None:
                 continue
-            # A keep_kv request (a prefill) ends here but its text goes on elsewhere: hold back
-            # an incomplete character rather than flush it, unless it stopped (EOS, a stop token).
+            # A prefill handed off ends here but its text goes on elsewhere: an incomplete
+            # character is held back rather than flushed.
             last = j == len(tokens) - 1
-            goes_on = seq.keep_kv and seq.finish_reason != FinishReason.STOP
+            goes_on = seq.finish_reason is FinishReason.HANDOFF
             text, stopped = detok.add(token_id, final=last and seq.is_finished and not goes_on)
             new_text += text
             if stopped:
@@ -278,7 +298,7 @@ class LLMEngine:
             request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids,
             token_ids=list(seq.output_token_ids), text=detok.text if detok else "",
             new_token_ids=list(tokens), new_text=new_text, finished=seq.is_finished,
-            finish_reason=seq.finish_reason.value if seq.finish_reason else None,
+            finish_reason=seq.finish_reason.value if seq.finish_reason not in (None, FinishReason.HANDOFF) else None,
             logprobs=list(seq.output_logprobs) if seq.params.logprobs is not None else None,
             num_preemptions=seq.num_preemptions, num_cached_tokens=seq.num_cached_tokens or 0, index=seq.index,
             cumulative_logprob=seq.cumulative_logprob if seq.output_logprobs else None)
@@ -289,7 +309,7 @@ class LLMEngine:
     # ---- KV out (prefill side) -----------------------------------------------------------
     def export_kv(self, request_id: str) -> torch.Tensor:
         """The leased KV of a finished keep_kv request: [layers, 2, tokens, kv_heads, head_dim]."""
-        lease = self._lease(request_id)
+        lease = self.kv_lease(request_id)
         return self.kv_cache.export_kv(lease.block_table, lease.num_tokens)
 
     def release_kv(self, request_id: str) -> None:
@@ -298,18 +318,27 @@ class LLMEngine:
         if lease is not None:
             self.block_manager.decref(lease.block_table)
 
-    def _lease(self, request_id: str) -> KVLease:
+    def kv_lease(self, request_id: str) -> KVLease:
         if request_id not in self.kv_leases:
             raise KeyError(f"no kv_lease for request {request_id!r}")
         return self.kv_leases[request_id]
 
     # ---- KV in (decode side) -------------------------------------------------------------
+    def try_reserve_kv(self, num_tokens: int, token_ids: list[int] | None = None,
+                       cache_salt: str = "") -> tuple[list[int], int] | None:
+        """Blocks for num_tokens of KV computed elsewhere, and how many leading ones the prefix
+        cache filled (with token_ids, the KV's tokens, its cached prefix is looked up); None while
+        the pool cannot hold it. Fill them (kv_cache.import_kv or a transport), then
+        add_prefilled_request, or give them back with free_kv."""
+        if token_ids is not None and len(token_ids) == num_tokens:
+            return self.reserve_kv_cached(token_ids, cache_salt)
+        return (self.reserve_kv(num_tokens), 0) if self.can_reserve_kv(num_tokens) else None
+
     def can_reserve_kv(self, num_tokens: int) -> bool:
         return self.block_manager.blocks_for(num_tokens) <= self.block_manager.num_free_blocks
 
     def reserve_kv(self, num_tokens: int) -> list[int]:
-        """Blocks for KV computed elsewhere; fill them (kv_cache.import_kv or a transport), then
-        add_prefilled_request, or give them back with free_kv."""
+        """Blocks for KV computed elsewhere (see try_reserve_kv)."""
         if num_tokens >= self.max_model_len:
             self._check_length(num_tokens)
         return self.block_manager.allocate_blocks(self.block_manager.blocks_for(num_tokens))

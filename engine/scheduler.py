@@ -141,6 +141,8 @@ class Scheduler:
             return FinishReason.STOP
         if len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             return FinishReason.LENGTH
+        if seq.keep_kv:  # a prefill: its next token and KV go on to a decode node
+            return FinishReason.HANDOFF
         return None
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:

@@ -30,6 +30,7 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"  # EOS, a stop token id or a stop string
     LENGTH = "length"  # max_tokens or the model's context
     ABORT = "abort"  # cancelled by the caller
+    HANDOFF = "handoff"  # a prefill whose request goes on elsewhere (LLMEngine.add_prefill)
 
 
 @dataclass
@@ -44,7 +45,7 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
-    keep_kv: bool = False  # on finish, the blocks pass to a kv_lease instead of the free list
+    keep_kv: bool = False  # a prefill to hand off: on finish its blocks pass to a kv_lease, not the free list
     kv_progress: LayerProgress | None = None  # layer-wise streaming: the prefill's KV as it is written
     arrival_time: float = field(default_factory=time.monotonic)
     num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache at first admission

@@ -1,7 +1,14 @@
-"""The transfer interface: a reader moves one leased KV into local blocks; a KVTransfer is the
-pollable, awaitable status of one such move.
+"""The transfer interface. A transport is one file holding both of its sides, as vLLM v1's KV
+connectors and SGLang's disaggregation backends split them:
 
-Status ladder (as in SGLang's disaggregation backends):
+- its sender (the prefill node): makes the node's leased KV readable (a listener, a shared-memory
+  region) and describes where, in the lease's KVSource; told when a lease ends;
+- its reader (the decode node): moves one leased KV into blocks the decode node reserved;
+- its Capabilities: layer-wise (reads a lease while its prefill still computes), partial (leaves
+  out the leading blocks the reader's prefix cache already holds), one host only.
+
+`Transport` ties them together; kvtransfer/transports.py registers each in one line. A KVTransfer
+is the pollable, awaitable status of one read:
     WAITING -> TRANSFERRING -> SUCCESS
                             -> FAILED (error says why; the destination blocks hold garbage)
 """
@@ -10,12 +17,20 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import socket
 import time
-from typing import Protocol
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
 
 from engine.kv_cache import KVCache
 from kvtransfer.layout import KVLayout
-from pdserve_api import nodes_pb2
+from kvtransfer.lease import Lease, LeaseTable
+from kvtransfer.security import NONE, Security
+from pdserve_api import common_pb2, nodes_pb2
 
 
 class KVTransferError(RuntimeError):
@@ -26,19 +41,93 @@ class KVCorrupt(KVTransferError):
     """A digest did not match: never decode from these bytes."""
 
 
-class TransferStatus(enum.Enum):
-    WAITING = "waiting"
-    TRANSFERRING = "transferring"
-    SUCCESS = "success"
-    FAILED = "failed"
+def host_id() -> str:
+    """Equal for two processes on one machine (boot): they can share memory."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What one side of a transport can do here (a node reports its sides' in NodeLoad)."""
+
+    name: str
+    layerwise: bool = False  # a lease whose prefill still computes, each layer as it is written
+    partial: bool = False  # leaves out leading blocks the reader holds, and still verifies the rest
+    same_host: bool = False  # only between processes on one host
+
+    def to_proto(self) -> common_pb2.KVTransportInfo:
+        return common_pb2.KVTransportInfo(name=self.name, layerwise=self.layerwise, partial=self.partial,
+                                          same_host=self.same_host)
+
+    @classmethod
+    def from_proto(cls, m: common_pb2.KVTransportInfo) -> Capabilities:
+        return cls(m.name, m.layerwise, m.partial, m.same_host)
+
+
+# ---- the prefill side ---------------------------------------------------------------------
+@dataclass
+class SenderContext:
+    """What a sender may use, given once the node's engine exists."""
+
+    kv_cache: KVCache  # the one preallocated KV tensor, which never moves
+    layout: KVLayout
+    leases: LeaseTable
+    host: str  # the interface the node listens on
+    security: Security
+    grpc_server: Any  # the node's gRPC server: .add(add_servicer_to_server, servicer, service descriptor)
+    release: Callable[[str], Awaitable[bool]]  # ends a lease (ReleaseKV): frees its blocks
+
+
+class KVSender:
+    """The prefill side of a transport. Lifecycle: __init__(options) -> allocate_kv (before the
+    engine exists) -> attach -> start -> describe / end_lease for each lease -> stop. The methods
+    here do nothing: a sender overrides what its transport needs."""
+
+    def allocate_kv(self, nbytes: int, device: torch.device) -> torch.Tensor | None:
+        """register: the memory the engine's KV tensor must live in for this transport to read it
+        in place (a uint8 tensor of nbytes), or None. One sender at most provides it."""
+        return None
+
+    def attach(self, ctx: SenderContext) -> None:
+        pass
+
+    async def start(self) -> None:
+        pass
+
+    async def stop(self) -> None:
+        pass
+
+    def capabilities(self) -> Capabilities | None:
+        """What this node's sender offers now; None: nothing (e.g. no shared-memory region)."""
+        raise NotImplementedError
+
+    def describe(self, lease: Lease, source: nodes_pb2.KVSource) -> None:
+        """Fills in this transport's part of a lease's descriptor (a layer-wise lease has
+        source.layerwise set); a transport with no field of its own uses source.transport_params[name]."""
+
+    def end_lease(self, lease: Lease) -> None:
+        """The lease ended; called before its blocks can be reused."""
+
+
+# ---- the decode side ----------------------------------------------------------------------
+@dataclass
+class ReaderContext:
+    security: Security = NONE  # mutual TLS and the internal token towards prefill nodes
+    options: Any = None  # the transport's reader options (its Transport.reader_options), or None
+    channel: Callable[[str], Any] | None = None  # a cached gRPC channel to a prefill node's address
 
 
 class KVReader(Protocol):
-    """Decode side of a transport. Adding a transport is adding one such class."""
-
     name: str
 
-    def can_read(self, source: nodes_pb2.KVSource, layout: KVLayout) -> bool: ...
+    def capabilities(self) -> Capabilities: ...
+
+    def can_read(self, source: nodes_pb2.KVSource, layout: KVLayout) -> bool:
+        """Whether this reader can reach the source (same host, an address it speaks, ...)."""
 
     def can_skip(self, source: nodes_pb2.KVSource) -> bool:
         """Whether read() can leave out leading blocks (skip_blocks > 0) and still verify the rest."""
@@ -46,12 +135,42 @@ class KVReader(Protocol):
     async def read(self, source: nodes_pb2.KVSource, kv_cache: KVCache, layout: KVLayout,
                    block_ids: list[int], skip_blocks: int = 0) -> dict | None:
         """Fills block_ids with the source's KV, verified against source.digest (per layer for a
-        layer-wise source), or raises. skip_blocks: the first blocks are not read (the decode node's
-        prefix cache holds them: block_ids[:skip_blocks] are shared and must not be written), and
-        what is read is verified by digests of its own. A transport that can read a layer-wise
-        source (one whose prefill still computes) returns its trailer: {finished, token_id,
-        text_chars} or {finished: true, finish_reason}; others return None and refuse such sources
-        in can_read."""
+        layer-wise source), or raises KVLayoutMismatch / KVCorrupt / KVTransferError; returns only
+        once nothing it started can still write into block_ids. skip_blocks: the first blocks are
+        not read (the decode node's prefix cache holds them: block_ids[:skip_blocks] are shared and
+        must not be written), and what is read is verified by digests of its own. A reader that
+        streams layers returns a layer-wise source's trailer: {finished, token_id, text_chars} or
+        {finished: true, finish_reason}; others return None."""
+
+    async def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class Transport:
+    """One transport: its name (what --kv-transport calls it, and the metrics label), how to build
+    each side, and the option classes of each side (serving/options.py makes them flags and Serve
+    config keys of the prefill and the decode node)."""
+
+    name: str
+    sender: Callable[[Any], KVSender]  # (its sender options or None) -> the prefill node's sender
+    reader: Callable[[ReaderContext], KVReader]
+    sender_options: type | None = None
+    reader_options: type | None = None
+    sender_switch: str | None = None  # the sender option (a bool) that turns this transport off on a prefill node
+
+
+def options_for(cls: type | None, given: tuple) -> Any:
+    """The instance of an option class among `given` (a node's transport options), or its defaults."""
+    if cls is None:
+        return None
+    return next((o for o in given if isinstance(o, cls)), None) or cls()
+
+
+class TransferStatus(enum.Enum):
+    WAITING = "waiting"
+    TRANSFERRING = "transferring"
+    SUCCESS = "success"
+    FAILED = "failed"
 
 
 class KVTransfer:
@@ -72,10 +191,7 @@ class KVTransfer:
         self.status = TransferStatus.TRANSFERRING
         self.started = time.time()
         try:
-            if skip_blocks:
-                self.outcome = await reader.read(source, kv_cache, layout, block_ids, skip_blocks)
-            else:
-                self.outcome = await reader.read(source, kv_cache, layout, block_ids)
+            self.outcome = await reader.read(source, kv_cache, layout, block_ids, skip_blocks)
         except BaseException as e:
             self.status, self.error = TransferStatus.FAILED, e
             raise
@@ -95,3 +211,4 @@ class KVTransfer:
     @property
     def seconds(self) -> float:
         return self.ended - self.started
+

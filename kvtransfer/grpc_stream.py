@@ -1,4 +1,4 @@
-"""The gRPC stream transport (works across hosts).
+"""The `grpc` transport: a gRPC stream (works across hosts; whole finished leases only).
 
 Sender (the prefill node's KVPlane service): gathers a leased KV's layer-ordered stream into a
 staging buffer and streams it as ~1 MiB raw-bytes chunks, each with its xxh3_64; the first chunk
@@ -12,18 +12,17 @@ from __future__ import annotations
 
 import asyncio
 import warnings
-from collections.abc import Awaitable, Callable
 
 import grpc
 import torch
 import xxhash
 
 from engine.kv_cache import KVCache
-from kvtransfer.base import KVCorrupt, KVTransferError
+from kvtransfer.base import Capabilities, KVCorrupt, KVSender, KVTransferError, SenderContext, Transport
 from kvtransfer.buffers import BufferPool
 from kvtransfer.layout import KVLayout, KVLayoutMismatch, StreamWriter, gather, kv_digest
 from kvtransfer.lease import LeaseTable
-from pdserve.security import NONE, Security
+from kvtransfer.security import NONE, Security
 from pdserve_api import nodes_pb2, nodes_pb2_grpc
 
 # torch warns that the chunk's bytes are read-only; they are only ever read.
@@ -35,13 +34,26 @@ CHANNEL_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
 
 
+class GrpcSender(KVSender):
+    """The KVPlane service, on the prefill node's own gRPC server."""
+
+    def __init__(self, options=None):
+        pass
+
+    def attach(self, ctx: SenderContext) -> None:
+        ctx.grpc_server.add(nodes_pb2_grpc.add_KVPlaneServicer_to_server,
+                            KVPlaneServicer(ctx.kv_cache, ctx.layout, ctx.leases),
+                            nodes_pb2.DESCRIPTOR.services_by_name["KVPlane"])
+
+    def capabilities(self) -> Capabilities:
+        return CAPABILITIES  # its address is the node's own (KVSource.kv_address)
+
+
 class KVPlaneServicer(nodes_pb2_grpc.KVPlaneServicer):
-    def __init__(self, kv_cache: KVCache, layout: KVLayout, leases: LeaseTable,
-                 release: Callable[[str], Awaitable[bool]], prealloc_tokens: int = 2048):
+    def __init__(self, kv_cache: KVCache, layout: KVLayout, leases: LeaseTable, prealloc_tokens: int = 2048):
         self.kv_cache = kv_cache
         self.layout = layout
         self.leases = leases
-        self.release = release  # ends a lease and frees its blocks; returns whether it existed
         self.buffers = BufferPool(layout.num_bytes(prealloc_tokens))  # send staging, grown on demand
 
     async def PullKV(self, request: nodes_pb2.PullKVRequest, context: grpc.aio.ServicerContext):
@@ -77,29 +89,38 @@ class KVPlaneServicer(nodes_pb2_grpc.KVPlaneServicer):
         finally:
             self.buffers.release(buf)
 
-    async def ReleaseKV(self, request: nodes_pb2.ReleaseKVRequest, context) -> nodes_pb2.ReleaseKVResponse:
-        return nodes_pb2.ReleaseKVResponse(released=await self.release(request.lease_id))
-
 
 class GrpcStreamReader:
     name = "grpc"
 
-    def __init__(self, chunk_bytes: int = CHUNK_BYTES, security: Security = NONE, timeout_s: float = 60.0):
+    def __init__(self, chunk_bytes: int = CHUNK_BYTES, security: Security = NONE, timeout_s: float = 60.0,
+                 channel=None):
+        """channel(address): a gRPC channel to a prefill node (the decode node's, shared with its
+        control plane); default: channels of its own, with `security` (mutual TLS, the token)."""
         self.chunk_bytes = chunk_bytes
         self.channels: dict[str, grpc.aio.Channel] = {}
-        self.security = security  # mutual TLS / token towards the prefill nodes' KV planes
+        self.security = security
         self.timeout_s = timeout_s  # a pull that takes longer fails (never a hang)
+        self.channel = channel or self._channel
+
+    def capabilities(self) -> Capabilities:
+        return CAPABILITIES
 
     def can_read(self, source: nodes_pb2.KVSource, layout: KVLayout) -> bool:
         return bool(source.kv_address) and not source.layerwise
 
-    def channel(self, address: str) -> grpc.aio.Channel:
+    def can_skip(self, source: nodes_pb2.KVSource) -> bool:
+        return False  # its check is the whole stream's digest
+
+    def _channel(self, address: str) -> grpc.aio.Channel:
         if address not in self.channels:
             self.channels[address] = self.security.channel(address, CHANNEL_OPTIONS)
         return self.channels[address]
 
     async def read(self, source: nodes_pb2.KVSource, kv_cache: KVCache, layout: KVLayout,
-                   block_ids: list[int]) -> None:
+                   block_ids: list[int], skip_blocks: int = 0) -> None:
+        if skip_blocks:
+            raise KVTransferError("the grpc transport reads whole leases")
         stub = nodes_pb2_grpc.KVPlaneStub(self.channel(source.kv_address))
         nbytes = layout.num_bytes(source.num_tokens)
         writer = StreamWriter(kv_cache.kv, block_ids, source.num_tokens)  # straight into the blocks
@@ -133,3 +154,8 @@ class GrpcStreamReader:
         for channel in self.channels.values():
             await channel.close()
         self.channels.clear()
+
+
+CAPABILITIES = Capabilities("grpc")
+TRANSPORT = Transport("grpc", sender=GrpcSender,
+                      reader=lambda ctx: GrpcStreamReader(security=ctx.security, channel=ctx.channel))

@@ -1,56 +1,80 @@
-"""The decode side: picks a transport for each KV source and starts the transfer."""
+"""The decode side: its readers (one per transport it may use, in order of preference), the
+transfer of one leased KV into reserved blocks, and the control plane back to the prefill node
+(ReleaseKV)."""
 
 from __future__ import annotations
 
-from engine.kv_cache import KVCache
-from kvtransfer.base import KVReader, KVTransfer, KVTransferError
-from kvtransfer.fake import FakeReader
-from kvtransfer.grpc_stream import GrpcStreamReader
-from kvtransfer.layout import KVLayout
-from kvtransfer.shm import ShmReader
-from kvtransfer.tcp import DEFAULT_CONNECTIONS, TcpReader
-from pdserve.security import NONE, Security
-from pdserve_api import nodes_pb2
+import logging
 
-TRANSPORTS = ("auto", "shm", "tcp", "grpc")  # auto: shm on one host, else tcp (grpc if no tcp plane)
+import grpc
+
+from engine.kv_cache import KVCache
+from kvtransfer import transports
+from kvtransfer.base import Capabilities, KVReader, KVTransfer, KVTransferError, ReaderContext, options_for
+from kvtransfer.layout import KVLayout
+from kvtransfer.security import NONE, Security
+from pdserve_api import nodes_pb2, nodes_pb2_grpc
+
+log = logging.getLogger(__name__)
+CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 8 << 20), ("grpc.max_send_message_length", 8 << 20)]
 
 
 class KVReceiver:
     def __init__(self, kv_cache: KVCache, layout: KVLayout, transport: str = "auto", security: Security = NONE,
-                 tcp_connections: int = DEFAULT_CONNECTIONS):
-        if transport not in TRANSPORTS:
-            raise ValueError(f"kv transport must be one of {TRANSPORTS}, got {transport!r}")
+                 options: tuple = ()):
+        """transport: auto (every registered transport, first that can reach a source wins) or
+        one name; options: the transports' reader options (their defaults where not given)."""
         self.kv_cache = kv_cache
         self.layout = layout
+        self.security = security
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self.readers: list[KVReader] = [
+            t.reader(ReaderContext(security, options_for(t.reader_options, options), self.channel))
+            for t in transports.named(transport)]
         self.transport = transport
-        self.grpc = GrpcStreamReader(security=security)
-        # Preference order for "auto": the one-sided read when the source is on this host, then
-        # the raw TCP data plane, then the gRPC stream.
-        self.readers: list[KVReader] = [FakeReader(), ShmReader(), TcpReader(security, tcp_connections), self.grpc]
+
+    def capabilities(self) -> list[Capabilities]:
+        """What this node reads with, preferred first (its NodeLoad reports them)."""
+        return [r.capabilities() for r in self.readers]
+
+    def channel(self, address: str) -> grpc.aio.Channel:
+        """A gRPC channel to a prefill node (mutual TLS and the token where configured)."""
+        if address not in self._channels:
+            self._channels[address] = self.security.channel(address, CHANNEL_OPTIONS)
+        return self._channels[address]
 
     def choose(self, source: nodes_pb2.KVSource) -> KVReader:
         for reader in self.readers:
-            if self.transport in ("auto", reader.name) or reader.name == "fake":
-                if reader.can_read(source, self.layout):
-                    return reader
-        layerwise = " layer by layer (tcp only)" if source.layerwise else ""
+            if reader.can_read(source, self.layout):
+                return reader
+        layerwise = " layer by layer" if source.layerwise else ""
         raise KVTransferError(f"no {self.transport} transport can read the KV of lease {source.lease_id}{layerwise} "
-                              f"(host {source.host_id!r}, region {source.shm_region!r}, tcp {source.tcp_address!r}, "
-                              f"address {source.kv_address!r})")
+                              f"(host {source.host_id!r}, address {source.kv_address!r})")
 
     def can_skip(self, source: nodes_pb2.KVSource) -> bool:
         """Whether a read of this source can leave out blocks this node's prefix cache holds."""
-        reader = self.choose(source)
-        return getattr(reader, "can_skip", lambda s: False)(source)
+        return self.choose(source).can_skip(source)
 
     def start(self, source: nodes_pb2.KVSource, block_ids: list[int], skip_blocks: int = 0) -> KVTransfer:
         """Begins moving the source's KV into block_ids (all but the first skip_blocks, which this
         node already holds: only where can_skip); await .wait() or poll .status."""
         reader = self.choose(source)
-        if skip_blocks and not getattr(reader, "can_skip", lambda s: False)(source):
+        if skip_blocks and not reader.can_skip(source):
             raise KVTransferError(f"the {reader.name} transport cannot leave out cached blocks of lease "
                                   f"{source.lease_id}")
         return KVTransfer(reader, source, self.kv_cache, self.layout, block_ids, skip_blocks)
 
+    async def release(self, source: nodes_pb2.KVSource) -> None:
+        """Tells the prefill node it may free its copy of the KV (else its lease expires)."""
+        try:
+            stub = nodes_pb2_grpc.PrefillNodeStub(self.channel(source.kv_address))
+            await stub.ReleaseKV(nodes_pb2.ReleaseKVRequest(lease_id=source.lease_id), timeout=5)
+        except grpc.aio.AioRpcError as e:
+            log.warning("ReleaseKV of %s at %s failed: %s", source.lease_id, source.kv_address, e.code().name)
+
     async def close(self) -> None:
-        await self.grpc.close()
+        for reader in self.readers:
+            await reader.close()
+        for channel in self._channels.values():
+            await channel.close()
+        self._channels.clear()

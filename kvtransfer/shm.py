@@ -1,4 +1,5 @@
-"""RDMA-style one-sided reads through shared memory, for a prefill and a decode node on one host.
+"""The `shm` transport: RDMA-style one-sided reads through shared memory, for a prefill and a decode
+node on one host (partial reads where the generation counters check them; no layer-wise reads).
 
 Verbs, as in RDMA/NIXL:
 - register: the prefill node allocates its whole KV tensor in a /dev/shm region (pages touched
@@ -16,16 +17,18 @@ import contextlib
 import os
 import platform
 import re
-import socket
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from engine.config import option
 from engine.kv_cache import KVCache
-from kvtransfer.base import KVCorrupt, KVTransferError
+from kvtransfer.base import Capabilities, KVCorrupt, KVSender, KVTransferError, SenderContext, Transport, host_id
 from kvtransfer.layout import KVLayout, copy_blocks
+from kvtransfer.lease import Lease
 from pdserve_api import nodes_pb2
 
 SHM_DIR = Path("/dev/shm")
@@ -36,15 +39,6 @@ GEN_SUFFIX = "-gen"
 # it reuses the block) and of loads (the reader copies, then reads the generation). Elsewhere the
 # reader hashes what it copied instead.
 GENERATION_CHECK = platform.machine().lower() in ("x86_64", "amd64")
-
-
-def host_id() -> str:
-    """Equal for two processes that can share /dev/shm files on one machine (boot)."""
-    try:
-        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    except OSError:
-        boot = ""
-    return f"{socket.gethostname()}/{boot}"
 
 
 class SharedKVRegion:
@@ -105,6 +99,50 @@ def sweep_stale_regions() -> None:
             continue
 
 
+@dataclass(frozen=True)
+class ShmOptions:
+    shm: bool = option(True, "keep the KV out of shared memory: decode nodes on this host read it as those on "
+                       "other hosts do (by default it lives in a /dev/shm region they read in place)",
+                       flag="--no-shm")
+
+
+class ShmSender(KVSender):
+    """register: the prefill node's whole KV tensor lives in a /dev/shm region (a KV cache on a
+    GPU does not: no region, nothing offered)."""
+
+    def __init__(self, options: ShmOptions):
+        self.enabled = options.shm
+        self.region: SharedKVRegion | None = None
+
+    def allocate_kv(self, nbytes: int, device: torch.device) -> torch.Tensor | None:
+        if not self.enabled or device.type != "cpu":
+            return None
+        self.region = SharedKVRegion(nbytes)
+        return self.region.tensor
+
+    def attach(self, ctx: SenderContext) -> None:
+        if self.region is not None:
+            self.region.add_generations(ctx.kv_cache.num_blocks)
+
+    async def stop(self) -> None:
+        if self.region is not None:
+            self.region.close()
+
+    def capabilities(self) -> Capabilities | None:
+        return CAPABILITIES if self.region is not None else None
+
+    def describe(self, lease: Lease, source: nodes_pb2.KVSource) -> None:
+        """describe: the region, and each leased block's generation now (a layer-wise lease is
+        still being written: not readable here)."""
+        if self.region is not None and not source.layerwise:
+            source.shm_region, source.region_bytes = self.region.name, self.region.nbytes
+            source.block_generations.extend(self.region.generations[lease.block_ids].tolist())
+
+    def end_lease(self, lease: Lease) -> None:
+        if self.region is not None:
+            self.region.end_lease(lease.block_ids)
+
+
 class ShmReader:
     """read: maps the prefill node's region once and copies leased blocks out of it."""
 
@@ -113,6 +151,9 @@ class ShmReader:
     def __init__(self):
         self.host_id = host_id()
         self._regions: dict[str, torch.Tensor] = {}
+
+    def capabilities(self) -> Capabilities:
+        return CAPABILITIES
 
     def can_read(self, source: nodes_pb2.KVSource, layout: KVLayout) -> bool:
         return (not source.layerwise and source.host_id == self.host_id and bool(REGION_NAME.fullmatch(source.shm_region))
@@ -186,3 +227,11 @@ class ShmReader:
                                 "its blocks may have changed under it")
 
         await asyncio.to_thread(checked_copy)
+
+    async def close(self) -> None:
+        self._regions.clear()
+
+
+CAPABILITIES = Capabilities("shm", partial=GENERATION_CHECK, same_host=True)
+TRANSPORT = Transport("shm", sender=ShmSender, reader=lambda ctx: ShmReader(), sender_options=ShmOptions,
+                      sender_switch="shm")

@@ -6,111 +6,11 @@ import argparse
 import sys
 import time
 
-from pdserve.process import pin_cpus
-from router.placement import add_placement_args
-
-DTYPE_HELP = "auto: bfloat16 on CUDA and on CPUs with native bf16 (AMX or AVX512_BF16), float32 on other CPUs"
-
-
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """--help shows every option's default: a help text that names its default in words
-    ("default: torch's choice") keeps it; unset means "none", a flag's default is "off"; a
-    required option says so."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        if action.required:
-            return f"{text} (required)".lstrip()
-        if "default:" in text or not action.option_strings or action.default is argparse.SUPPRESS:
-            return text
-        if action.nargs == 0:  # store_true / store_false: the flag is not given
-            shown = "off"
-        elif action.default is None or action.default == []:
-            shown = "none"
-        else:
-            shown = "%(default)s"
-        return f"{text} (default: {shown})".lstrip()
-
-
-def add_engine_args(p: argparse.ArgumentParser, num_threads_default: str = "torch's choice") -> None:
-    p.add_argument("--model", default="smollm2-135m",
-                   help="short name (smollm2-135m), a Hugging Face directory, or a .gguf file")
-    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"], help=DTYPE_HELP)
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    p.add_argument("--kv-cache-gb", type=float, default=1.0, help="memory for the KV cache")
-    p.add_argument("--max-num-seqs", type=int, default=256, help="sequences in one decode batch at most")
-    p.add_argument("--max-num-batched-tokens", type=int, default=4096, help="tokens in one forward at most")
-    p.add_argument("--max-model-len", type=int, default=None,
-                   help="longest prompt + output in tokens (default: the model's context length)")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
-    p.add_argument("--no-prefix-caching", action="store_true",
-                   help="compute every prompt in full (by default the KV of full blocks of a prompt prefix seen "
-                        "before is reused)")
-    p.add_argument("--speculative-config", type=speculative_json, default=None, metavar="JSON",
-                   help='speculative decoding on decode steps, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'; '
-                        "settings in engine/speculative.py (default: off)")
-    p.add_argument("--num-threads", type=int, default=None, help=f"torch threads (default: {num_threads_default})")
-    p.add_argument("--cpus", default=None,
-                   help="pin the process, and the processes it starts, to these cores, e.g. 0 or 0-1 (default: not pinned)")
-
-
-def speculative_json(text: str) -> dict:
-    import json
-
-    from engine.speculative import SpeculativeConfig
-
-    try:
-        settings = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"not valid JSON ({e}): {text!r}") from None
-    try:
-        SpeculativeConfig.from_dict(settings)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    return settings
-
-
-def add_security_args(p: argparse.ArgumentParser, public: bool = False) -> None:
-    g = p.add_argument_group("security (internal ports: mutual TLS when a CA is given, and/or a token)")
-    g.add_argument("--tls-cert", help="PEM certificate of this process (server, and client for mTLS)")
-    g.add_argument("--tls-key", help="PEM private key")
-    g.add_argument("--tls-ca", help="PEM CA that signs the cluster's certificates (enables mutual TLS)")
-    g.add_argument("--token-file", help="file holding the shared internal bearer token")
-    if public:
-        g.add_argument("--public-tls-cert", help="PEM certificate of the public (router) port")
-        g.add_argument("--public-tls-key", help="PEM private key of the public port")
-        g.add_argument("--api-key-file", default=None,
-                       help="API keys, one per line: clients of the public gRPC and HTTP APIs must send one as "
-                            "authorization: Bearer <key> (default: none, the APIs are open)")
-
-
-def internal_security(args):
-    from pdserve.security import Security
-
-    return Security.from_files(args.tls_cert, args.tls_key, args.tls_ca, args.token_file,
-                               require_client_cert=bool(args.tls_ca))
-
-
-def public_security(args):
-    from pdserve.security import Security
-
-    return Security.from_files(args.public_tls_cert, args.public_tls_key, api_key_file=args.api_key_file)
-
-
-def security_args(args) -> list[str]:
-    """The internal security flags, to pass on to node processes."""
-    return [x for flag in ("tls_cert", "tls_key", "tls_ca", "token_file") if getattr(args, flag)
-            for x in (f"--{flag.replace('_', '-')}", getattr(args, flag))]
-
-
-def engine_config(args):
-    from engine import EngineConfig
-
-    return EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
-                        kv_cache_bytes=int(args.kv_cache_gb * (1 << 30)), max_num_seqs=args.max_num_seqs,
-                        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-                        block_size=args.block_size, num_threads=args.num_threads,
-                        enable_prefix_caching=not args.no_prefix_caching, speculative=args.speculative_config)
+from engine import EngineConfig
+from kvtransfer.security import SecurityConfig
+from router.config import RouterConfig
+from serving.options import HelpFormatter, add_options, from_args
+from serving.process import ProcessConfig, pin_cpus
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -141,7 +41,7 @@ def cmd_generate_offline(args) -> int:
 
     pin_cpus(args.cpus)
     started = time.perf_counter()
-    llm = LLM(**vars(engine_config(args)))
+    llm = LLM(**vars(from_args(EngineConfig, args)))
     loaded = time.perf_counter()
     prompt = args.prompt
     if not args.raw and llm.tokenizer is not None and getattr(llm.tokenizer, "chat_template", None):
@@ -162,8 +62,8 @@ def cmd_up(args) -> int:
 
     import grpc
 
-    from pdserve.process import setup_logging
     from pdserve.up import NodeFailed, up
+    from serving.process import setup_logging
 
     setup_logging("WARNING")
     pin_cpus(args.cpus)  # the router here, and every node process (they inherit it)
@@ -186,7 +86,7 @@ def cmd_generate(args) -> int:
     if args.seed is not None:
         sampling["seed"] = args.seed
     try:
-        from pdserve.security import Security, read_api_keys
+        from kvtransfer.security import Security, read_api_keys
 
         metadata = [("application", args.application)] if args.application else None
         security = Security(ca=args.tls_ca, token=read_api_keys(args.api_key_file)[0] if args.api_key_file else None)
@@ -196,6 +96,12 @@ def cmd_generate(args) -> int:
         print(f"pdserve: error: {rpc_error(e)}", file=sys.stderr)
         return 1
     return 0
+
+
+def cmd_colocated(args) -> int:
+    from pdserve.colocated import run
+
+    return run(args)
 
 
 def cmd_serve(args) -> int:
@@ -221,35 +127,18 @@ def main(argv: list[str] | None = None) -> int:
 
     p = command("up", "start a router + prefill and decode node processes on this host",
                 "Stops everything, exiting 1, when a node process exits; node logs go to --log-dir.")
-    p.add_argument("--prefill", type=int, default=1, help="prefill node processes")
-    p.add_argument("--decode", type=int, default=1, help="decode node processes")
-    p.add_argument("--host", default="127.0.0.1", help="the interface every process listens on")
-    p.add_argument("--port", type=int, default=50051, help="the router's gRPC port")
-    p.add_argument("--kv-transport", default="auto", choices=["auto", "shm", "tcp", "grpc"],
-                   help="auto: shared memory when prefill and decode nodes share a host, else the raw TCP data plane")
-    add_placement_args(p)
-    p.add_argument("--kv-layerwise", default="auto", choices=["auto", "on", "off"],
-                   help="stream the KV layer by layer while the prompt computes (tcp only); auto: where the decode node reads over tcp (across hosts, or --kv-transport tcp)")
-    p.add_argument("--ask", help="ask this question once the cluster is up, stream the answer, then stop "
-                   "(default: serve until Ctrl-C)")
-    p.add_argument("--metrics-port", type=int, default=None,
-                   help="Prometheus /metrics: the router on this port, the nodes on the next ones")
-    p.add_argument("--node-restarts", type=int, default=5,
-                   help="a node that exits while serving is restarted, at most this many times in 5 minutes; one "
-                        "more exit stops everything (0: the first exit does)")
-    p.add_argument("--pin-cpus", action="store_true", help="give each node process its own core (round robin over --cpus, or all cores)")
-    p.add_argument("--max-tokens", type=int, default=256, help="with --ask")
-    p.add_argument("--rate-limit", type=float, default=None, help="requests/s per client at the router")
-    p.add_argument("--http-port", type=int, default=None,
-                   help="also serve the OpenAI-compatible HTTP API on this port (0: any)")
-    p.add_argument("--max-outstanding", type=int, default=1024,
-                   help="requests in flight at the router before RESOURCE_EXHAUSTED")
-    p.add_argument("--log-dir", default=None,
-                   help="each node's log (its stderr) goes to <role>-<index>.log here (default: a new temporary "
-                        "directory, printed at start)")
-    add_engine_args(p, num_threads_default="the cores divided among the node processes")
-    add_security_args(p, public=True)
+    from pdserve.up import add_args as add_up_args
+
+    add_up_args(p)
     p.set_defaults(func=cmd_up)
+
+    p = command("colocated", "serve one engine doing both phases (no disaggregation) behind the same API",
+                "The baseline disaggregation is compared with: as one vLLM instance, prefill chunks mixed into "
+                "the decode batch. Prints READY <address> once it serves.")
+    add_options(p, ProcessConfig)
+    add_options(p, RouterConfig, only=("port",), helps={"port": "the gRPC port (0: any)"})
+    add_options(p, EngineConfig)
+    p.set_defaults(func=cmd_colocated)
 
     p = command("serve", "deploy pdserve on a Ray cluster (Ray Serve), from a Serve config file")
     p.add_argument("--config", default=None, help="Serve config (default: deploy/serve_config.yaml)")
@@ -283,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
                 "Decoding is greedy (temperature 0) unless --temperature is given.")
     p.add_argument("prompt", help="the question (chat template applied unless --raw)")
     p.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
-    add_engine_args(p)
+    add_options(p, ProcessConfig, only=("cpus",))
+    add_options(p, EngineConfig)
     add_sampling_args(p)
     p.set_defaults(func=cmd_generate_offline)
     args = parser.parse_args(argv)

@@ -17,7 +17,7 @@ def stream_answer(address: str, prompt: str, chat: bool = True, as_json: bool = 
     after ending any text already streamed with a newline."""
     result = Completion()
     request = {"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt}
-    from pdserve.security import NONE
+    from kvtransfer.security import NONE
 
     with Client(address, timeout=timeout, metadata=metadata, security=security or NONE) as client:
         try:

@@ -3,84 +3,102 @@
     router (ingress) ──bind──> prefill pool, decode pool
 
 Serve config (`deploy/serve_config.yaml`) names `pdserve.ray_app:build_app` as the import path and
-passes `args`:
+passes `args`, whose sections are the components' own options (serving/options.py; the same
+options as their command lines, minus what Serve decides, plus what only a replica has):
 
-    model: smollm2-135m            # one model: both pools and the router's tokenizer
-                                   # (the env var PDSERVE_MODEL, where set, overrides it)
-    app_name: pdserve              # the registry the replicas announce themselves in
-    kv_transport: auto             # auto (shm on one Ray node, else tcp), shm, tcp, grpc
-    router:  {direct_port: 50051, max_model_len: null, discovery_interval_s: 0.5,
-              kv_layerwise: auto,  # auto, on, off: stream the KV layer by layer (tcp)
-              cache_affinity_tokens: 512, local_prefill: auto, max_local_prefill_tokens: 1024}
-    prefill: {engine: {...EngineConfig fields...}, lease_ttl_s: 30, shm: true, drain_timeout_s: 60, port: 0}
-    decode:  {engine: {...EngineConfig fields...}, drain_timeout_s: 600, port: 0}
+    model: smollm2-135m     # one model: both pools and the router's tokenizer
+                            # (the env var PDSERVE_MODEL, where set, overrides it)
+    app_name: pdserve       # the registry the replicas announce themselves in
+    router:   RouterConfig  # e.g. {direct_port: 50051, kv_layerwise: auto, api_key_file: /keys}
+    prefill:  {engine: EngineConfig, PrefillConfig and the KV transports' sender options}
+    decode:   {engine: EngineConfig, DecodeConfig and the KV transports' reader options}
+    security: SecurityConfig  # the internal ports' TLS and token, on every replica
+    kv_transport: auto      # an alias of decode.kv_transport (older configs)
 
 Every key is checked: a misspelled one is an error naming it, not silently dropped.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
+from dataclasses import dataclass
 
+from decode_node.config import DecodeConfig
 from engine import EngineConfig
-from router.placement import MAX_LOCAL_TOKENS, Placement
+from kvtransfer import transports
+from kvtransfer.security import SecurityConfig
+from prefill_node.config import PrefillConfig
+from router.config import RouterConfig
+from serving.options import check_keys, from_mapping, serve_keys
 
-ROUTER_KEYS = {"direct_port", "max_model_len", "discovery_interval_s", "host", "kv_layerwise",
-               "cache_affinity_tokens", "local_prefill", "max_local_prefill_tokens"}
-PREFILL_KEYS = {"engine", "lease_ttl_s", "shm", "drain_timeout_s", "port"}
-DECODE_KEYS = {"engine", "drain_timeout_s", "port"}
 # Resources a local cluster declares so the deployments' `resources` can be placed (on
 # Kubernetes each worker group declares its own).
 LOCAL_RESOURCES = {"pdserve_router": 4, "pdserve_prefill": 16, "pdserve_decode": 16}
-TOP_KEYS = {"model", "app_name", "kv_transport", "router", "prefill", "decode"}
-ENGINE_KEYS = {f.name for f in dataclasses.fields(EngineConfig)}
-KV_TRANSPORTS = ("auto", "shm", "tcp", "grpc")
+TOP_KEYS = {"model", "app_name", "kv_transport", "router", "prefill", "decode", "security"}
+POOLS = {"prefill": (PrefillConfig, transports.sender_options), "decode": (DecodeConfig, transports.reader_options)}
 
 
-def _check_keys(section: str, given: dict, allowed: set[str]) -> None:
-    if not isinstance(given, dict):
-        raise ValueError(f"{section} must be a mapping, got {type(given).__name__}")
-    unknown = sorted(set(given) - allowed)
-    if unknown:
-        raise ValueError(f"{section}: unknown key(s) {unknown}; allowed: {sorted(allowed)}")
+@dataclass(frozen=True)
+class Pool:
+    """A pool's settings: its engine, its node options, its KV transports' options."""
+
+    engine: EngineConfig
+    node: PrefillConfig | DecodeConfig
+    kv_options: tuple
 
 
-def parse_args(args: dict) -> dict:
-    """Validates the application's args; returns them complete, with EngineConfigs built."""
-    _check_keys("args", args, TOP_KEYS)
+@dataclass(frozen=True)
+class AppArgs:
+    model: str
+    app_name: str
+    router: RouterConfig
+    prefill: Pool
+    decode: Pool
+    security: SecurityConfig
+
+
+def parse_args(args: dict) -> AppArgs:
+    """Validates the application's args; raises ValueError naming the key at fault."""
+    check_keys("args", args, TOP_KEYS)
     if not args.get("model"):
         raise ValueError("args.model is required (one model for both pools)")
     # PDSERVE_MODEL on the cluster's pods overrides it (how a Kubernetes overlay picks the model).
     model = os.environ.get("PDSERVE_MODEL") or args["model"]
-    kv_transport = args.get("kv_transport", "auto")
-    if kv_transport not in KV_TRANSPORTS:
-        raise ValueError(f"args.kv_transport must be one of {KV_TRANSPORTS}, got {kv_transport!r}")
-    router, prefill, decode = args.get("router", {}), args.get("prefill", {}), args.get("decode", {})
-    _check_keys("args.router", router, ROUTER_KEYS)
-    if router.get("kv_layerwise", "auto") not in ("auto", "on", "off"):
-        raise ValueError(f"args.router.kv_layerwise must be one of auto, on, off, got {router['kv_layerwise']!r}")
-    Placement(router.get("local_prefill", "auto"), router.get("max_local_prefill_tokens", MAX_LOCAL_TOKENS))
-    if router.get("cache_affinity_tokens", 0) < 0:
-        raise ValueError(f"args.router.cache_affinity_tokens must be >= 0, got {router['cache_affinity_tokens']}")
-    _check_keys("args.prefill", prefill, PREFILL_KEYS)
-    _check_keys("args.decode", decode, DECODE_KEYS)
-    engines = {}
-    for pool, section in (("prefill", prefill), ("decode", decode)):
-        engine = dict(section.get("engine", {}))
-        _check_keys(f"args.{pool}.engine", engine, ENGINE_KEYS)
-        if engine.setdefault("model", model) != model:
-            raise ValueError(f"args.{pool}.engine.model {engine['model']!r} differs from args.model {model!r}: "
-                             "both pools must serve the same model")
-        engines[pool] = EngineConfig(**engine)  # validates each value
-    if engines["prefill"].dtype != engines["decode"].dtype:
-        raise ValueError(f"prefill dtype {engines['prefill'].dtype!r} != decode dtype {engines['decode'].dtype!r}: "
-                         "the KV cannot move between them")
-    if kv_transport == "shm" and not prefill.get("shm", True):
-        raise ValueError("args.kv_transport is 'shm' but args.prefill.shm is false")
-    return {"model": model, "app_name": args.get("app_name", "pdserve"), "kv_transport": kv_transport,
-            "router": router, "prefill": {**prefill, "engine": dataclasses.asdict(engines["prefill"])},
-            "decode": {**decode, "engine": dataclasses.asdict(engines["decode"])}}
+    sections = {name: args.get(name, {}) for name in ("router", "prefill", "decode", "security")}
+    check_keys("args.router", sections["router"], serve_keys(RouterConfig))
+    check_keys("args.security", sections["security"], serve_keys(SecurityConfig))
+    if "kv_transport" in args:  # the older place of decode.kv_transport
+        sections["decode"] = {"kv_transport": args["kv_transport"], **sections["decode"]}
+        if sections["decode"]["kv_transport"] != args["kv_transport"]:
+            raise ValueError("args.kv_transport and args.decode.kv_transport differ: give one")
+    pools = {name: _pool(name, sections[name], model) for name in POOLS}
+    if pools["prefill"].engine.dtype != pools["decode"].engine.dtype:
+        raise ValueError(f"prefill dtype {pools['prefill'].engine.dtype!r} != decode dtype "
+                         f"{pools['decode'].engine.dtype!r}: the KV cannot move between them")
+    _check_transport(pools["decode"].node.kv_transport, pools["prefill"].kv_options)
+    return AppArgs(model, args.get("app_name", "pdserve"), from_mapping(RouterConfig, "args.router", sections["router"]),
+                   pools["prefill"], pools["decode"], from_mapping(SecurityConfig, "args.security", sections["security"]))
+
+
+def _pool(name: str, section: dict, model: str) -> Pool:
+    node_cls, transport_options = POOLS[name]
+    where = f"args.{name}"
+    check_keys(where, section, {"engine"} | serve_keys(node_cls, *transport_options()))
+    engine = dict(section.get("engine", {}))
+    check_keys(f"{where}.engine", engine, serve_keys(EngineConfig))
+    if engine.setdefault("model", model) != model:
+        raise ValueError(f"{where}.engine.model {engine['model']!r} differs from args.model {model!r}: "
+                         "both pools must serve the same model")
+    return Pool(from_mapping(EngineConfig, f"{where}.engine", engine), from_mapping(node_cls, where, section),
+                tuple(from_mapping(cls, where, section) for cls in transport_options()))
+
+
+def _check_transport(name: str, sender_options: tuple) -> None:
+    """A transport the decode pool is told to use must be one the prefill pool serves."""
+    for transport in transports.named(name) if name != "auto" else ():
+        off = transport.sender_switch
+        if off and not any(getattr(o, off, True) for o in sender_options if isinstance(o, transport.sender_options)):
+            raise ValueError(f"args.decode.kv_transport is {name!r} but args.prefill.{off} is false")
 
 
 def build_app(args: dict):
@@ -90,8 +108,9 @@ def build_app(args: dict):
     from router.deployment import RouterDeployment
 
     a = parse_args(args)
-    prefill = PrefillDeployment.bind(a["app_name"], **a["prefill"])
-    decode = DecodeDeployment.bind(a["app_name"], kv_transport=a["kv_transport"], **a["decode"])
+    prefill = PrefillDeployment.bind(a.app_name, a.prefill.engine, a.prefill.node, a.prefill.kv_options, a.security)
+    decode = DecodeDeployment.bind(a.app_name, a.decode.engine, a.decode.node, a.decode.kv_options, a.security)
     # Binding the pools into the router's arguments makes them part of the application; the
     # router reaches their replicas through the registry, one gRPC address per replica.
-    return RouterDeployment.bind(a["app_name"], a["model"], pools=(prefill, decode), **a["router"])
+    return RouterDeployment.bind(a.app_name, a.model, a.router, a.security, pools=(prefill, decode))
+

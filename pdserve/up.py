@@ -23,7 +23,6 @@ grace period).
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import re
 import shutil
@@ -32,9 +31,19 @@ import socket
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-from pdserve.process import PARENT_ENV
+from decode_node.config import DecodeConfig
+from engine import EngineConfig
+from engine.config import option
+from kvtransfer import transports
+from kvtransfer.security import SecurityConfig
+from prefill_node.config import PrefillConfig
+from router.config import RouterConfig
+from serving.launcher import NotReady, ServerProcess
+from serving.options import add_options, from_args, to_argv
+from serving.process import PARENT_ENV, ProcessConfig
 
 READY_TIMEOUT_S = 600.0  # the first start converts the model
 STOP_GRACE_S = 10.0
@@ -42,6 +51,34 @@ RESTART_BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 16.0, 30.0)  # before a node's restart,
 CRASH_WINDOW_S = 300.0  # exits of one node counted towards --node-restarts
 # The last line of a Python traceback: "ValueError: ...", "torch.OutOfMemoryError: ...".
 ERROR_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\b")
+# Each node kind's options, forwarded to its processes (their own port and threads are up's to set).
+NODE_OPTIONS = {"prefill": (PrefillConfig, *transports.sender_options()),
+                "decode": (DecodeConfig, *transports.reader_options())}
+NOT_FORWARDED = ("port", "num_threads", "kv_tcp_port")  # per node: set by up (a fixed one would collide)
+
+
+@dataclass(frozen=True)
+class UpConfig:
+    prefill: int = option(1, "prefill node processes")
+    decode: int = option(1, "decode node processes")
+    ask: str | None = option(None, "ask this question once the cluster is up, stream the answer, then stop "
+                             "(default: serve until Ctrl-C)")
+    max_tokens: int = option(256, "with --ask")
+    node_restarts: int = option(5, "a node that exits while serving is restarted, at most this many times in 5 "
+                                "minutes; one more exit stops everything (0: the first exit does)")
+    pin_cpus: bool = option(False, "give each node process its own core (round robin over --cpus, or all cores)")
+    log_dir: str | None = option(None, "each node's log (its stderr) goes to <role>-<index>.log here (default: a new "
+                                 "temporary directory, printed at start)")
+
+
+def add_args(p) -> None:
+    add_options(p, UpConfig, ProcessConfig, RouterConfig, *NODE_OPTIONS["prefill"], *NODE_OPTIONS["decode"],
+                EngineConfig, SecurityConfig, skip=("kv_tcp_port",), helps={
+                    "host": "the interface every process listens on",
+                    "metrics_port": "Prometheus /metrics: the router on this port, the nodes on the next ones",
+                    "num_threads": "torch threads per node (default: the cores divided among the node processes)",
+                    "max_model_len": "longest prompt + output in tokens, at the router and in every engine "
+                                     "(default: the model's context length)"})
 
 
 class NodeFailed(RuntimeError):
@@ -49,30 +86,30 @@ class NodeFailed(RuntimeError):
 
 
 class Node:
-    def __init__(self, role: str, index: int, proc: asyncio.subprocess.Process, log: Path):
-        self.role, self.index, self.proc, self.log = role, index, proc, log
+    def __init__(self, role: str, index: int, process: ServerProcess, log: Path):
+        self.role, self.index, self.process, self.log = role, index, process, log
         self.started = time.monotonic()
-        self.address = ""
-        self.metrics = ""
-        self._pump: asyncio.Task | None = None
 
     def __str__(self) -> str:
-        return f"{self.role} node {self.index} (pid {self.proc.pid}{', ' + self.address if self.address else ''})"
+        address = self.process.address
+        return f"{self.role} node {self.index} (pid {self.process.pid}{', ' + address if address else ''})"
+
+    @property
+    def alive(self) -> bool:
+        return self.process.returncode is None
 
     async def wait_ready(self) -> str:
-        while True:
-            line = await self.proc.stdout.readline()
-            if not line:
-                raise NodeFailed(self.exit_message(await self.proc.wait(), "before it was ready"))
-            text = line.decode().rstrip()
-            if text.startswith("READY "):
-                self.address = text.split()[1]
-                self.metrics = next((w.split("=")[1] for w in text.split()[2:] if w.startswith("metrics=")), "")
-                self._pump = asyncio.create_task(self._forward_output())
-                print(f"pdserve up: {self.role} node {self.index} on {self.address}, pid {self.proc.pid}, "
-                      f"ready in {time.monotonic() - self.started:.1f} s, log {self.log}", file=sys.stderr, flush=True)
-                return self.address
-            print(f"[{self.role}-{self.index}] {text}", file=sys.stderr)
+        try:
+            address = await self.process.ready(on_line=self._print)
+        except NotReady as e:
+            raise NodeFailed(self.exit_message(e.returncode, "before it was ready")) from None
+        self.process.forward_output(self._print)
+        print(f"pdserve up: {self.role} node {self.index} on {address}, pid {self.process.pid}, "
+              f"ready in {time.monotonic() - self.started:.1f} s, log {self.log}", file=sys.stderr, flush=True)
+        return address
+
+    def _print(self, line: str) -> None:
+        print(f"[{self.role}-{self.index}] {line}", file=sys.stderr)
 
     def exit_message(self, code: int, when: str = "") -> str:
         """One line: which node, its exit code (or signal), the error line of its log, the log."""
@@ -80,20 +117,8 @@ class Node:
         error = last_error(self.log)
         return f"{self} exited with {how}{' ' + when if when else ''}{': ' + error if error else ''} (log: {self.log})"
 
-    async def _forward_output(self) -> None:
-        async for line in self.proc.stdout:
-            print(f"[{self.role}-{self.index}] {line.decode().rstrip()}", file=sys.stderr)
-
     async def stop(self) -> None:
-        if self.proc.returncode is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                await asyncio.wait_for(self.proc.wait(), STOP_GRACE_S)
-            except asyncio.TimeoutError:
-                self.proc.kill()
-                await self.proc.wait()
-        if self._pump:
-            self._pump.cancel()
+        await asyncio.to_thread(self.process.stop, STOP_GRACE_S)
 
 
 def last_error(log: Path, tail_bytes: int = 65536) -> str:
@@ -114,7 +139,7 @@ async def keep_running(nodes: list[Node], i: int, spawner: Spawner, restarts: in
     exits: list[float] = []
     while True:
         node = nodes[i]
-        code = await node.proc.wait()
+        code = await node.process.exited()
         now = time.monotonic()
         exits = [t for t in exits if now - t < CRASH_WINDOW_S] + [now]
         if len(exits) > restarts:
@@ -123,35 +148,18 @@ async def keep_running(nodes: list[Node], i: int, spawner: Spawner, restarts: in
         delay = RESTART_BACKOFF_S[min(len(exits), len(RESTART_BACKOFF_S)) - 1]
         print(f"pdserve up: {node.exit_message(code)}; the other nodes keep serving, restarting it in {delay:.0f} s",
               file=sys.stderr, flush=True)
-        await node.stop()  # its output pump
         await on_change()
         await asyncio.sleep(delay)
         spawner.num_restarts += 1
-        nodes[i] = await spawner.spawn(node.role, node.index, restart=True)
+        nodes[i] = spawner.spawn(node.role, node.index, restart=True)
         try:
             await asyncio.wait_for(nodes[i].wait_ready(), READY_TIMEOUT_S)
         except NodeFailed:
             continue  # it exited: counted above
         except asyncio.TimeoutError:
-            nodes[i].proc.kill()
+            nodes[i].process.kill()
             continue
         await on_change()
-
-
-def security_args(args) -> list[str]:
-    from pdserve.cli import security_args as flags
-
-    return flags(args)
-
-
-def node_args(args, threads: int, metrics_port: int | None) -> list[str]:
-    return ["--model", args.model, "--dtype", args.dtype, "--device", args.device, "--kv-cache-gb",
-            str(args.kv_cache_gb), "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens",
-            str(args.max_num_batched_tokens), "--block-size", str(args.block_size), "--num-threads", str(threads),
-            *(["--max-model-len", str(args.max_model_len)] if args.max_model_len else []),
-            *(["--no-prefix-caching"] if args.no_prefix_caching else []),
-            *(["--speculative-config", json.dumps(args.speculative_config)] if args.speculative_config else []),
-            *(["--metrics-port", str(metrics_port)] if metrics_port is not None else [])]
 
 
 def check_ports(args) -> None:
@@ -186,27 +194,30 @@ class Spawner:
                       for i in range(count)]
         self.num_restarts = 0  # a temporary log dir is kept when a node had to be restarted
 
-    async def spawn(self, role: str, index: int, restart: bool = False) -> Node:
+    def argv(self, role: str, index: int) -> list[str]:
+        """The node's command line: up's engine, security and node-kind options as given, its own
+        port, threads, metrics port (the router on --metrics-port, the nodes after it) and core."""
         args, slot = self.args, self.slots.index((role, index))
-        extra = ["--kv-transport", args.kv_transport] if role == "decode" else []
-        # Metrics ports: the router on --metrics-port, the nodes on the ports after it.
-        metrics_port = args.metrics_port + 1 + slot if args.metrics_port else None
+        own = ["--host", args.host, "--port", "0", "--num-threads", str(self.threads)]
+        if args.metrics_port:
+            own += ["--metrics-port", str(args.metrics_port + 1 + slot)]
         if args.pin_cpus:
-            extra += ["--cpus", str(self.cores[slot % len(self.cores)])]
+            own += ["--cpus", str(self.cores[slot % len(self.cores)])]
+        return ["-m", f"{role}_node", *own,
+                *to_argv(args, *NODE_OPTIONS[role], EngineConfig, SecurityConfig, skip=NOT_FORWARDED)]
+
+    def spawn(self, role: str, index: int, restart: bool = False) -> Node:
         log = self.log_dir / f"{role}-{index}.log"
         mode = os.O_APPEND if restart else os.O_TRUNC  # a restart keeps the crash's log above its own
         with open(os.open(log, os.O_WRONLY | os.O_CREAT | mode, 0o600), "ab") as stderr:  # the child keeps its own
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", f"{role}_node", "--host", args.host, "--port", "0",
-                *node_args(args, self.threads, metrics_port), *extra, *security_args(args),
-                stdout=asyncio.subprocess.PIPE, stderr=stderr, env={**os.environ, PARENT_ENV: str(os.getpid())})
-        return Node(role, index, proc, log)
+            process = ServerProcess(self.argv(role, index), stderr=stderr, env={PARENT_ENV: str(os.getpid())})
+        return Node(role, index, process, log)
 
 
 async def start_nodes(spawner: Spawner, stop: asyncio.Event) -> list[Node]:
     """Starts every node and waits until all are ready; [] if `stop` is set first. Raises
     NodeFailed (having stopped the others) when one exits, or is not ready in time."""
-    nodes = [await spawner.spawn(role, i) for role, i in spawner.slots]
+    nodes = [spawner.spawn(role, i) for role, i in spawner.slots]
     ready = [asyncio.ensure_future(n.wait_ready()) for n in nodes]
     all_ready = asyncio.gather(*ready)
     stopped = asyncio.ensure_future(stop.wait())
@@ -252,8 +263,6 @@ async def up(args) -> int:
 
 async def serve(args, spawner: Spawner) -> int:
     """The nodes, then the router; until Ctrl-C, SIGTERM, the --ask answer or a node's exit."""
-    from pdserve.cli import internal_security, public_security
-    from router.placement import placement_kwargs
     from router.server import Router
 
     began = time.monotonic()
@@ -267,13 +276,10 @@ async def serve(args, spawner: Spawner) -> int:
     router = None
     supervisors: list[asyncio.Task] = []
     try:
-        public = public_security(args)
-        router = Router(args.model, [n.address for n in nodes if n.role == "prefill"],
-                        [n.address for n in nodes if n.role == "decode"], args.host, args.port, args.max_model_len,
-                        public_security=public, internal_security=internal_security(args),
-                        max_outstanding=args.max_outstanding, rate_limit=args.rate_limit, http_port=args.http_port,
-                        kv_layerwise=args.kv_layerwise,
-                        **placement_kwargs(args))
+        config = from_args(RouterConfig, args)
+        router = Router(args.model, [n.process.address for n in nodes if n.role == "prefill"],
+                        [n.process.address for n in nodes if n.role == "decode"], config, host=args.host,
+                        internal_security=from_args(SecurityConfig, args).security())
         await router.start()
         if router.http_address:
             print(f"pdserve up: OpenAI-compatible HTTP API on http://{router.http_address}/v1", file=sys.stderr)
@@ -281,20 +287,14 @@ async def serve(args, spawner: Spawner) -> int:
             if args.metrics_port else ""
         print(f"pdserve up: router on {router.address} serving {args.model}{metrics}, pid {os.getpid()}, "
               f"up in {time.monotonic() - began:.1f} s", file=sys.stderr, flush=True)
-        if args.ask:
-            from pdserve.generate import stream_answer
-            from pdserve.security import Security
-
-            key = Security(token=public.api_keys[0]) if public.api_keys else Security()  # --ask is a client too
-            work = asyncio.ensure_future(asyncio.to_thread(stream_answer, router.address, args.ask,
-                                                           max_tokens=args.max_tokens, security=key))
-        else:
+        work = asyncio.ensure_future(ask(args, router) if args.ask else stop.wait())
+        if not args.ask:
             print("Ctrl-C stops everything.", file=sys.stderr, flush=True)
-            work = asyncio.ensure_future(stop.wait())
+
         async def follow_nodes() -> None:  # the router's pools: the nodes alive and ready now
             for role, pool in (("prefill", router.prefill_pool), ("decode", router.decode_pool)):
-                await pool.update([n.address for n in nodes if n.role == role and n.address
-                                   and n.proc.returncode is None])
+                await pool.update([n.process.address for n in nodes if n.role == role and n.process.address
+                                   and n.alive])
 
         supervisors = [asyncio.ensure_future(keep_running(nodes, i, spawner, args.node_restarts, follow_nodes))
                        for i in range(len(nodes))]
@@ -312,3 +312,12 @@ async def serve(args, spawner: Spawner) -> int:
         if router is not None:
             await router.stop(STOP_GRACE_S)
         await asyncio.gather(*(n.stop() for n in nodes))
+
+
+async def ask(args, router) -> None:
+    """--ask: the question through the router, as a client (with the router's first API key)."""
+    from kvtransfer.security import Security
+    from pdserve.generate import stream_answer
+
+    key = Security(token=router.api_keys[0]) if router.api_keys else Security()
+    await asyncio.to_thread(stream_answer, router.address, args.ask, max_tokens=args.max_tokens, security=key)

@@ -1,8 +1,8 @@
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Iterable as _Iterable
-from typing import ClassVar as _ClassVar, Optional as _Optional
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -93,34 +93,44 @@ class Timings(_message.Message):
     def __init__(self, queued: _Optional[float] = ..., prefill_start: _Optional[float] = ..., prefill_end: _Optional[float] = ..., transfer_start: _Optional[float] = ..., transfer_end: _Optional[float] = ..., decode_admitted: _Optional[float] = ..., first_token: _Optional[float] = ..., done: _Optional[float] = ..., kv_bytes: _Optional[int] = ..., kv_transport: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., prefill_node: _Optional[str] = ..., local_prefill: _Optional[bool] = ..., decode_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class NodeLoad(_message.Message):
-    __slots__ = ("num_waiting", "num_running", "num_free_blocks", "num_total_blocks", "num_kv_leases", "host_id", "kv_transport", "kv_layerwise", "block_size", "cache_version", "cached_added", "cached_removed", "cache_snapshot")
+    __slots__ = ("num_waiting", "num_running", "num_free_blocks", "num_total_blocks", "num_kv_leases", "host_id", "block_size", "cache_version", "cached_added", "cached_removed", "cache_snapshot", "kv_transports")
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_LEASES_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
-    KV_TRANSPORT_FIELD_NUMBER: _ClassVar[int]
-    KV_LAYERWISE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     CACHE_VERSION_FIELD_NUMBER: _ClassVar[int]
     CACHED_ADDED_FIELD_NUMBER: _ClassVar[int]
     CACHED_REMOVED_FIELD_NUMBER: _ClassVar[int]
     CACHE_SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
     num_waiting: int
     num_running: int
     num_free_blocks: int
     num_total_blocks: int
     num_kv_leases: int
     host_id: str
-    kv_transport: str
-    kv_layerwise: bool
     block_size: int
     cache_version: int
     cached_added: _containers.RepeatedScalarFieldContainer[int]
     cached_removed: _containers.RepeatedScalarFieldContainer[int]
     cache_snapshot: bool
-    def __init__(self, num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_kv_leases: _Optional[int] = ..., host_id: _Optional[str] = ..., kv_transport: _Optional[str] = ..., kv_layerwise: _Optional[bool] = ..., block_size: _Optional[int] = ..., cache_version: _Optional[int] = ..., cached_added: _Optional[_Iterable[int]] = ..., cached_removed: _Optional[_Iterable[int]] = ..., cache_snapshot: _Optional[bool] = ...) -> None: ...
+    kv_transports: _containers.RepeatedCompositeFieldContainer[KVTransportInfo]
+    def __init__(self, num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_kv_leases: _Optional[int] = ..., host_id: _Optional[str] = ..., block_size: _Optional[int] = ..., cache_version: _Optional[int] = ..., cached_added: _Optional[_Iterable[int]] = ..., cached_removed: _Optional[_Iterable[int]] = ..., cache_snapshot: _Optional[bool] = ..., kv_transports: _Optional[_Iterable[_Union[KVTransportInfo, _Mapping]]] = ...) -> None: ...
+
+class KVTransportInfo(_message.Message):
+    __slots__ = ("name", "layerwise", "partial", "same_host")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    LAYERWISE_FIELD_NUMBER: _ClassVar[int]
+    PARTIAL_FIELD_NUMBER: _ClassVar[int]
+    SAME_HOST_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    layerwise: bool
+    partial: bool
+    same_host: bool
+    def __init__(self, name: _Optional[str] = ..., layerwise: _Optional[bool] = ..., partial: _Optional[bool] = ..., same_host: _Optional[bool] = ...) -> None: ...
 
 class LoadRequest(_message.Message):
     __slots__ = ("cache_since",)

@@ -62,7 +62,14 @@ class KVLayout(_message.Message):
     def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., model_fingerprint: _Optional[str] = ...) -> None: ...
 
 class KVSource(_message.Message):
-    __slots__ = ("lease_id", "kv_address", "host_id", "shm_region", "layout", "block_ids", "num_tokens", "digest", "num_bytes", "lease_expires", "region_bytes", "tcp_address", "access_key", "block_generations", "layerwise")
+    __slots__ = ("lease_id", "kv_address", "host_id", "shm_region", "layout", "block_ids", "num_tokens", "digest", "num_bytes", "lease_expires", "region_bytes", "tcp_address", "access_key", "block_generations", "layerwise", "transport_params")
+    class TransportParamsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: bytes
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[bytes] = ...) -> None: ...
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     KV_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -78,6 +85,7 @@ class KVSource(_message.Message):
     ACCESS_KEY_FIELD_NUMBER: _ClassVar[int]
     BLOCK_GENERATIONS_FIELD_NUMBER: _ClassVar[int]
     LAYERWISE_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_PARAMS_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     kv_address: str
     host_id: str
@@ -93,7 +101,8 @@ class KVSource(_message.Message):
     access_key: str
     block_generations: _containers.RepeatedScalarFieldContainer[int]
     layerwise: bool
-    def __init__(self, lease_id: _Optional[str] = ..., kv_address: _Optional[str] = ..., host_id: _Optional[str] = ..., shm_region: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., digest: _Optional[int] = ..., num_bytes: _Optional[int] = ..., lease_expires: _Optional[float] = ..., region_bytes: _Optional[int] = ..., tcp_address: _Optional[str] = ..., access_key: _Optional[str] = ..., block_generations: _Optional[_Iterable[int]] = ..., layerwise: _Optional[bool] = ...) -> None: ...
+    transport_params: _containers.ScalarMap[str, bytes]
+    def __init__(self, lease_id: _Optional[str] = ..., kv_address: _Optional[str] = ..., host_id: _Optional[str] = ..., shm_region: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., digest: _Optional[int] = ..., num_bytes: _Optional[int] = ..., lease_expires: _Optional[float] = ..., region_bytes: _Optional[int] = ..., tcp_address: _Optional[str] = ..., access_key: _Optional[str] = ..., block_generations: _Optional[_Iterable[int]] = ..., layerwise: _Optional[bool] = ..., transport_params: _Optional[_Mapping[str, bytes]] = ...) -> None: ...
 
 class PullKVRequest(_message.Message):
     __slots__ = ("lease_id", "expect", "chunk_bytes")

@@ -51,6 +51,11 @@ class PrefillNodeStub:
                 request_serializer=pdserve__api_dot_common__pb2.LoadRequest.SerializeToString,
                 response_deserializer=pdserve__api_dot_common__pb2.NodeLoad.FromString,
                 _registered_method=True)
+        self.ReleaseKV = channel.unary_unary(
+                '/pdserve.v1.PrefillNode/ReleaseKV',
+                request_serializer=pdserve__api_dot_nodes__pb2.ReleaseKVRequest.SerializeToString,
+                response_deserializer=pdserve__api_dot_nodes__pb2.ReleaseKVResponse.FromString,
+                _registered_method=True)
 
 
 class PrefillNodeServicer:
@@ -82,6 +87,14 @@ class PrefillNodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReleaseKV(self, request, context):
+        """The control plane of every KV transport: the decode side confirms its read (or gives up),
+        the lease ends and its blocks are freed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillNodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -99,6 +112,11 @@ def add_PrefillNodeServicer_to_server(servicer, server):
                     servicer.GetLoad,
                     request_deserializer=pdserve__api_dot_common__pb2.LoadRequest.FromString,
                     response_serializer=pdserve__api_dot_common__pb2.NodeLoad.SerializeToString,
+            ),
+            'ReleaseKV': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseKV,
+                    request_deserializer=pdserve__api_dot_nodes__pb2.ReleaseKVRequest.FromString,
+                    response_serializer=pdserve__api_dot_nodes__pb2.ReleaseKVResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -193,9 +211,37 @@ class PrefillNode:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def ReleaseKV(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.PrefillNode/ReleaseKV',
+            pdserve__api_dot_nodes__pb2.ReleaseKVRequest.SerializeToString,
+            pdserve__api_dot_nodes__pb2.ReleaseKVResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class KVPlaneStub:
-    """Missing associated documentation comment in .proto file."""
+    """The grpc KV transport's data plane (kvtransfer/grpc_stream.py).
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -208,25 +254,14 @@ class KVPlaneStub:
                 request_serializer=pdserve__api_dot_nodes__pb2.PullKVRequest.SerializeToString,
                 response_deserializer=pdserve__api_dot_nodes__pb2.KVChunk.FromString,
                 _registered_method=True)
-        self.ReleaseKV = channel.unary_unary(
-                '/pdserve.v1.KVPlane/ReleaseKV',
-                request_serializer=pdserve__api_dot_nodes__pb2.ReleaseKVRequest.SerializeToString,
-                response_deserializer=pdserve__api_dot_nodes__pb2.ReleaseKVResponse.FromString,
-                _registered_method=True)
 
 
 class KVPlaneServicer:
-    """Missing associated documentation comment in .proto file."""
+    """The grpc KV transport's data plane (kvtransfer/grpc_stream.py).
+    """
 
     def PullKV(self, request, context):
         """Streams a leased KV as ~1 MB chunks, each with its xxh3_64; the first carries the header.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def ReleaseKV(self, request, context):
-        """The decode side confirms the read (or gives up): the lease ends and its blocks are freed.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -240,11 +275,6 @@ def add_KVPlaneServicer_to_server(servicer, server):
                     request_deserializer=pdserve__api_dot_nodes__pb2.PullKVRequest.FromString,
                     response_serializer=pdserve__api_dot_nodes__pb2.KVChunk.SerializeToString,
             ),
-            'ReleaseKV': grpc.unary_unary_rpc_method_handler(
-                    servicer.ReleaseKV,
-                    request_deserializer=pdserve__api_dot_nodes__pb2.ReleaseKVRequest.FromString,
-                    response_serializer=pdserve__api_dot_nodes__pb2.ReleaseKVResponse.SerializeToString,
-            ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
             'pdserve.v1.KVPlane', rpc_method_handlers)
@@ -254,7 +284,8 @@ def add_KVPlaneServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class KVPlane:
-    """Missing associated documentation comment in .proto file."""
+    """The grpc KV transport's data plane (kvtransfer/grpc_stream.py).
+    """
 
     @staticmethod
     def PullKV(request,
@@ -273,33 +304,6 @@ class KVPlane:
             '/pdserve.v1.KVPlane/PullKV',
             pdserve__api_dot_nodes__pb2.PullKVRequest.SerializeToString,
             pdserve__api_dot_nodes__pb2.KVChunk.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def ReleaseKV(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/pdserve.v1.KVPlane/ReleaseKV',
-            pdserve__api_dot_nodes__pb2.ReleaseKVRequest.SerializeToString,
-            pdserve__api_dot_nodes__pb2.ReleaseKVResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,55 +1,36 @@
 """The prefill pool as a Ray Serve deployment: each replica runs one prefill node (its own gRPC
-server on its Ray node's IP), announces it in the registry, and reports the prefill pool's
-scaling signal: prompt tokens and requests waiting for a prefill."""
+server on its Ray node's IP, serving/replica.py) and reports the prefill pool's scaling signal:
+prompt tokens and requests waiting for a prefill."""
 
 from __future__ import annotations
 
-import asyncio
+from dataclasses import replace
 
 import ray
 from ray import serve
-from ray.util import metrics
 
 from engine import EngineConfig
-from pdserve.metrics import Metrics
-from pdserve.registry import preferred_port, registry
+from kvtransfer.security import SecurityConfig
+from prefill_node.config import PrefillConfig
 from prefill_node.server import PrefillNode
+from serving.metrics import Metrics
+from serving.registry import preferred_port
+from serving.replica import Replica
 
 
 @serve.deployment(name="Prefill", ray_actor_options={"num_cpus": 0})
 class PrefillDeployment:
-    async def __init__(self, app_name: str, engine: dict, lease_ttl_s: float = 30.0, shm: bool = True,
-                       drain_timeout_s: float = 60.0, port: int = 0):
+    async def __init__(self, app_name: str, engine: EngineConfig, config: PrefillConfig, kv_options: tuple = (),
+                       security: SecurityConfig = SecurityConfig()):
         host = ray.util.get_node_ip_address()
-        self.node = PrefillNode(EngineConfig(**engine), host=host, port=preferred_port(host, port),
-                                lease_ttl_s=lease_ttl_s, shm=shm, metrics=Metrics("ray"))
-        await self.node.start()
-        self.replica = serve.get_replica_context().replica_id.unique_id
-        self.drain_timeout_s = drain_timeout_s
-        self.registry = registry(app_name)
-        await self.registry.register.remote("prefill", self.replica, self.node.address)
-        tags = {"replica": self.replica}
-        self.gauges = {name: metrics.Gauge(f"pdserve_prefill_{name}", description, tag_keys=("replica",))
-                       for name, description in [("pending_requests", "Prefill calls waiting or running"),
-                                                 ("pending_tokens", "Prompt tokens of those calls"),
-                                                 ("kv_leases", "Prefilled KV waiting to be read")]}
-        for g in self.gauges.values():
-            g.set_default_tags(tags)
-        self.prefills = metrics.Counter("pdserve_prefill_requests_total", "Prefills answered",
-                                        tag_keys=("replica",))
-        self.prefills.set_default_tags(tags)
-        self._last_count = 0
-        self._metrics = asyncio.create_task(self._export_metrics())
-
-    async def _export_metrics(self) -> None:
-        while True:
-            self.gauges["pending_requests"].set(self.node.num_pending)
-            self.gauges["pending_tokens"].set(self.node.pending_tokens)
-            self.gauges["kv_leases"].set(len(self.node.leases))
-            if self.node.num_prefilled > self._last_count:
-                self.prefills.inc(self.node.num_prefilled - self._last_count)
-                self._last_count = self.node.num_prefilled
-            await asyncio.sleep(1.0)
+        self.node = node = PrefillNode(engine, replace(config, port=preferred_port(host, config.port)), host=host,
+                                       metrics=Metrics("ray"), security=security.security(), kv_options=kv_options)
+        self.replica = Replica("prefill", app_name, node, config.drain_timeout_s, gauges={
+            "pdserve_prefill_pending_requests": ("Prefill calls waiting or running", lambda: node.num_pending),
+            "pdserve_prefill_pending_tokens": ("Prompt tokens of those calls", lambda: node.pending_tokens),
+            "pdserve_prefill_kv_leases": ("Prefilled KV waiting to be read", lambda: len(node.leases)),
+        }, counters={"pdserve_prefill_requests_total": ("Prefills answered", lambda: node.num_prefilled)})
+        await self.replica.start()
 
     async def address(self) -> str:
         return self.node.address
@@ -58,12 +39,7 @@ class PrefillDeployment:
         return {"pending_tokens": float(self.node.pending_tokens), "pending_requests": float(self.node.num_pending)}
 
     async def check_health(self) -> None:
-        if self.node.engine.error is not None:
-            raise RuntimeError(f"prefill engine died: {self.node.engine.error}")
+        self.replica.check_health()
 
     async def __del__(self):
-        # Serve awaits this before it stops the replica (force-killed after graceful_shutdown_timeout_s).
-        await self.registry.deregister.remote("prefill", self.replica)
-        self._metrics.cancel()
-        await self.node.drain(self.drain_timeout_s)
-        await self.node.stop(1.0)
+        await self.replica.stop()

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 
 from google.protobuf.json_format import MessageToDict
 
-from pdserve.security import NONE, Security
+from kvtransfer.security import NONE, Security
 from pdserve_api import common_pb2, generate_pb2, generate_pb2_grpc
 
 OPTIONS = [("grpc.max_receive_message_length", 8 << 20), ("grpc.max_send_message_length", 8 << 20)]

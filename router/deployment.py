@@ -15,14 +15,17 @@ import logging
 import typing
 from collections.abc import AsyncIterator
 
+import grpc
 from fastapi import FastAPI, Request
 from ray import serve
 
-from pdserve.metrics import Metrics
-from pdserve.registry import registry
+from kvtransfer.security import SecurityConfig, authorized
 from pdserve_api import generate_pb2
+from router.config import RouterConfig
 from router.openai_api import OpenAIAPI, add_error_handlers
 from router.server import RequestError, Router
+from serving.metrics import Metrics
+from serving.registry import registry
 
 log = logging.getLogger(__name__)
 
@@ -90,17 +93,16 @@ add_error_handlers(http_app)
 @serve.deployment(name="Router", ray_actor_options={"num_cpus": 0})
 @serve.ingress(http_app)
 class RouterDeployment:
-    async def __init__(self, app_name: str, model: str, pools=(), direct_port: int = 50051, host: str = "0.0.0.0",
-                       max_model_len: int | None = None, discovery_interval_s: float = 0.5,
-                       kv_layerwise: str = "auto", **placement):
+    async def __init__(self, app_name: str, model: str, config: RouterConfig = RouterConfig(),
+                       security: SecurityConfig = SecurityConfig(), pools=()):
         # pools: the prefill and decode deployments' handles (bound so that they deploy with us).
-        self.router = Router(model, [], [], host=host, port=direct_port, max_model_len=max_model_len,
-                             check_interval_s=1.0, metrics=Metrics("ray"), kv_layerwise=kv_layerwise,
-                             **placement)  # cache_affinity_tokens, local_prefill, max_local_prefill_tokens
+        self.router = Router(model, [], [], config, host="0.0.0.0", check_interval_s=1.0, metrics=Metrics("ray"),
+                             internal_security=security.security())
         await self.router.start()
-        self.openai = OpenAIAPI(self.router)
+        self.openai = OpenAIAPI(self.router, self.router.api_keys)
+        self.accepted = tuple(f"Bearer {k}".encode() for k in self.router.api_keys)
         self.registry = registry(app_name)
-        self.discovery_interval_s = discovery_interval_s
+        self.discovery_interval_s = config.discovery_interval_s
         await self._discover()
         self._watch = asyncio.create_task(self._watch_registry())
 
@@ -138,27 +140,41 @@ class RouterDeployment:
         return await self.openai.health(request)
 
     # ---- the Generation service, through Serve's gRPC proxy --------------------------------
+    def _authorization(self, grpc_context) -> str:
+        """The request's API key (metadata authorization: Bearer <key>); refused with
+        UNAUTHENTICATED where the router has keys and this is none of them (as on the direct port)."""
+        given = dict(grpc_context.invocation_metadata() or ()).get("authorization", "") if grpc_context else ""
+        if self.accepted and not authorized(given, self.accepted):
+            _set_error(grpc_context, RequestError(grpc.StatusCode.UNAUTHENTICATED,
+                                                  "invalid or missing API key (metadata authorization: Bearer <key>)"))
+        return given
+
     async def Generate(self, request: generate_pb2.GenerateRequest, grpc_context=None):
         try:
-            async for msg in coalesce(self.router.serve(request)):
+            async for msg in coalesce(self.router.serve(request, authorization=self._authorization(grpc_context))):
                 yield msg
         except RequestError as e:
             _set_error(grpc_context, e)
 
     async def GenerateUnary(self, request: generate_pb2.GenerateRequest, grpc_context=None):
         try:
-            return await self.router.generate_unary(request)
+            return await self.router.generate_unary(request, authorization=self._authorization(grpc_context))
         except RequestError as e:
             _set_error(grpc_context, e)
 
     async def Tokenize(self, request: generate_pb2.TokenizeRequest, grpc_context=None):
         try:
+            self._authorization(grpc_context)
             return self.router.tokenize(request)
         except RequestError as e:
             _set_error(grpc_context, e)
 
     async def ListModels(self, request: generate_pb2.ListModelsRequest, grpc_context=None):
-        return self.router.list_models()
+        try:
+            self._authorization(grpc_context)
+            return self.router.list_models()
+        except RequestError as e:
+            _set_error(grpc_context, e)
 
     async def __del__(self):
         self._watch.cancel()

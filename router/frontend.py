@@ -1,10 +1,11 @@
 """What every pdserve Generation server does the same way: check and tokenize requests, measure
 them, and speak gRPC. The request's path itself is each server's `_serve`: the router's
-disaggregated one (router/server.py) or the colocated baseline's (router/colocated.py)."""
+disaggregated one (router/server.py) or the colocated baseline's (pdserve/colocated.py)."""
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -14,9 +15,8 @@ import grpc
 from engine.model_config import ModelConfig
 from engine.model_source import resolve_model
 from engine.tokenizer import apply_chat_template, check_prompt_length, load_tokenizer, prompt_token_ids
-from pdserve.metrics import Metrics
-from pdserve.protocol import sampling_from_proto
-from pdserve.security import tenant_salt
+from serving.metrics import Metrics
+from serving.protocol import sampling_from_proto
 from pdserve_api import common_pb2, generate_pb2, generate_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -264,3 +264,10 @@ def final_message(msg: generate_pb2.GenerateResponse, reason: str, prompt_tokens
     msg.timings.CopyFrom(timings)
     return msg
 
+
+def tenant_salt(authorization: str, cache_salt: str) -> str:
+    """A request's cache_salt under API keys: its key's own (a digest, never the key) before the
+    salt the client chose, so that requests under different keys never share a cached block and no
+    client can pick another key's salt."""
+    key = authorization.removeprefix("Bearer ").encode()
+    return f"key:{hashlib.sha256(key).hexdigest()[:32]}/{cache_salt}"

@@ -26,7 +26,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from pdserve.security import authorized
+from kvtransfer.security import authorized
 from pdserve_api import common_pb2, generate_pb2
 from router.frontend import Frontend, RequestError
 

@@ -133,21 +133,3 @@ class Placement:
 
 def _ewma(old: float | None, new: float) -> float:
     return new if old is None else (1 - EWMA) * old + EWMA * new
-
-
-def add_placement_args(ap) -> None:
-    """The router's flags for where prefills run (router/__main__.py and pdserve up)."""
-    ap.add_argument("--cache-affinity-tokens", type=int, default=512,
-                    help="cache-aware routing: cached prompt tokens on a node worth one more request in "
-                         "flight there; 0 ignores the nodes' prefix caches")
-    ap.add_argument("--local-prefill", default="auto", choices=MODES,
-                    help="conditional disaggregation: auto prefills a request on its decode node when that is "
-                         "measured to be sooner than the prefill pool (a chat follow-up whose history the decode "
-                         "node caches); off: always the prefill pool; always: always the decode node")
-    ap.add_argument("--max-local-prefill-tokens", type=int, default=MAX_LOCAL_TOKENS,
-                    help="auto: the most uncached tokens a decode node may prefill itself")
-
-
-def placement_kwargs(args) -> dict:
-    return {"cache_affinity_tokens": args.cache_affinity_tokens, "local_prefill": args.local_prefill,
-            "max_local_prefill_tokens": args.max_local_prefill_tokens}

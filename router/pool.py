@@ -27,7 +27,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine.block_manager import block_hashes
-from pdserve.security import NONE, Security
+from kvtransfer.security import NONE, Security
 from pdserve_api import common_pb2, nodes_pb2_grpc
 
 log = logging.getLogger(__name__)

@@ -8,8 +8,6 @@ import asyncio
 import contextlib
 import os
 import random
-import signal
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -19,7 +17,9 @@ import grpc
 from pdserve_api import common_pb2, nodes_pb2_grpc
 from router.client import AsyncClient
 from router.frontend import timeline
+from router.config import RouterConfig
 from router.server import Router
+from serving.launcher import ServerProcess
 
 NODE_FLAGS = ["--dtype", "float32", "--kv-cache-gb", "0.02", "--block-size", "4", "--num-threads", "1"]
 
@@ -39,27 +39,12 @@ class Outcome:
     migration_gap_ms: float = 0.0  # the longest pause a migrated stream saw
 
 
-class NodeProcess:
+class NodeProcess(ServerProcess):
     def __init__(self, role: str, model, env: dict | None = None, extra: list[str] | None = None):
+        super().__init__(["-m", f"{role}_node", "--port", "0", "--model", str(model), *NODE_FLAGS, *(extra or [])],
+                         env=env)
         self.role = role
-        self.proc = subprocess.Popen([sys.executable, "-m", f"{role}_node", "--port", "0", "--model", str(model),
-                                      *NODE_FLAGS, *(extra or [])], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                     text=True, env={**os.environ, **(env or {})})
-        self.address = next(line.split()[1] for line in self.proc.stdout if line.startswith("READY "))
-
-    def kill(self) -> None:
-        """SIGKILL by PID: the node dies with requests in flight, as a crashed host would."""
-        if self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.kill()
+        self.wait_ready()
 
 
 async def used_blocks(node: "NodeProcess") -> int:
@@ -73,7 +58,7 @@ async def wait_blocks_freed(nodes: list[NodeProcess], timeout_s: float = 45.0) -
     """Leaked blocks on the live nodes once leases had time to expire (0 when all are back)."""
     give_up = time.time() + timeout_s
     while True:
-        used = sum([await used_blocks(n) for n in nodes if n.proc.poll() is None])
+        used = sum([await used_blocks(n) for n in nodes if n.returncode is None])
         if used == 0 or time.time() > give_up:
             return used
         await asyncio.sleep(0.2)
@@ -84,7 +69,7 @@ async def cluster(model, prefill: int, decode: int, decode_env: dict | None = No
     nodes = ([NodeProcess("prefill", model, extra=["--lease-ttl-s", "5"]) for _ in range(prefill)]
              + [NodeProcess("decode", model, decode_env, decode_extra) for _ in range(decode)])
     router = Router(str(model), [n.address for n in nodes if n.role == "prefill"],
-                    [n.address for n in nodes if n.role == "decode"], check_interval_s=0.3)
+                    [n.address for n in nodes if n.role == "decode"], RouterConfig(port=0), check_interval_s=0.3)
     await router.start()
     try:
         yield router, nodes

@@ -6,10 +6,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
+from decode_node.config import DecodeConfig
 from decode_node.server import DecodeNode
 from engine import EngineConfig
-from pdserve.security import NONE
+from kvtransfer.security import NONE
+from kvtransfer.shm import ShmOptions
+from prefill_node.config import PrefillConfig
 from prefill_node.server import PrefillNode
+from router.config import RouterConfig
 from router.server import Router
 
 
@@ -25,16 +29,17 @@ def engine_config(model, **kwargs) -> EngineConfig:
 async def local_cluster(model, num_prefill=1, num_decode=1, prefill_engine=None, decode_engine=None,
                         lease_ttl_s=30.0, shm=True, kv_transport="auto", check_interval_s=0.2, security=NONE,
                         kv_layerwise="auto", **router_args):
-    prefills = [PrefillNode(engine_config(model, **(prefill_engine or {})), lease_ttl_s=lease_ttl_s, shm=shm,
-                            security=security) for _ in range(num_prefill)]
-    decodes = [DecodeNode(engine_config(model, **(decode_engine or {})), kv_transport=kv_transport,
+    """router_args: RouterConfig fields."""
+    prefills = [PrefillNode(engine_config(model, **(prefill_engine or {})), PrefillConfig(lease_ttl_s=lease_ttl_s),
+                            security=security, kv_options=(ShmOptions(shm),)) for _ in range(num_prefill)]
+    decodes = [DecodeNode(engine_config(model, **(decode_engine or {})), DecodeConfig(kv_transport=kv_transport),
                           security=security) for _ in range(num_decode)]
     for node in prefills + decodes:
         await node.start()
     router_args.setdefault("local_prefill", "off")  # these tests follow the KV; test_placement.py the rest
     router = Router(str(model), [p.address for p in prefills], [d.address for d in decodes],
-                    check_interval_s=check_interval_s, internal_security=security, kv_layerwise=kv_layerwise,
-                    **router_args)
+                    RouterConfig(port=0, kv_layerwise=kv_layerwise, **router_args), check_interval_s=check_interval_s,
+                    internal_security=security)
     await router.start()
     try:
         yield router, prefills, decodes
@@ -45,7 +50,7 @@ async def local_cluster(model, num_prefill=1, num_decode=1, prefill_engine=None,
 
 
 def used_blocks(node) -> int:
-    return node.engine.engine.block_manager.num_used_blocks
+    return node.llm.block_manager.num_used_blocks
 
 
 async def wait_for_no_blocks(nodes, timeout=5.0) -> None:

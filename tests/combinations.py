@@ -258,7 +258,7 @@ def nodes_state(nodes) -> list[dict]:
     """Where each node's engine stands (a hang's report)."""
     states = []
     for node in nodes:
-        engine = node.engine.engine
+        engine = node.llm
         sched, bm = engine.scheduler, engine.block_manager
         states.append({"address": node.address, "running": [(s.request_id, s.index, s.num_tokens, len(s.block_table))
                                                             for s in sched.running],
@@ -286,7 +286,7 @@ async def cluster_mix(model, seed: int, num_requests: int, report: Report, refer
 
     from kvtransfer.shm import PREFIX as SHM_PREFIX, SHM_DIR
 
-    from pdserve.protocol import sampling_to_proto
+    from serving.protocol import sampling_to_proto
     from pdserve_api import common_pb2, generate_pb2
     from router.client import AsyncClient, Completion
 
@@ -343,13 +343,13 @@ async def cluster_mix(model, seed: int, num_requests: int, report: Report, refer
         alive = prefills + decodes[:1] if settings["kill"] else prefills + decodes
         try:
             await wait_for_no_blocks(alive, timeout=HANG_S)
-            leases = sum(len(p.engine.engine.kv_leases) for p in prefills)
+            leases = sum(len(p.llm.kv_leases) for p in prefills)
             if leases:
                 report.leaked.append({"seed": seed, "cluster": True, "leases": leases})
         except AssertionError as e:
             report.leaked.append({"seed": seed, "cluster": True, "blocks": str(e)})
         for node in prefills + decodes:
-            count_work(report, node.engine.engine)
+            count_work(report, node.llm)
     regions = [p.name for p in SHM_DIR.glob(f"{SHM_PREFIX}{os.getpid()}-*")]  # every node stopped: none left
     if regions:
         report.leaked.append({"seed": seed, "cluster": True, "shm_regions": regions})

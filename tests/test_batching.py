@@ -119,7 +119,7 @@ def test_kv_export_import_continues_exactly(tiny_llama, reference):
     prefill = make_engine(tiny_llama, block_size=4)
     decode = make_engine(tiny_llama, block_size=8, num_kv_blocks=64)  # a different block layout
     for rid, prompt in PROMPTS.items():
-        prefill.add_request(rid, prompt, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True), keep_kv=True)
+        prefill.add_prefill(rid, prompt, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
     firsts = run_to_completion(prefill)
     assert prefill.block_manager.num_used_blocks > 0  # the leases hold the prompts' KV
     for rid, prompt in PROMPTS.items():
@@ -151,7 +151,7 @@ def test_abort_frees_blocks_and_leaves_the_others_alone(tiny_llama, reference):
 
 def test_aborting_a_leased_request_before_it_finishes_frees_its_blocks(tiny_llama):
     engine = make_engine(tiny_llama)
-    engine.add_request("x", PROMPTS["c"], SamplingParams(max_tokens=1), keep_kv=True)
+    engine.add_prefill("x", PROMPTS["c"], SamplingParams(max_tokens=1))
     engine.abort_request("x")
     run_to_completion(engine)
     assert engine.kv_leases == {}
@@ -171,7 +171,7 @@ def test_a_preempted_sequence_never_waits_forever_behind_imported_kv(tiny_llama)
         alone_engine.add_request(rid, prompt, params)
         want[rid] = run_to_completion(alone_engine)[rid].token_ids
     prefill = make_engine(tiny_llama)
-    prefill.add_request("behind", behind, SamplingParams(max_tokens=1, temperature=0), keep_kv=True)
+    prefill.add_prefill("behind", behind, SamplingParams(max_tokens=1, temperature=0))
     first = run_to_completion(prefill)["behind"].token_ids
     engine = make_engine(tiny_llama, num_kv_blocks=10)
     engine.add_request("head", head, params)

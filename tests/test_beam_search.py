@@ -108,7 +108,7 @@ def test_beam_search_across_the_split(tiny_llama):
                 assert [s.text for s in result.samples] == [o.text for o in want]
                 assert result.usage["completion_tokens"] == sum(len(o.token_ids) for o in want)
             num_prompt = len(make_engine(tiny_llama).tokenize(PROMPTS[1]))
-            assert prefills[0].engine.engine.num_prompt_tokens == num_prompt  # one prefill
+            assert prefills[0].llm.num_prompt_tokens == num_prompt  # one prefill
             await wait_for_no_blocks(prefills + decodes)
 
     asyncio.run(scenario())

@@ -101,7 +101,7 @@ def test_up_then_generate_streams_and_stops_cleanly(tiny_llama, tmp_path):
 
 COMMANDS = [["-m", "pdserve", "up"], ["-m", "pdserve", "serve"], ["-m", "pdserve", "bench"],
             ["-m", "pdserve", "generate"], ["-m", "pdserve", "generate-offline"], ["-m", "prefill_node"],
-            ["-m", "decode_node"], ["-m", "router"], ["-m", "router.colocated"],
+            ["-m", "decode_node"], ["-m", "router"], ["-m", "pdserve", "colocated"],
             [str(Path(__file__).resolve().parents[1] / "benchmarks" / "kv_transfer.py")]]
 
 

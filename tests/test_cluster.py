@@ -169,7 +169,7 @@ def test_cancellation_mid_stream_frees_blocks_on_both_sides(tiny_llama):
                         break
                 await stream.aclose()
             await wait_for_no_blocks(prefills + decodes)
-            assert decodes[0].engine.engine.requests == {}
+            assert decodes[0].llm.requests == {}
 
     asyncio.run(scenario())
 
@@ -247,7 +247,7 @@ def test_unread_kv_lease_expires(tiny_llama):
                 request_id="orphan", prompt_token_ids=PROMPTS[2], sampling=common_pb2.SamplingParams(max_tokens=5)))
             assert reply.kv.lease_id and used_blocks(prefills[0]) > 0
             await wait_for_no_blocks(prefills, timeout=3)  # nobody read it: the lease expired
-            released = await nodes_pb2_grpc.KVPlaneStub(channel).ReleaseKV(
+            released = await nodes_pb2_grpc.PrefillNodeStub(channel).ReleaseKV(
                 nodes_pb2.ReleaseKVRequest(lease_id=reply.kv.lease_id))
             assert not released.released
             await channel.close()
@@ -291,7 +291,7 @@ def test_every_server_has_health_and_reflection(tiny_llama):
 def test_colocated_baseline_serves_the_same_tokens(tiny_llama, reference):
     from cluster import engine_config
 
-    from router.colocated import ColocatedServer
+    from pdserve.colocated import ColocatedServer
 
     async def scenario():
         server = ColocatedServer(engine_config(tiny_llama))
@@ -325,7 +325,7 @@ def test_an_unreachable_prefill_node_is_retried_on_another(tiny_llama, reference
 # ---- layer-wise KV streaming -----------------------------------------------------------------
 def slow_layers(node, seconds: float) -> None:
     """Each layer of the node's forward takes `seconds` longer: time to act inside a prefill."""
-    model = node.engine.engine.runner.model
+    model = node.llm.runner.model
     forward = model.forward
 
     def slowed(ids, positions, meta, kv_cache, layer_done=None):

@@ -54,7 +54,7 @@ def test_soak_with_random_cancellations(tiny_llama):
             out = await soak(router, prefills + decodes, num_requests=1000, concurrency=64, cancel_fraction=0.2)
             await wait_for_no_blocks(prefills + decodes, timeout=60)  # returns as soon as they are back
             for node in decodes:
-                assert node.engine.engine.requests == {} and node.num_active == 0
+                assert node.llm.requests == {} and node.num_active == 0
             assert all(len(p.leases) == 0 for p in prefills)
             return out
 
@@ -202,13 +202,13 @@ def test_a_decode_call_the_node_cancels_migrates(tiny_llama, monkeypatch):
     engine = make_engine(tiny_llama)
     engine.add_request("x", [7, 8, 9], params)
     want = run_to_completion(engine)["x"].token_ids
-    original, calls = DecodeNode._decode, []
+    original, calls = DecodeNode._decode_imported, []
 
-    async def cancelled_once(self, request, context):
+    async def cancelled_once(self, request, params, context):
         calls.append(self.address)
         if len(calls) == 1:
             await context.abort(grpc.StatusCode.CANCELLED, "CANCELLED")
-        async for msg in original(self, request, context):
+        async for msg in original(self, request, params, context):
             yield msg
 
     async def scenario():
@@ -216,6 +216,6 @@ def test_a_decode_call_the_node_cancels_migrates(tiny_llama, monkeypatch):
             async with AsyncClient(router.address) as client:
                 return await client.generate([7, 8, 9], max_tokens=20, temperature=0, ignore_eos=True)
 
-    monkeypatch.setattr(DecodeNode, "_decode", cancelled_once)
+    monkeypatch.setattr(DecodeNode, "_decode_imported", cancelled_once)
     result = asyncio.run(scenario())
     assert result.token_ids == want and len(calls) == 2

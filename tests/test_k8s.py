@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from pdserve import serve_config
-from pdserve.grpc_server import LIVENESS
+from serving.grpc_server import LIVENESS
 
 ROOT = Path(__file__).resolve().parent.parent
 K8S = ROOT / "deploy" / "k8s"
@@ -173,7 +173,7 @@ def test_model_env_overrides_the_config(monkeypatch):
 
     args = serve_config.load()["applications"][0]["args"]
     monkeypatch.setenv("PDSERVE_MODEL", "/models/x")
-    assert parse_args(args)["prefill"]["engine"]["model"] == "/models/x"
+    assert parse_args(args).prefill.engine.model == "/models/x"
 
 
 @pytest.mark.parametrize("dockerfile, base", [("Dockerfile", "rayproject/ray:2.60.0-py311-cpu"),

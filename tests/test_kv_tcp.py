@@ -19,7 +19,7 @@ from kvtransfer.layout import KVLayout, KVLayoutMismatch, kv_digest
 from kvtransfer.lease import LeaseTable
 from kvtransfer.shm import ShmReader
 from kvtransfer.tcp import TcpKVServer, TcpReader, layer_ranges
-from pdserve.security import Security
+from kvtransfer.security import Security
 from pdserve_api import nodes_pb2
 from test_kvtransfer import cache, filled, tokens
 

@@ -14,15 +14,16 @@ import torch
 import xxhash
 
 from engine.kv_cache import KVCache
-from kvtransfer.base import KVCorrupt, KVTransferError, TransferStatus
-from kvtransfer.fake import REGISTRY
+import fake_transport
+from kvtransfer import transports
+from kvtransfer.base import KVCorrupt, KVTransferError, TransferStatus, host_id
 from kvtransfer.grpc_stream import GrpcStreamReader
 from kvtransfer.layout import KVLayout, KVLayoutMismatch, StreamWriter, block_runs, copy_blocks, gather, kv_digest
 from kvtransfer.lease import LeaseTable
 from kvtransfer.receiver import KVReceiver
-from kvtransfer.shm import GENERATION_CHECK, SHM_DIR, SharedKVRegion, ShmReader, host_id, sweep_stale_regions
-from pdserve.grpc_server import GrpcServer
-from pdserve_api import nodes_pb2, nodes_pb2_grpc
+from kvtransfer.shm import GENERATION_CHECK, SHM_DIR, SharedKVRegion, ShmReader, sweep_stale_regions
+from serving.grpc_server import GrpcServer
+from pdserve_api import common_pb2, nodes_pb2, nodes_pb2_grpc
 
 LAYERS, HEADS, DIM = 3, 2, 8
 
@@ -98,20 +99,29 @@ def test_lease_table_expiry():
         LeaseTable(0)
 
 
-def test_fake_transport_status_ladder_and_corruption():
+@pytest.fixture
+def fake():
+    """The test-only transport (tests/fake_transport.py), registered in one line while a test runs."""
+    transports.register(fake_transport.TRANSPORT)
+    yield fake_transport
+    del transports.TRANSPORTS[fake_transport.NAME]
+
+
+def test_fake_transport_status_ladder_and_corruption(fake):
     async def scenario():
         src = filled()
-        REGISTRY["fake://p0"] = src
+        fake.REGISTRY["p0"] = src
         dst = cache(16, 4)
-        receiver = KVReceiver(dst, KVLayout.of(dst, "fp"))
+        receiver = KVReceiver(dst, KVLayout.of(dst, "fp"), "fake")
         src_ids, dst_ids = [3, 4, 5], [0, 9, 10]
-        transfer = receiver.start(source(src, src_ids, 10, kv_address="fake://p0"), dst_ids)
+        at_p0 = {"transport_params": {"fake": b"p0"}}
+        transfer = receiver.start(source(src, src_ids, 10, **at_p0), dst_ids)
         assert transfer.status is TransferStatus.WAITING
         await transfer.wait()
         assert transfer.status is TransferStatus.SUCCESS and transfer.transport == "fake"
         assert torch.equal(tokens(dst, dst_ids, 10), tokens(src, src_ids, 10))
         # The source changes after its digest was taken: the read is refused, never used.
-        desc = source(src, src_ids, 10, kv_address="fake://p0")
+        desc = source(src, src_ids, 10, **at_p0)
         src.kv[0, 0, 4].add_(1)
         transfer = receiver.start(desc, dst_ids)
         with pytest.raises(KVCorrupt):
@@ -120,14 +130,40 @@ def test_fake_transport_status_ladder_and_corruption():
         # Another layout is refused before any byte moves.
         other = cache(16, 4, dtype=torch.float32)
         before = other.kv.clone()
-        bad = KVReceiver(other, KVLayout.of(other, "fp")).start(source(src, src_ids, 10, kv_address="fake://p0"),
-                                                                 dst_ids)
+        bad = KVReceiver(other, KVLayout.of(other, "fp"), "fake").start(source(src, src_ids, 10, **at_p0), dst_ids)
         with pytest.raises(KVLayoutMismatch, match="dtype"):
             await bad.wait()
         assert torch.equal(other.kv, before)
-        del REGISTRY["fake://p0"]
+        del fake.REGISTRY["p0"]
 
     asyncio.run(scenario())
+
+
+def test_a_new_transport_is_one_file_and_one_line(fake, tiny_llama):
+    """tests/fake_transport.py, registered by the fixture's one line, carries every request between
+    real nodes: the prefill node serves it, the decode node reads with it, the router names it in
+    the timeline; greedy tokens equal the engine alone (fp32)."""
+    from cluster import local_cluster, wait_for_no_blocks
+    from conftest import make_engine, run_to_completion
+
+    from engine import SamplingParams
+    from router.client import AsyncClient
+
+    engine = make_engine(tiny_llama)
+    engine.add_request("x", [5, 6, 7, 8, 9, 10], SamplingParams(max_tokens=6, temperature=0))
+    want = run_to_completion(engine)["x"].token_ids
+
+    async def scenario():
+        async with local_cluster(tiny_llama, kv_transport="fake") as (router, prefills, decodes):
+            load = await decodes[0].GetLoad(common_pb2.LoadRequest(), None)
+            assert [t.name for t in load.kv_transports] == ["fake"]  # what it reads with
+            async with AsyncClient(router.address) as client:
+                out = await client.generate([5, 6, 7, 8, 9, 10], max_tokens=6, temperature=0)
+            await wait_for_no_blocks(prefills + decodes)
+            return out
+
+    out = asyncio.run(scenario())
+    assert out.token_ids == want and out.timings["kv_transport"] == "fake"
 
 
 def test_shm_one_sided_read():
@@ -262,7 +298,7 @@ def test_grpc_stream_reports_a_missing_lease(tiny_llama):
 
     async def scenario():
         async with local_cluster(tiny_llama) as (router, prefills, decodes):
-            dst = decodes[0].engine.engine.kv_cache
+            dst = decodes[0].llm.kv_cache
             reader = GrpcStreamReader()
             desc = nodes_pb2.KVSource(lease_id="nope", kv_address=prefills[0].address,
                                       layout=decodes[0].layout.to_proto(), num_tokens=3,

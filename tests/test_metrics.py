@@ -61,7 +61,7 @@ def test_grafana_dashboard_uses_only_exported_metrics():
     import re
     from pathlib import Path
 
-    from pdserve.metrics import DEFINITIONS
+    from serving.metrics import DEFINITIONS
 
     dash = json.loads((Path(__file__).parent.parent / "deploy" / "grafana" / "pdserve.json").read_text())
     exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]

@@ -113,7 +113,7 @@ def test_samples_fork_on_the_engine_that_imports_the_kv(tiny_llama):
     params = SamplingParams(max_tokens=12, temperature=1.0, seed=5, n=3, ignore_eos=True)
     want = samples(make_engine(tiny_llama), "r", PROMPT, params)
     prefill = make_engine(tiny_llama)
-    prefill.add_request("x", PROMPT, replace(params, n=1, max_tokens=1), keep_kv=True)
+    prefill.add_prefill("x", PROMPT, replace(params, n=1, max_tokens=1))
     run_to_completion(prefill)  # its token is not used: every sample draws its first token on the decode side
     ids = prefill.tokenize(PROMPT)
     decode = make_engine(tiny_llama)
@@ -136,8 +136,8 @@ def test_bad_sample_counts_are_named(tiny_llama):
     with pytest.raises(ValueError, match="n must be"):
         SamplingParams(n=17)
     engine = make_engine(tiny_llama)
-    with pytest.raises(ValueError, match="n, best_of and beam_width must be 1 for a prefill to export"):
-        engine.add_request("x", PROMPT, SamplingParams(n=2), keep_kv=True)
+    with pytest.raises(ValueError, match="n, best_of and beam_width must be 1 for a prefill to export or a migrated request"):
+        engine.add_prefill("x", PROMPT, SamplingParams(n=2))
     assert not engine.has_unfinished() and not engine.groups
 
 
@@ -169,8 +169,8 @@ def test_samples_through_the_router_one_prefill_one_transfer(tiny_llama, placeme
             # Two requests, each prefilled once (remotely, or on the decode node) and imported once.
             num_prompt = len(make_engine(tiny_llama).tokenize(PROMPT))
             local = placement.get("local_prefill") == "always"
-            assert prefills[0].engine.engine.num_prompt_tokens == (0 if local else 2 * num_prompt)
-            assert decodes[0].engine.engine.num_prompt_tokens == 2 * num_prompt
+            assert prefills[0].llm.num_prompt_tokens == (0 if local else 2 * num_prompt)
+            assert decodes[0].llm.num_prompt_tokens == 2 * num_prompt
             await wait_for_no_blocks(prefills + decodes)
 
     asyncio.run(scenario())

@@ -97,7 +97,7 @@ def test_seeded_sampling_survives_preemption_and_kv_transfer(tiny_llama):
     assert tight.scheduler.num_preemptions > 0
     assert outs["x"].token_ids == ref
     prefill, decode = make_engine(tiny_llama), make_engine(tiny_llama)
-    prefill.add_request("x", PROMPT, SamplingParams(max_tokens=1, temperature=1.0, seed=7), keep_kv=True)
+    prefill.add_prefill("x", PROMPT, SamplingParams(max_tokens=1, temperature=1.0, seed=7))
     first = run_to_completion(prefill)["x"].token_ids
     blocks = decode.reserve_kv(len(PROMPT))
     decode.kv_cache.import_kv(blocks, prefill.export_kv("x"))

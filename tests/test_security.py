@@ -16,8 +16,8 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pdserve.grpc_server import GrpcServer
-from pdserve.security import Security
+from serving.grpc_server import GrpcServer
+from kvtransfer.security import Security
 from pdserve_api import common_pb2, nodes_pb2, nodes_pb2_grpc
 from router.client import AsyncClient
 
@@ -115,7 +115,7 @@ def test_mutual_tls_on_the_tcp_kv_plane(tiny_llama, tmp_path):
             async with cluster_tls.channel(prefills[0].address) as channel:
                 reply = await nodes_pb2_grpc.PrefillNodeStub(channel).Prefill(nodes_pb2.PrefillRequest(
                     request_id="r", prompt_token_ids=[5, 6, 7], sampling=common_pb2.SamplingParams(max_tokens=4)))
-            dst = decodes[0].engine.engine.kv_cache
+            dst = decodes[0].llm.kv_cache
             for intruder in (Security(ca=pki["ca"]), Security(other["cert"], other["key"], pki["ca"]), Security()):
                 with pytest.raises(KVTransferError):
                     await TcpReader(intruder, timeout_s=5).read(reply.kv, dst, decodes[0].layout, [0])
@@ -143,7 +143,7 @@ def test_tls_without_a_ca_on_the_tcp_kv_plane(tiny_llama, tmp_path):
                 reply = await nodes_pb2_grpc.PrefillNodeStub(channel).Prefill(nodes_pb2.PrefillRequest(
                     request_id="r", prompt_token_ids=[5, 6, 7], sampling=common_pb2.SamplingParams(max_tokens=4)))
             with pytest.raises(KVTransferError, match="certificate"):
-                await no_ca.read(reply.kv, decodes[0].engine.engine.kv_cache, decodes[0].layout, [0])
+                await no_ca.read(reply.kv, decodes[0].llm.kv_cache, decodes[0].layout, [0])
             await prefills[0].release(reply.kv.lease_id)
             await wait_for_no_blocks(prefills + decodes)
 
@@ -175,6 +175,7 @@ def test_shared_token(tiny_llama):
 
 
 def test_public_port_with_tls_and_token(tiny_llama, tmp_path):
+    from router.config import RouterConfig
     from router.server import Router
 
     pki = make_pki(tmp_path, "public")
@@ -183,7 +184,7 @@ def test_public_port_with_tls_and_token(tiny_llama, tmp_path):
     async def scenario():
         async with local_cluster(tiny_llama) as (plain, prefills, decodes):
             router = Router(str(tiny_llama), [p.address for p in prefills], [d.address for d in decodes],
-                            public_security=Security.from_files(pki["cert"], pki["key"],
+                            RouterConfig(port=0), public_security=Security.from_files(pki["cert"], pki["key"],
                                                                 token_file=str(tmp_path / "token")))
             await router.start()
             try:

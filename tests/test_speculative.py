@@ -128,7 +128,7 @@ def test_continuous_batching_preemption_and_imported_kv(tiny_llama):
 
     # The decode side of a transfer: the prompt's KV imported, the first token sampled elsewhere.
     prefill = make_engine(tiny_llama)
-    prefill.add_request("x", PROMPTS["hello"], SamplingParams(max_tokens=1, temperature=0), keep_kv=True)
+    prefill.add_prefill("x", PROMPTS["hello"], SamplingParams(max_tokens=1, temperature=0))
     first = run_to_completion(prefill)["x"].token_ids
     ids = prefill.tokenize(PROMPTS["hello"])
     decode = make_engine(tiny_llama, speculative=NGRAM)
@@ -236,7 +236,7 @@ def test_a_decode_node_speculates_across_the_split(tiny_llama, params, local_pre
                     result = await client.generate(prompt, **params, logprobs=1)
                     assert result.token_ids == want[rid].token_ids, rid
                     assert len(result.logprobs) == len(result.token_ids)
-            engine = decodes[0].engine.engine
+            engine = decodes[0].llm
             assert engine.num_accepted_tokens > 0
             node = decodes[0]
             node.exporter.refresh()

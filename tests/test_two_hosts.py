@@ -15,7 +15,7 @@ import pytest
 from conftest import make_engine, run_to_completion
 
 from engine import SamplingParams
-from pdserve.netns import InNamespace, two_hosts, why_no_namespaces
+from netns import in_namespace, two_hosts, why_no_namespaces
 
 NODE_FLAGS = ["--dtype", "float32", "--kv-cache-gb", "0.02", "--block-size", "4", "--num-threads", "1"]
 PROMPTS = [[(i * 37 + j * 11) % 300 + 1 for j in range(10 + 40 * i)] for i in range(3)]
@@ -39,16 +39,16 @@ def test_greedy_requests_across_two_hosts_over_tcp(tiny_llama, rate, layerwise):
     with two_hosts(rate) as (a, b, addr_a, addr_b):
         procs = []
         try:
-            prefill = InNamespace(a, "-m", "prefill_node", "--host", addr_a, "--model", str(tiny_llama), *NODE_FLAGS)
+            prefill = in_namespace(a, "-m", "prefill_node", "--host", addr_a, "--model", str(tiny_llama), *NODE_FLAGS)
             procs.append(prefill)
-            decode = InNamespace(b, "-m", "decode_node", "--host", addr_b, "--model", str(tiny_llama), *NODE_FLAGS)
+            decode = in_namespace(b, "-m", "decode_node", "--host", addr_b, "--model", str(tiny_llama), *NODE_FLAGS)
             procs.append(decode)
-            p_addr, d_addr = prefill.ready(), decode.ready()
-            router = InNamespace(b, "-m", "router", "--host", "127.0.0.1", "--port", "0", "--model",
+            p_addr, d_addr = prefill.wait_ready(), decode.wait_ready()
+            router = in_namespace(b, "-m", "router", "--host", "127.0.0.1", "--port", "0", "--model",
                                  str(tiny_llama), "--prefill", p_addr, "--decode", d_addr, "--kv-layerwise", layerwise,
                                  "--local-prefill", "off")  # the KV must cross the link
             procs.append(router)
-            r_addr = router.ready()
+            r_addr = router.wait_ready()
             client = ("import json, sys\nfrom router.client import Client\n"
                       "with Client(sys.argv[1]) as c:\n"
                       "    for p in json.loads(sys.argv[2]):\n"

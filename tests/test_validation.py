@@ -94,7 +94,7 @@ def test_llm_generate_names_the_bad_prompt_and_runs_nothing(tiny_llama):
 
 def test_imported_kv_with_a_bad_shape_is_refused(tiny_llama):
     src, dst = make_engine(tiny_llama), make_engine(tiny_llama)
-    src.add_request("x", PROMPT, SamplingParams(max_tokens=1), keep_kv=True)
+    src.add_prefill("x", PROMPT, SamplingParams(max_tokens=1))
     run_to_completion(src)
     kv = src.export_kv("x")
     blocks = dst.reserve_kv(len(PROMPT))

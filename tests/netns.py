@@ -1,15 +1,17 @@
-"""Two hosts on one machine: Linux network namespaces joined by a veth pair, optionally rate
-limited with tc, for the tests and benchmarks that must move KV over a network (no shared
-memory: each process started here gets a private /dev/shm). Needs root and iproute2."""
+"""Two hosts on one machine (test and benchmark support): Linux network namespaces joined by a
+veth pair, optionally rate limited with tc, for the tests and benchmarks that must move KV over a
+network (no shared memory: each process started here gets a private /dev/shm). Needs root and
+iproute2."""
 
 from __future__ import annotations
 
 import os
 import shutil
 import subprocess
-import sys
 import uuid
 from contextlib import contextmanager
+
+from serving.launcher import ServerProcess
 
 
 def _ip(*args: str) -> None:
@@ -54,26 +56,9 @@ def two_hosts(rate: str | None = None):
         _ip("netns", "del", b)
 
 
-class InNamespace:
-    """A python -m process in a namespace, with a private /dev/shm; stopped by its PID."""
-
-    def __init__(self, ns: str, *args: str):
-        script = 'mount -t tmpfs tmpfs /dev/shm && exec "$@"'
-        self.proc = subprocess.Popen(["ip", "netns", "exec", ns, "unshare", "--mount", "sh", "-c", script, "sh",
-                                      sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     text=True)
-
-    def ready(self) -> str:
-        for line in self.proc.stdout:
-            if line.startswith("READY "):
-                return line.split()[1]
-        raise RuntimeError(f"did not start: {self.proc.stderr.read()[-2000:]}")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+def in_namespace(ns: str, *args: str) -> ServerProcess:
+    """A server process (`python *args`) in namespace ns, with a private /dev/shm; stopped by its
+    PID (serving/launcher.py)."""
+    script = 'mount -t tmpfs tmpfs /dev/shm && exec "$@"'
+    return ServerProcess(list(args), prefix=["ip", "netns", "exec", ns, "unshare", "--mount", "sh", "-c", script, "sh"],
+                         stderr=subprocess.PIPE)

@@ -12,7 +12,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from pdserve.security import NONE, Security
+from kvtransfer.security import NONE, Security
 
 LIVENESS = "liveness"
 MAX_MESSAGE_BYTES = 8 << 20

@@ -11,12 +11,14 @@ probes); every other method needs the token when one is configured.
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 from dataclasses import dataclass
+from typing import ClassVar
 from pathlib import Path
 
 import grpc
+
+from engine.config import option
 
 OPEN_METHODS = ("/grpc.health.v1.Health/",)
 
@@ -89,6 +91,21 @@ class Security:
 NONE = Security()
 
 
+@dataclass(frozen=True)
+class SecurityConfig:
+    """The internal ports' options: every node's, and the router's as their client."""
+
+    cli_title: ClassVar[str] = "security (internal ports: mutual TLS when a CA is given, and/or a token)"
+    tls_cert: str | None = option(None, "PEM certificate of this process (server, and client for mTLS)")
+    tls_key: str | None = option(None, "PEM private key")
+    tls_ca: str | None = option(None, "PEM CA that signs the cluster's certificates (enables mutual TLS)")
+    token_file: str | None = option(None, "file holding the shared internal bearer token")
+
+    def security(self) -> Security:
+        return Security.from_files(self.tls_cert, self.tls_key, self.tls_ca, self.token_file,
+                                   require_client_cert=bool(self.tls_ca))
+
+
 def read_api_keys(path: str) -> tuple[str, ...]:
     """API keys, one per line (blank lines ignored)."""
     try:
@@ -105,14 +122,6 @@ def authorized(given: str, accepted: tuple[bytes, ...]) -> bool:
     against every key (not stopping at a match)."""
     matches = [hmac.compare_digest(given.encode(), k) for k in accepted]
     return any(matches)
-
-
-def tenant_salt(authorization: str, cache_salt: str) -> str:
-    """A request's cache_salt under API keys: its key's own (a digest, never the key) before the
-    salt the client chose, so that requests under different keys never share a cached block and no
-    client can pick another key's salt."""
-    key = authorization.removeprefix("Bearer ").encode()
-    return f"key:{hashlib.sha256(key).hexdigest()[:32]}/{cache_salt}"
 
 
 class TokenCheck(grpc.aio.ServerInterceptor):

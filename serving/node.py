@@ -1,0 +1,64 @@
+"""The one skeleton of a server that runs an engine (the prefill node, the decode node, the
+colocated server): its engine stepping in its own thread, its gRPC server (health, reflection,
+security), its metrics, its background tasks, and the order it starts, drains and stops in.
+A server adds its gRPC services and says what `num_open` and `busy` mean for it."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from engine import LLMEngine
+from engine.async_engine import AsyncEngine
+from kvtransfer.security import Security
+from serving.grpc_server import GrpcServer
+from serving.metrics import EngineExporter, Metrics
+
+
+class EngineServer:
+    role = "engine"  # its metrics' role label
+
+    def __init__(self, llm: LLMEngine, host: str, port: int, security: Security, metrics: Metrics | None):
+        self.llm = llm  # touched only in the engine thread (engine.call, engine.stream) but for counters
+        self.engine = AsyncEngine(llm)
+        self.server = GrpcServer(host, port, security)
+        self.metrics = metrics or Metrics()
+        self.exporter = EngineExporter(self.metrics, self.role, self.engine, self.num_open)
+        self._tasks: set[asyncio.Task] = set()
+
+    @property
+    def address(self) -> str:
+        return self.server.address
+
+    def num_open(self) -> int:
+        """Requests open here (a metric)."""
+        return 0
+
+    def busy(self) -> bool:
+        """Whether work is still in flight (drain waits for it)."""
+        return False
+
+    def background(self, coro) -> asyncio.Task:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)  # held until done: the loop keeps only weak references
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def start(self) -> None:
+        await self.server.start()
+        self.background(self.exporter.run())
+
+    async def drain(self, timeout_s: float, min_s: float = 2.0) -> None:
+        """Stops taking work (health NOT_SERVING) and waits until nothing is in flight, at most
+        timeout_s (a scale-down loses no tokens); and at least min_s, so that routers see the
+        node go before it stops answering."""
+        await self.server.set_serving(False)
+        started = time.time()
+        while self.busy() and time.time() < started + timeout_s or time.time() < started + min_s:
+            await asyncio.sleep(0.05)
+
+    async def stop(self, grace: float = 1.0) -> None:
+        await self.server.stop(grace)
+        for task in list(self._tasks):
+            task.cancel()
+        self.engine.stop()

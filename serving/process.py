@@ -1,0 +1,120 @@
+"""A server process's entry point (`python -m router | prefill_node | decode_node`): its command
+line from its config classes, then the server run until SIGTERM/SIGINT, announcing readiness on
+stdout (`READY <address>`, what serving/launcher.py waits for)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from engine import EngineConfig
+from engine.config import option
+from kvtransfer.security import SecurityConfig
+from serving.options import HelpFormatter, add_options, from_args
+
+log = logging.getLogger(__name__)
+PARENT_ENV = "PDSERVE_PARENT_PID"  # set by `pdserve up`: its nodes exit when it is gone
+
+
+@dataclass(frozen=True)
+class ProcessConfig:
+    """A server process's own options."""
+
+    host: str = option("127.0.0.1", "the interface to listen on", where=("cli",))
+    metrics_port: int | None = option(None, "serve Prometheus /metrics here (0: any port) (default: no metrics "
+                                      "server)", where=("cli",))
+    cpus: str | None = option(None, "pin the process, and the processes it starts, to these cores, e.g. 0 or 0-1 "
+                              "(default: not pinned)", where=("cli",))
+
+
+def node_main(prog: str, describe: str, config_cls: type, kv_option_classes: list[type], node_cls: type,
+              argv: list[str] | None = None) -> None:
+    """A node's entry point: its own options (config_cls), its KV transports' (kvtransfer/), the
+    engine's and the internal ports' security; runs node_cls(engine, config, host=, security=,
+    kv_options=)."""
+
+    def add_args(ap: argparse.ArgumentParser) -> None:
+        add_options(ap, config_cls, *kv_option_classes, EngineConfig, SecurityConfig)
+
+    def make_node(args: argparse.Namespace):
+        return node_cls(from_args(EngineConfig, args), from_args(config_cls, args), host=args.host,
+                        security=from_args(SecurityConfig, args).security(),
+                        kv_options=tuple(from_args(cls, args) for cls in kv_option_classes))
+
+    serve_main(prog, describe, add_args, make_node, argv)
+
+
+def serve_main(prog: str, describe: str, add_args: Callable[[argparse.ArgumentParser], None],
+               make_server: Callable[[argparse.Namespace], object], argv: list[str] | None = None) -> None:
+    """Parses the command line (ProcessConfig's options, then what add_args adds), pins the cores,
+    and runs make_server(args)'s server (built inside the event loop, which grpc.aio needs; a
+    config it refuses is a ValueError there) until a signal."""
+    ap = argparse.ArgumentParser(prog=prog, description=describe, formatter_class=HelpFormatter)
+    add_options(ap, ProcessConfig)
+    add_args(ap)
+    args = ap.parse_args(argv)
+    setup_logging()
+    try:
+        pin_cpus(args.cpus)
+    except ValueError as e:
+        ap.error(str(e))
+    asyncio.run(run_until_signalled(lambda: make_server(args), metrics_port=args.metrics_port))
+
+
+async def run_until_signalled(make_node, grace_s: float = 30.0, metrics_port: int | None = None) -> None:
+    """Builds a node with make_node() (inside the event loop, which grpc.aio servers need), starts it
+    (anything with start/stop/address/metrics), serves its Prometheus metrics on metrics_port (if
+    given; 0 picks one), prints 'READY <address> [metrics=<port>]' once it serves, and stops it
+    gracefully on SIGTERM or SIGINT."""
+    node = make_node()
+    await node.start()
+    extra = f" metrics={node.metrics.serve(metrics_port)}" if metrics_port is not None else ""
+    print(f"READY {node.address}{extra}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    parent = os.environ.pop(PARENT_ENV, None)
+    watch = asyncio.create_task(_stop_when_gone(int(parent), stop)) if parent else None
+    await stop.wait()
+    if watch:
+        watch.cancel()
+    if hasattr(node, "drain"):  # finish what is in flight first
+        await node.drain(grace_s)
+    await node.stop(grace_s)
+
+
+async def _stop_when_gone(parent: int, stop: asyncio.Event) -> None:
+    """A node `pdserve up` started stops when up is gone (killed with SIGKILL, it cannot stop its
+    nodes): orphans would hold their ports, cores and KV memory with nobody to route to them."""
+    while os.getppid() == parent:
+        await asyncio.sleep(1)
+    log.warning("pdserve up (pid %d) is gone: stopping", parent)
+    stop.set()
+
+
+def setup_logging(level: str = "INFO") -> None:
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def pin_cpus(spec: str | None) -> None:
+    """Restricts this process (and the processes it starts) to the given cores ('0', '0,1',
+    '2-3'); None leaves it free. A spec that names no core of this machine is a ValueError."""
+    if not spec:
+        return
+    import os
+
+    cores = set()
+    try:
+        for part in spec.split(","):
+            lo, _, hi = part.partition("-")
+            cores.update(range(int(lo), int(hi or lo) + 1))
+        os.sched_setaffinity(0, cores)
+    except (ValueError, OSError):
+        raise ValueError(f"--cpus {spec!r}: not cores of this machine (e.g. 0 or 0-1; it has "
+                         f"{os.cpu_count()})") from None
