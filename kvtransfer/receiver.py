@@ -16,7 +16,6 @@ from kvtransfer.security import NONE, Security
 from pdserve_api import nodes_pb2, nodes_pb2_grpc
 
 log = logging.getLogger(__name__)
-CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 8 << 20), ("grpc.max_send_message_length", 8 << 20)]
 
 
 class KVReceiver:
@@ -40,7 +39,7 @@ class KVReceiver:
     def channel(self, address: str) -> grpc.aio.Channel:
         """A gRPC channel to a prefill node (mutual TLS and the token where configured)."""
         if address not in self._channels:
-            self._channels[address] = self.security.channel(address, CHANNEL_OPTIONS)
+            self._channels[address] = self.security.channel(address)
         return self._channels[address]
 
     def choose(self, source: nodes_pb2.KVSource) -> KVReader:

@@ -21,6 +21,10 @@ import grpc
 from engine.config import option
 
 OPEN_METHODS = ("/grpc.health.v1.Health/",)
+# Every pdserve gRPC server and channel sets its message limit explicitly: a KV chunk plus headroom.
+MAX_MESSAGE_BYTES = 8 << 20
+MESSAGE_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                   ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
 
 
 def _read(path: str | None) -> bytes | None:
@@ -67,7 +71,7 @@ class Security:
         return [TokenCheck((self.token,), "missing or wrong bearer token")] if self.token else []
 
     # ---- clients ------------------------------------------------------------------------
-    def channel(self, address: str, options: list | None = None) -> grpc.aio.Channel:
+    def channel(self, address: str, options: list = MESSAGE_OPTIONS) -> grpc.aio.Channel:
         # One instance per call type: grpc.aio files an interceptor under its first matching type only.
         interceptors = [AddTokenUnary(self.token), AddTokenStream(self.token)] if self.token else None
         if self.tls or self.ca:
@@ -76,7 +80,7 @@ class Security:
             return grpc.aio.secure_channel(address, creds, options=options, interceptors=interceptors)
         return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
 
-    def sync_channel(self, address: str, options: list | None = None) -> grpc.Channel:
+    def sync_channel(self, address: str, options: list = MESSAGE_OPTIONS) -> grpc.Channel:
         """A blocking channel (the sync client); the token goes in each call's metadata()."""
         if self.tls or self.ca:
             creds = grpc.ssl_channel_credentials(root_certificates=_read(self.ca), private_key=_read(self.key),

@@ -3,13 +3,10 @@
 from kvtransfer import transports
 from prefill_node.config import PrefillConfig
 from prefill_node.server import PrefillNode
-from serving.process import node_main
+from serving.process import node_entry
 
-
-def main(argv: list[str] | None = None) -> None:
-    node_main("prefill_node", "One prefill node: computes prompts' KV and first tokens, and serves the KV.",
-              PrefillConfig, transports.sender_options(), PrefillNode, argv)
-
+ENTRY = node_entry("prefill_node", "One prefill node: computes prompts' KV and first tokens, and serves the KV.",
+                   PrefillConfig, transports.sender_options(), PrefillNode)
 
 if __name__ == "__main__":
-    main()
+    ENTRY.main()

@@ -3,8 +3,9 @@
 from engine import EngineConfig
 from kvtransfer.security import SecurityConfig
 from router.config import RouterConfig
+from router.server import Router
 from serving.options import add_options, from_args
-from serving.process import serve_main
+from serving.process import Entry
 
 
 def add_args(ap) -> None:
@@ -14,17 +15,13 @@ def add_args(ap) -> None:
     add_options(ap, RouterConfig, SecurityConfig)
 
 
-def build(args):
-    from router.server import Router
-
+def build(args) -> Router:
     return Router(args.model, args.prefill.split(","), args.decode.split(","), from_args(RouterConfig, args),
                   host=args.host, internal_security=from_args(SecurityConfig, args).security())
 
 
-def main(argv: list[str] | None = None) -> None:
-    serve_main("router", "The router: the public gRPC (and OpenAI HTTP) API in front of the prefill and decode "
-               "pools.", add_args, build, argv)
-
+ENTRY = Entry("router", "The router: the public gRPC (and OpenAI HTTP) API in front of the prefill and decode pools.",
+              add_args, build)
 
 if __name__ == "__main__":
-    main()
+    ENTRY.main()

@@ -20,7 +20,6 @@ from google.protobuf.json_format import MessageToDict
 from kvtransfer.security import NONE, Security
 from pdserve_api import common_pb2, generate_pb2, generate_pb2_grpc
 
-OPTIONS = [("grpc.max_receive_message_length", 8 << 20), ("grpc.max_send_message_length", 8 << 20)]
 
 
 @dataclass
@@ -77,7 +76,7 @@ class Client:
     def __init__(self, address: str, timeout: float | None = None, metadata: list[tuple[str, str]] | None = None,
                  security: Security = NONE, api_key: str | None = None):
         security = replace(security, token=api_key) if api_key else security
-        self.channel = security.sync_channel(address, OPTIONS)
+        self.channel = security.sync_channel(address)
         self.stub = generate_pb2_grpc.GenerationStub(self.channel)
         self.timeout = timeout
         self.metadata = (metadata or []) + security.metadata() or None
@@ -123,7 +122,7 @@ class AsyncClient:
     def __init__(self, address: str, timeout: float | None = None, metadata: list[tuple[str, str]] | None = None,
                  security: Security = NONE, api_key: str | None = None):
         security = replace(security, token=api_key) if api_key else security
-        self.channel = security.channel(address, OPTIONS)
+        self.channel = security.channel(address)
         self.stub = generate_pb2_grpc.GenerationStub(self.channel)
         self.timeout = timeout
         self.metadata = metadata

@@ -36,7 +36,6 @@ UNRESPONSIVE_S = 10.0  # a node that answered no health check for this long is h
 # A node removed from the pool keeps its channel this long once idle: a call still in flight on a
 # closed channel raises CancelledError in its caller (a request migrating off a dead node hung so).
 RETIRED_GRACE_S = 60.0
-CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 8 << 20), ("grpc.max_send_message_length", 8 << 20)]
 
 
 class NoHealthyNode(RuntimeError):
@@ -118,7 +117,7 @@ class EndpointPool:
         self.closed = False
 
     def _endpoint(self, address: str) -> Endpoint:
-        channel = self.security.channel(address, CHANNEL_OPTIONS)
+        channel = self.security.channel(address)
         return Endpoint(address, channel, self.stub_cls(channel))
 
     async def update(self, addresses: list[str]) -> None:

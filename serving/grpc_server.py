@@ -12,13 +12,10 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from kvtransfer.security import NONE, Security
+from kvtransfer.security import MESSAGE_OPTIONS, NONE, Security
 
 LIVENESS = "liveness"
-MAX_MESSAGE_BYTES = 8 << 20
-SERVER_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                  ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                  ("grpc.so_reuseport", 0)]
+SERVER_OPTIONS = [*MESSAGE_OPTIONS, ("grpc.so_reuseport", 0)]
 
 
 class GrpcServer:

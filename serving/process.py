@@ -32,38 +32,48 @@ class ProcessConfig:
                               "(default: not pinned)", where=("cli",))
 
 
-def node_main(prog: str, describe: str, config_cls: type, kv_option_classes: list[type], node_cls: type,
-              argv: list[str] | None = None) -> None:
+@dataclass(frozen=True)
+class Entry:
+    """A server process's entry point: its command line (ProcessConfig's options, then what
+    add_args adds) and build(args), its server."""
+
+    prog: str
+    describe: str
+    add_args: Callable[[argparse.ArgumentParser], None]
+    build: Callable[[argparse.Namespace], object]
+
+    def parser(self) -> argparse.ArgumentParser:
+        ap = argparse.ArgumentParser(prog=self.prog, description=self.describe, formatter_class=HelpFormatter)
+        add_options(ap, ProcessConfig)
+        self.add_args(ap)
+        return ap
+
+    def main(self, argv: list[str] | None = None) -> None:
+        """Parses the command line, pins the cores, and runs the server (built inside the event
+        loop, which grpc.aio needs; a config it refuses is a ValueError there) until a signal."""
+        ap = self.parser()
+        args = ap.parse_args(argv)
+        setup_logging()
+        try:
+            pin_cpus(args.cpus)
+        except ValueError as e:
+            ap.error(str(e))
+        asyncio.run(run_until_signalled(lambda: self.build(args), metrics_port=args.metrics_port))
+
+
+def node_entry(prog: str, describe: str, config_cls: type, kv_option_classes: list[type], node_cls: type) -> Entry:
     """A node's entry point: its own options (config_cls), its KV transports' (kvtransfer/), the
-    engine's and the internal ports' security; runs node_cls(engine, config, host=, security=,
-    kv_options=)."""
-
-    def add_args(ap: argparse.ArgumentParser) -> None:
-        add_options(ap, config_cls, *kv_option_classes, EngineConfig, SecurityConfig)
-
-    def make_node(args: argparse.Namespace):
-        return node_cls(from_args(EngineConfig, args), from_args(config_cls, args), host=args.host,
-                        security=from_args(SecurityConfig, args).security(),
-                        kv_options=tuple(from_args(cls, args) for cls in kv_option_classes))
-
-    serve_main(prog, describe, add_args, make_node, argv)
+    engine's and the internal ports' security; its server is node_cls(**node_configs(...))."""
+    return Entry(prog, describe,
+                 lambda ap: add_options(ap, config_cls, *kv_option_classes, EngineConfig, SecurityConfig),
+                 lambda args: node_cls(**node_configs(args, config_cls, kv_option_classes)))
 
 
-def serve_main(prog: str, describe: str, add_args: Callable[[argparse.ArgumentParser], None],
-               make_server: Callable[[argparse.Namespace], object], argv: list[str] | None = None) -> None:
-    """Parses the command line (ProcessConfig's options, then what add_args adds), pins the cores,
-    and runs make_server(args)'s server (built inside the event loop, which grpc.aio needs; a
-    config it refuses is a ValueError there) until a signal."""
-    ap = argparse.ArgumentParser(prog=prog, description=describe, formatter_class=HelpFormatter)
-    add_options(ap, ProcessConfig)
-    add_args(ap)
-    args = ap.parse_args(argv)
-    setup_logging()
-    try:
-        pin_cpus(args.cpus)
-    except ValueError as e:
-        ap.error(str(e))
-    asyncio.run(run_until_signalled(lambda: make_server(args), metrics_port=args.metrics_port))
+def node_configs(args: argparse.Namespace, config_cls: type, kv_option_classes: list[type]) -> dict:
+    """A node's constructor arguments, from its parsed command line."""
+    return {"engine_config": from_args(EngineConfig, args), "config": from_args(config_cls, args), "host": args.host,
+            "security": from_args(SecurityConfig, args).security(),
+            "kv_options": tuple(from_args(cls, args) for cls in kv_option_classes)}
 
 
 async def run_until_signalled(make_node, grace_s: float = 30.0, metrics_port: int | None = None) -> None:
