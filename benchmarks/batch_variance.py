@@ -43,8 +43,9 @@ def main() -> None:
             differ += 1
             at = next(j for j, (a, b) in enumerate(zip(alone + [-1], paired + [-2])) if a != b)
             print(f"prompt {i}: differs from token {at} of {len(alone)}", flush=True)
-    print(f"{differ} of {len(prompts)} greedy outputs change when batched with one other request "
-          f"(dtype {engine.dtype})")
+    print(
+        f"{differ} of {len(prompts)} greedy outputs change when batched with one other request (dtype {engine.dtype})"
+    )
 
 
 if __name__ == "__main__":

@@ -31,17 +31,23 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def build_before(rev: str) -> None:
-    src = subprocess.run(["git", "show", f"{rev}:engine/csrc/paged_attention.cpp"], cwd=ROOT, check=True,
-                         capture_output=True, text=True).stdout
+    src = subprocess.run(
+        ["git", "show", f"{rev}:engine/csrc/paged_attention.cpp"], cwd=ROOT, check=True, capture_output=True, text=True
+    ).stdout
     src = src.replace("TORCH_LIBRARY_FRAGMENT(pdserve,", "TORCH_LIBRARY_FRAGMENT(pdserve_before,")
     src = src.replace("TORCH_LIBRARY_IMPL(pdserve,", "TORCH_LIBRARY_IMPL(pdserve_before,")
     tmp = Path(tempfile.mkdtemp(prefix="pdserve_before_"))
     (tmp / "paged_attention.cpp").write_text(src)
     (tmp / "to_float.h").write_text((ROOT / "engine/csrc/to_float.h").read_text())
     from torch.utils.cpp_extension import load
-    load(name=f"pdserve_before_{rev}", sources=[str(tmp / "paged_attention.cpp")],
-         extra_cflags=cpu_kernels.BASE_FLAGS + cpu_features().kernel_flags, extra_ldflags=["-fopenmp"],
-         is_python_module=False)
+
+    load(
+        name=f"pdserve_before_{rev}",
+        sources=[str(tmp / "paged_attention.cpp")],
+        extra_cflags=cpu_kernels.BASE_FLAGS + cpu_features().kernel_flags,
+        extra_ldflags=["-fopenmp"],
+        is_python_module=False,
+    )
 
 
 def kernel_alone(kernels: dict, batch: int, ctx: int, rounds: int, dtype: torch.dtype) -> dict:
@@ -51,24 +57,29 @@ def kernel_alone(kernels: dict, batch: int, ctx: int, rounds: int, dtype: torch.
     nblocks = batch * width + 8
     ks = [torch.randn(nblocks * bs, hkv, d, generator=g).to(dtype) for _ in range(layers)]
     vs = [torch.randn_like(k) for k in ks]
-    bt = torch.randperm(nblocks, generator=g)[:batch * width].view(batch, width).contiguous()
+    bt = torch.randperm(nblocks, generator=g)[: batch * width].view(batch, width).contiguous()
     cl = torch.full((batch,), ctx, dtype=torch.long)
     q = torch.randn(batch, hq, d, generator=g).to(dtype)
     out = torch.empty_like(q)
     times = {name: [] for name in kernels}
     for _ in range(rounds):
         for name, op in kernels.items():
-            op(out, q, ks[0], vs[0], bt, cl, bs, d ** -0.5, 0)
+            op(out, q, ks[0], vs[0], bt, cl, bs, d**-0.5, 0)
             per_step = []
             for _ in range(10):
                 t = time.perf_counter()
                 for k, v in zip(ks, vs):
-                    op(out, q, k, v, bt, cl, bs, d ** -0.5, 0)
+                    op(out, q, k, v, bt, cl, bs, d**-0.5, 0)
                 per_step.append(time.perf_counter() - t)
             times[name].append(statistics.median(per_step) * 1e3)
     kv_bytes = batch * ctx * hkv * d * 2 * dtype.itemsize * layers
-    return summary(times, {"kv_mb_per_step": kv_bytes / 1e6,
-                           "gbps": {n: kv_bytes / statistics.median(t) / 1e6 for n, t in times.items()}})
+    return summary(
+        times,
+        {
+            "kv_mb_per_step": kv_bytes / 1e6,
+            "gbps": {n: kv_bytes / statistics.median(t) / 1e6 for n, t in times.items()},
+        },
+    )
 
 
 def engine_steps(engine: LLMEngine, kernels: dict, batch: int, ctx: int, rounds: int) -> dict:
@@ -76,13 +87,15 @@ def engine_steps(engine: LLMEngine, kernels: dict, batch: int, ctx: int, rounds:
     params = SamplingParams(max_tokens=rounds * len(kernels) * 25 + 10, ignore_eos=True, temperature=0)
     for i in range(batch):
         engine.add_request(f"b{batch}-{i}", [rng.randrange(100, 40000) for _ in range(ctx)], params)
-    while engine.scheduler.waiting or any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running):
+    while engine.scheduler.waiting or any(
+        s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running
+    ):
         engine.step()
     ns = torch.ops.pdserve
     times = {name: [] for name in kernels}
     for _ in range(rounds):
         for name, op in kernels.items():
-            setattr(ns, "paged_decode_attention", op)
+            ns.paged_decode_attention = op
             engine.step()
             per_step = []
             for _ in range(20):
@@ -90,7 +103,7 @@ def engine_steps(engine: LLMEngine, kernels: dict, batch: int, ctx: int, rounds:
                 engine.step()
                 per_step.append(time.perf_counter() - t)
             times[name].append(statistics.median(per_step) * 1e3)
-    setattr(ns, "paged_decode_attention", kernels["now"])
+    ns.paged_decode_attention = kernels["now"]
     for i in range(batch):
         engine.abort_request(f"b{batch}-{i}")
     return summary(times, {})
@@ -98,8 +111,12 @@ def engine_steps(engine: LLMEngine, kernels: dict, batch: int, ctx: int, rounds:
 
 def summary(times: dict, extra: dict) -> dict:
     ratios = [b / n for b, n in zip(times["before"], times["now"])]
-    return {"ms": {n: statistics.median(t) for n, t in times.items()}, "rounds_ms": times,
-            "speedup": statistics.median(ratios), **extra}
+    return {
+        "ms": {n: statistics.median(t) for n, t in times.items()},
+        "rounds_ms": times,
+        "speedup": statistics.median(ratios),
+        **extra,
+    }
 
 
 def main() -> None:
@@ -112,19 +129,27 @@ def main() -> None:
     torch.set_num_threads(1)
     assert cpu_kernels.load(), "the C++ CPU kernels do not build here"
     build_before(args.before)
-    kernels = {"now": torch.ops.pdserve.paged_decode_attention,
-               "before": torch.ops.pdserve_before.paged_decode_attention}
+    kernels = {
+        "now": torch.ops.pdserve.paged_decode_attention,
+        "before": torch.ops.pdserve_before.paged_decode_attention,
+    }
     dtype = resolve_dtype(args.dtype, torch.device("cpu"))
     result = {"cpu": cpu_features().isa, "dtype": str(dtype), "before": args.before, "kernel": {}, "engine": {}}
     for batch in (1, 4, 8):
         result["kernel"][f"B={batch}"] = r = kernel_alone(kernels, batch, 650, args.rounds, dtype)
-        print(f"kernel B={batch}: {r['ms']['before']:.2f} -> {r['ms']['now']:.2f} ms per step "
-              f"({r['gbps']['before']:.1f} -> {r['gbps']['now']:.1f} GB/s), {r['speedup']:.2f}x", flush=True)
+        print(
+            f"kernel B={batch}: {r['ms']['before']:.2f} -> {r['ms']['now']:.2f} ms per step "
+            f"({r['gbps']['before']:.1f} -> {r['gbps']['now']:.1f} GB/s), {r['speedup']:.2f}x",
+            flush=True,
+        )
     engine = LLMEngine(EngineConfig(dtype=args.dtype, enable_prefix_caching=False, kv_cache_bytes=1 << 30))
     for batch in (1, 4, 8):
         result["engine"][f"B={batch}"] = r = engine_steps(engine, kernels, batch, 610, args.rounds)
-        print(f"engine step B={batch}, 610-token contexts: {r['ms']['before']:.1f} -> {r['ms']['now']:.1f} ms, "
-              f"{r['speedup']:.2f}x", flush=True)
+        print(
+            f"engine step B={batch}, 610-token contexts: {r['ms']['before']:.1f} -> {r['ms']['now']:.1f} ms, "
+            f"{r['speedup']:.2f}x",
+            flush=True,
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
 

@@ -36,17 +36,62 @@ def wait_line(proc: subprocess.Popen, stream, prefix: str) -> str:
 
 def bench(address: str, out: Path, name: str) -> dict:
     json_path = out / f"{name}.json"
-    subprocess.run([sys.executable, "-m", "pdserve", "bench", "--addr", address, "--seed", "0", "--num-requests", "32",
-                    "--concurrency", "8", "--prompt-len", "uniform:590:630", "--output-len", "64",
-                    "--slo-ttft", str(SLO_TTFT), "--slo-tpot", str(SLO_TPOT), "--json", str(json_path),
-                    "--plot", str(out / name), "--quiet"], check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pdserve",
+            "bench",
+            "--addr",
+            address,
+            "--seed",
+            "0",
+            "--num-requests",
+            "32",
+            "--concurrency",
+            "8",
+            "--prompt-len",
+            "uniform:590:630",
+            "--output-len",
+            "64",
+            "--slo-ttft",
+            str(SLO_TTFT),
+            "--slo-tpot",
+            str(SLO_TPOT),
+            "--json",
+            str(json_path),
+            "--plot",
+            str(out / name),
+            "--quiet",
+        ],
+        check=True,
+    )
     return json.loads(json_path.read_text())
 
 
 def disaggregated(out: Path, extra: list[str] = ()) -> dict:
-    up = subprocess.Popen([sys.executable, "-m", "pdserve", "up", "--prefill", "1", "--decode", "1", "--port", "0",
-                           "--num-threads", "1", "--pin-cpus", "--kv-cache-gb", "0.5", *extra],
-                          stderr=subprocess.PIPE, text=True)
+    up = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "pdserve",
+            "up",
+            "--prefill",
+            "1",
+            "--decode",
+            "1",
+            "--port",
+            "0",
+            "--num-threads",
+            "1",
+            "--pin-cpus",
+            "--kv-cache-gb",
+            "0.5",
+            *extra,
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         address = wait_line(up, up.stderr, "pdserve up: router on").split()[4]
         return bench(address, out, "disaggregated")
@@ -56,8 +101,23 @@ def disaggregated(out: Path, extra: list[str] = ()) -> dict:
 
 
 def colocated(out: Path, extra: list[str] = ()) -> dict:
-    proc = subprocess.Popen([sys.executable, "-m", "pdserve", "colocated", "--port", "0", "--num-threads", "2",
-                             "--kv-cache-gb", "0.5", *extra], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "pdserve",
+            "colocated",
+            "--port",
+            "0",
+            "--num-threads",
+            "2",
+            "--kv-cache-gb",
+            "0.5",
+            *extra,
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         address = wait_line(proc, proc.stdout, "READY ").split()[1]
         return bench(address, out, "colocated")
@@ -74,8 +134,9 @@ def batch_sizes(sizes: list[int]) -> list[dict]:
     rows = []
     for b in sizes:
         for i in range(b):
-            engine.add_request(f"{b}-{i}", [1, 2, 3, 4, 5, 6, 7, 8],
-                               SamplingParams(max_tokens=128, temperature=0, ignore_eos=True))
+            engine.add_request(
+                f"{b}-{i}", [1, 2, 3, 4, 5, 6, 7, 8], SamplingParams(max_tokens=128, temperature=0, ignore_eos=True)
+            )
         engine.step()  # the prefill of all B
         steps = []
         while engine.has_unfinished():
@@ -111,12 +172,23 @@ def plot_batch(rows: list[dict], path: Path) -> None:
 
 def summary(name: str, data: dict) -> dict:
     rep = data["runs"][0]["report"]
-    row = {"name": name, "tps": rep["tps"], "ttft_p50": rep["ttft_s"]["p50"], "ttft_p95": rep["ttft_s"]["p95"],
-           "tpot_p50": rep["tpot_s"]["p50"], "tpot_p95": rep["tpot_s"]["p95"], "goodput_rps": rep["goodput_rps"],
-           "good": rep["good_requests"], "completed": rep["completed"]}
-    print(f"{name:>14}: {row['tps']:6.1f} tok/s, TTFT p50 {row['ttft_p50']:.2f} s p95 {row['ttft_p95']:.2f} s, "
-          f"TPOT p50 {row['tpot_p50'] * 1e3:.1f} ms p95 {row['tpot_p95'] * 1e3:.1f} ms, goodput "
-          f"{row['good']}/{row['completed']} = {row['goodput_rps']:.3f} req/s", flush=True)
+    row = {
+        "name": name,
+        "tps": rep["tps"],
+        "ttft_p50": rep["ttft_s"]["p50"],
+        "ttft_p95": rep["ttft_s"]["p95"],
+        "tpot_p50": rep["tpot_s"]["p50"],
+        "tpot_p95": rep["tpot_s"]["p95"],
+        "goodput_rps": rep["goodput_rps"],
+        "good": rep["good_requests"],
+        "completed": rep["completed"],
+    }
+    print(
+        f"{name:>14}: {row['tps']:6.1f} tok/s, TTFT p50 {row['ttft_p50']:.2f} s p95 {row['ttft_p95']:.2f} s, "
+        f"TPOT p50 {row['tpot_p50'] * 1e3:.1f} ms p95 {row['tpot_p95'] * 1e3:.1f} ms, goodput "
+        f"{row['good']}/{row['completed']} = {row['goodput_rps']:.3f} req/s",
+        flush=True,
+    )
     return row
 
 
@@ -130,14 +202,18 @@ def main() -> int:
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    rows = [summary("disaggregated", disaggregated(out, args.up_args.split())), summary("colocated", colocated(out, args.colocated_args.split()))]
+    rows = [
+        summary("disaggregated", disaggregated(out, args.up_args.split())),
+        summary("colocated", colocated(out, args.colocated_args.split())),
+    ]
     sizes = []
     if args.sizes != "none":
         print("decode batch size (one engine, one core, 1 thread):", flush=True)
         sizes = batch_sizes([int(s) for s in args.sizes.split(",")])
         plot_batch(sizes, out / "batch_size.png")
-    (out / args.json).write_text(json.dumps({"slo": {"ttft_s": SLO_TTFT, "tpot_s": SLO_TPOT},
-                                                              "rows": rows, "batch_sizes": sizes}, indent=2))
+    (out / args.json).write_text(
+        json.dumps({"slo": {"ttft_s": SLO_TTFT, "tpot_s": SLO_TPOT}, "rows": rows, "batch_sizes": sizes}, indent=2)
+    )
     return 0
 
 

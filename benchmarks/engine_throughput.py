@@ -24,11 +24,30 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-TOPICS = ["the ocean", "volcanoes", "the moon", "honey bees", "the Roman Empire", "black holes", "jazz music",
-          "photosynthesis", "the printing press", "glaciers", "chess", "the internet", "rainforests",
-          "electric cars", "ancient Egypt", "coffee"]
-TASKS = ["Write a short paragraph about {}.", "Explain {} to a ten-year-old.",
-         "List five interesting facts about {}.", "Write a short poem about {}."]
+TOPICS = [
+    "the ocean",
+    "volcanoes",
+    "the moon",
+    "honey bees",
+    "the Roman Empire",
+    "black holes",
+    "jazz music",
+    "photosynthesis",
+    "the printing press",
+    "glaciers",
+    "chess",
+    "the internet",
+    "rainforests",
+    "electric cars",
+    "ancient Egypt",
+    "coffee",
+]
+TASKS = [
+    "Write a short paragraph about {}.",
+    "Explain {} to a ten-year-old.",
+    "List five interesting facts about {}.",
+    "Write a short poem about {}.",
+]
 
 
 def make_prompts(n: int) -> list[str]:
@@ -36,24 +55,29 @@ def make_prompts(n: int) -> list[str]:
 
 
 def chat_prompts(tokenizer, n: int) -> list[list[int]]:
-    return [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=True,
-                                          add_generation_prompt=True, return_dict=True)["input_ids"]
-            for p in make_prompts(n)]
+    return [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": p}], tokenize=True, add_generation_prompt=True, return_dict=True
+        )["input_ids"]
+        for p in make_prompts(n)
+    ]
 
 
 def run_pdserve(prompts: list[list[int]], max_tokens: int, args) -> dict:
     from engine import LLM, SamplingParams
 
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, kv_cache_bytes=2 << 30,
-              scheduling=args.scheduling)
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, kv_cache_bytes=2 << 30, scheduling=args.scheduling)
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     llm.generate(prompts[:8], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))  # warm-up
     start = time.perf_counter()
     outs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - start
     assert all(len(o.token_ids) == max_tokens for o in outs)
-    return {"elapsed_s": elapsed, "generated": sum(len(o.token_ids) for o in outs),
-            "preemptions": llm.engine.scheduler.num_preemptions}
+    return {
+        "elapsed_s": elapsed,
+        "generated": sum(len(o.token_ids) for o in outs),
+        "preemptions": llm.engine.scheduler.num_preemptions,
+    }
 
 
 def run_transformers(prompts: list[list[int]], max_tokens: int, args) -> dict:
@@ -71,11 +95,13 @@ def run_transformers(prompts: list[list[int]], max_tokens: int, args) -> dict:
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     eos = model.config.vocab_size  # an id it never produces: all max_tokens steps, like ignore_eos
     with torch.inference_mode():
-        model.generate(ids[:8], attention_mask=mask[:8], max_new_tokens=8, do_sample=False, eos_token_id=eos,
-                       pad_token_id=pad)
+        model.generate(
+            ids[:8], attention_mask=mask[:8], max_new_tokens=8, do_sample=False, eos_token_id=eos, pad_token_id=pad
+        )
         start = time.perf_counter()
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=max_tokens, do_sample=False,
-                             eos_token_id=eos, pad_token_id=pad)
+        out = model.generate(
+            ids, attention_mask=mask, max_new_tokens=max_tokens, do_sample=False, eos_token_id=eos, pad_token_id=pad
+        )
         elapsed = time.perf_counter() - start
     return {"elapsed_s": elapsed, "generated": int((out.shape[1] - width) * len(prompts))}
 
@@ -84,8 +110,14 @@ def run_vllm(prompts_file: str, max_tokens: int, args) -> dict:
     python = Path(args.vllm_venv) / "bin" / "python"
     if not python.exists():
         return {"skipped": f"{python} not found"}
-    cmd = [str(python), str(ROOT / "benchmarks" / "vllm_throughput.py"), prompts_file, str(max_tokens),
-           str(args.model_dir), args.dtype]
+    cmd = [
+        str(python),
+        str(ROOT / "benchmarks" / "vllm_throughput.py"),
+        prompts_file,
+        str(max_tokens),
+        str(args.model_dir),
+        args.dtype,
+    ]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, cwd="/tmp")
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
     if r.returncode != 0 or not lines:
@@ -96,9 +128,24 @@ def run_vllm(prompts_file: str, max_tokens: int, args) -> dict:
 def run_system(system: str, prompts_file: Path, args) -> dict:
     if system == "vllm":
         return run_vllm(str(prompts_file), args.max_tokens, args)
-    cmd = [sys.executable, __file__, "--child", system, "--prompts-file", str(prompts_file),
-           "--max-tokens", str(args.max_tokens), "--model", args.model, "--dtype", args.dtype,
-           "--device", args.device, "--scheduling", args.scheduling]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--child",
+        system,
+        "--prompts-file",
+        str(prompts_file),
+        "--max-tokens",
+        str(args.max_tokens),
+        "--model",
+        args.model,
+        "--dtype",
+        args.dtype,
+        "--device",
+        args.device,
+        "--scheduling",
+        args.scheduling,
+    ]
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
     return json.loads(lines[-1]) if r.returncode == 0 and lines else {"error": r.stderr[-2000:]}
@@ -140,9 +187,11 @@ def main() -> int:
     lens = sorted(len(p) for p in prompts)
     prompts_file = Path(tempfile.mkdtemp()) / "prompts.json"
     prompts_file.write_text(json.dumps(prompts))
-    print(f"{args.num_requests} requests x {args.max_tokens} tokens, prompt tokens min/median/max "
-          f"{lens[0]}/{lens[len(lens) // 2]}/{lens[-1]}, {args.dtype}, torch threads {os.cpu_count()}, "
-          f"CPU class {cpu.isa} ({cpu.reason})")
+    print(
+        f"{args.num_requests} requests x {args.max_tokens} tokens, prompt tokens min/median/max "
+        f"{lens[0]}/{lens[len(lens) // 2]}/{lens[-1]}, {args.dtype}, torch threads {os.cpu_count()}, "
+        f"CPU class {cpu.isa} ({cpu.reason})"
+    )
     systems = [s for s in ["pdserve", "transformers", "vllm"] if not args.only or s == args.only]
     runs: dict[str, list[dict]] = {s: [] for s in systems}
     for rep in range(args.repeat):  # interleaved, so that a noisy minute hits all systems alike
@@ -150,14 +199,25 @@ def main() -> int:
             res = run_system(system, prompts_file, args)
             if "elapsed_s" in res:
                 res["tokens_per_s"] = res["generated"] / res["elapsed_s"]
-                print(f"run {rep + 1} {system:>13}: {res['tokens_per_s']:8.1f} generated tokens/s "
-                      f"({res['elapsed_s']:.2f} s)", flush=True)
+                print(
+                    f"run {rep + 1} {system:>13}: {res['tokens_per_s']:8.1f} generated tokens/s "
+                    f"({res['elapsed_s']:.2f} s)",
+                    flush=True,
+                )
             else:
                 print(f"run {rep + 1} {system:>13}: {res}", flush=True)
             runs[system].append(res)
-    results = {"workload": {"num_requests": args.num_requests, "max_tokens": args.max_tokens, "dtype": args.dtype,
-                            "prompt_tokens_median": lens[len(lens) // 2]},
-               "cpu": {"class": cpu.isa, "reason": cpu.reason}, "runs": runs, "median_tokens_per_s": {}}
+    results = {
+        "workload": {
+            "num_requests": args.num_requests,
+            "max_tokens": args.max_tokens,
+            "dtype": args.dtype,
+            "prompt_tokens_median": lens[len(lens) // 2],
+        },
+        "cpu": {"class": cpu.isa, "reason": cpu.reason},
+        "runs": runs,
+        "median_tokens_per_s": {},
+    }
     for system, rs in runs.items():
         tps = [r["tokens_per_s"] for r in rs if "tokens_per_s" in r]
         if tps:
@@ -165,12 +225,17 @@ def main() -> int:
     med = results["median_tokens_per_s"]
     print("median generated tokens/s: " + ", ".join(f"{s} {v:.1f}" for s, v in med.items()))
     for other in ["transformers", "vllm"]:
-        pairs = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(runs.get("pdserve", []), runs.get(other, []))
-                 if "tokens_per_s" in a and "tokens_per_s" in b]
+        pairs = [
+            a["tokens_per_s"] / b["tokens_per_s"]
+            for a, b in zip(runs.get("pdserve", []), runs.get(other, []))
+            if "tokens_per_s" in a and "tokens_per_s" in b
+        ]
         if pairs:
             results[f"pdserve_over_{other}"] = {"per_run": pairs, "median": statistics.median(pairs)}
-            print(f"pdserve / {other}: median {statistics.median(pairs):.2f}x "
-                  f"(runs: {', '.join(f'{p:.2f}' for p in pairs)})")
+            print(
+                f"pdserve / {other}: median {statistics.median(pairs):.2f}x "
+                f"(runs: {', '.join(f'{p:.2f}' for p in pairs)})"
+            )
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     return 0

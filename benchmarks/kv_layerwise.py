@@ -33,7 +33,9 @@ async def drive(prefill: str, decode: str, model: str, tokens: int, repeat: int)
     from router.server import Router
 
     prompt = [(i * 7919) % 40000 + 100 for i in range(tokens)]
-    routers = {mode: Router(model, [prefill], [decode], RouterConfig(port=0, kv_layerwise=mode)) for mode in ("off", "on")}
+    routers = {
+        mode: Router(model, [prefill], [decode], RouterConfig(port=0, kv_layerwise=mode)) for mode in ("off", "on")
+    }
     for r in routers.values():
         await r.start()
     runs: dict[str, list[dict]] = {"off": [], "on": []}
@@ -47,10 +49,14 @@ async def drive(prefill: str, decode: str, model: str, tokens: int, repeat: int)
                 if t["kv_transport"] != expected:
                     raise RuntimeError(f"{mode}: the KV moved by {t['kv_transport']}, expected {expected}")
                 if i:
-                    runs[mode].append({"wait": t["decode_admitted"] - t["prefill_end"],
-                                       "transfer": t["transfer_end"] - t["transfer_start"],
-                                       "prefill": t["prefill_end"] - t["prefill_start"],
-                                       "kv_bytes": int(t["kv_bytes"])})
+                    runs[mode].append(
+                        {
+                            "wait": t["decode_admitted"] - t["prefill_end"],
+                            "transfer": t["transfer_end"] - t["transfer_start"],
+                            "prefill": t["prefill_end"] - t["prefill_start"],
+                            "kv_bytes": int(t["kv_bytes"]),
+                        }
+                    )
     finally:
         for r in routers.values():
             await r.stop(0)
@@ -68,6 +74,7 @@ def main() -> int:
     args = ap.parse_args()
     if args.drive:
         import logging
+
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
         print(json.dumps(asyncio.run(drive(*args.drive, args.model, args.tokens, args.repeat))))
         return 0
@@ -81,33 +88,67 @@ def main() -> int:
     with two_hosts(rate) as (a, b, addr_a, addr_b):
         # No prefix caching: each repeat of the same prompt is a full prefill and a full transfer.
         engine = ["--model", args.model, "--dtype", "auto", "--kv-cache-gb", "1", "--no-prefix-caching"]
-        nodes = [in_namespace(a, "-m", "prefill_node", "--host", addr_a, *engine),
-                 in_namespace(b, "-m", "decode_node", "--host", addr_b, "--kv-transport", "tcp", *engine)]
+        nodes = [
+            in_namespace(a, "-m", "prefill_node", "--host", addr_a, *engine),
+            in_namespace(b, "-m", "decode_node", "--host", addr_b, "--kv-transport", "tcp", *engine),
+        ]
         try:
             prefill, decode = (n.wait_ready() for n in nodes)
-            r = subprocess.run(["ip", "netns", "exec", b, sys.executable, __file__, "--drive", prefill, decode,
-                                "--model", args.model, "--tokens", str(args.tokens), "--repeat", str(args.repeat)],
-                               capture_output=True, text=True, cwd=ROOT, timeout=1800)
+            r = subprocess.run(
+                [
+                    "ip",
+                    "netns",
+                    "exec",
+                    b,
+                    sys.executable,
+                    __file__,
+                    "--drive",
+                    prefill,
+                    decode,
+                    "--model",
+                    args.model,
+                    "--tokens",
+                    str(args.tokens),
+                    "--repeat",
+                    str(args.repeat),
+                ],
+                capture_output=True,
+                text=True,
+                cwd=ROOT,
+                timeout=1800,
+            )
             if r.returncode != 0:
                 raise RuntimeError(r.stderr[-6000:])
             runs = json.loads(r.stdout.strip().splitlines()[-1])
         finally:
             for n in reversed(nodes):
                 n.stop()
-    med = {mode: {k: statistics.median(run[k] for run in rs) for k in ("wait", "transfer", "prefill")}
-           for mode, rs in runs.items()}
-    result = {"tokens": args.tokens, "rate": args.rate, "kv_bytes": runs["off"][0]["kv_bytes"], "runs": runs,
-              "median_s": med, "goal_ratio": med["on"]["wait"] / med["off"]["transfer"],
-              "wait_ratio": med["on"]["wait"] / med["off"]["wait"],
-              "prefill_ratio": med["on"]["prefill"] / med["off"]["prefill"]}
+    med = {
+        mode: {k: statistics.median(run[k] for run in rs) for k in ("wait", "transfer", "prefill")}
+        for mode, rs in runs.items()
+    }
+    result = {
+        "tokens": args.tokens,
+        "rate": args.rate,
+        "kv_bytes": runs["off"][0]["kv_bytes"],
+        "runs": runs,
+        "median_s": med,
+        "goal_ratio": med["on"]["wait"] / med["off"]["transfer"],
+        "wait_ratio": med["on"]["wait"] / med["off"]["wait"],
+        "prefill_ratio": med["on"]["prefill"] / med["off"]["prefill"],
+    }
     print(f"{args.tokens} tokens, {result['kv_bytes'] / 1e6:.1f} MB of KV, link {args.rate}, medians of {args.repeat}:")
     for mode in ("off", "on"):
         m = med[mode]
-        print(f"  layer-wise {mode:>3}: prefill end -> decode admitted {m['wait'] * 1e3:7.1f} ms, "
-              f"KV read {m['transfer'] * 1e3:7.1f} ms, prefill {m['prefill'] * 1e3:7.1f} ms")
-    print(f"  streamed wait / unstreamed transfer = {result['goal_ratio']:.3f} (goal < 0.10); "
-          f"streamed wait / unstreamed wait = {result['wait_ratio']:.3f}; "
-          f"prefill on / off = {result['prefill_ratio']:.3f}")
+        print(
+            f"  layer-wise {mode:>3}: prefill end -> decode admitted {m['wait'] * 1e3:7.1f} ms, "
+            f"KV read {m['transfer'] * 1e3:7.1f} ms, prefill {m['prefill'] * 1e3:7.1f} ms"
+        )
+    print(
+        f"  streamed wait / unstreamed transfer = {result['goal_ratio']:.3f} (goal < 0.10); "
+        f"streamed wait / unstreamed wait = {result['wait_ratio']:.3f}; "
+        f"prefill on / off = {result['prefill_ratio']:.3f}"
+    )
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     return 0

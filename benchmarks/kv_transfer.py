@@ -18,14 +18,13 @@ import argparse
 import asyncio
 import contextlib
 import json
-import os
 import multiprocessing
+import os
 import socket
 import statistics
 import subprocess
 import sys
 import time
-
 from pathlib import Path
 
 import grpc
@@ -48,8 +47,9 @@ NODE_ARGS = ["--dtype", "auto", "--kv-cache-gb", "0.25", "--block-size", "16", "
 
 
 def start_node(module: str, *extra: str) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([sys.executable, "-m", module, "--port", "0", *NODE_ARGS, *extra],
-                            stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", module, "--port", "0", *NODE_ARGS, *extra], stdout=subprocess.PIPE, text=True
+    )
     for line in proc.stdout:
         if line.startswith("READY "):
             return proc, line.split()[1]
@@ -80,8 +80,9 @@ def raw_tcp(nbytes: int, repeat: int):
     with socket.socket() as server:
         server.bind(("127.0.0.1", 0))
         server.listen(1)
-        sender = multiprocessing.get_context("spawn").Process(target=_tcp_sender,
-                                                             args=(server.getsockname()[1], nbytes, repeat))
+        sender = multiprocessing.get_context("spawn").Process(
+            target=_tcp_sender, args=(server.getsockname()[1], nbytes, repeat)
+        )
         sender.start()
         conn, _ = server.accept()
         buf = memoryview(bytearray(nbytes))
@@ -127,8 +128,9 @@ async def bench_reader(reader, source, kv_cache: KVCache, layout: KVLayout, repe
 
 
 def prefill_alone(model_dir, prompt: list[int], repeat: int) -> list[float]:
-    engine = LLMEngine(EngineConfig(model=str(model_dir), dtype="auto", kv_cache_bytes=256 << 20,
-                                    enable_prefix_caching=False))  # each repeat computes the whole prompt
+    engine = LLMEngine(
+        EngineConfig(model=str(model_dir), dtype="auto", kv_cache_bytes=256 << 20, enable_prefix_caching=False)
+    )  # each repeat computes the whole prompt
     times = []
     for i in range(repeat + 1):
         engine.add_request(str(i), prompt, SamplingParams(max_tokens=1, temperature=0))
@@ -144,7 +146,9 @@ async def bench_cluster(prefill_addr: str, decode_addr: str, model: str, prompt:
     from router.config import RouterConfig
     from router.server import Router
 
-    router = Router(model, [prefill_addr], [decode_addr], RouterConfig(port=0, local_prefill="off"))  # the KV always crosses
+    router = Router(
+        model, [prefill_addr], [decode_addr], RouterConfig(port=0, local_prefill="off")
+    )  # the KV always crosses
     await router.start()
     ttft, second, transfer, prefill, kv_transport = [], [], [], [], set()
     try:
@@ -166,22 +170,43 @@ async def bench_cluster(prefill_addr: str, decode_addr: str, model: str, prompt:
         await router.stop(0)
     if "" in kv_transport:
         raise RuntimeError("a request was prefilled on the decode node: no KV transfer to measure")
-    return {"ttft_s": statistics.median(ttft), "second_token_s": statistics.median(second),
-            "transfer_s": statistics.median(transfer), "prefill_on_node_s": statistics.median(prefill),
-            "kv_transport": sorted(kv_transport)}
+    return {
+        "ttft_s": statistics.median(ttft),
+        "second_token_s": statistics.median(second),
+        "transfer_s": statistics.median(transfer),
+        "prefill_on_node_s": statistics.median(prefill),
+        "kv_transport": sorted(kv_transport),
+    }
 
 
 async def bench_transports(args, prefill_addr: str, model_dir, prompt: list[int]) -> dict:
     channel = grpc.aio.insecure_channel(prefill_addr)
-    reply = await nodes_pb2_grpc.PrefillNodeStub(channel).Prefill(nodes_pb2.PrefillRequest(
-        request_id="bench", prompt_token_ids=prompt,
-        sampling=common_pb2.SamplingParams(max_tokens=2, temperature=0)))
+    reply = await nodes_pb2_grpc.PrefillNodeStub(channel).Prefill(
+        nodes_pb2.PrefillRequest(
+            request_id="bench", prompt_token_ids=prompt, sampling=common_pb2.SamplingParams(max_tokens=2, temperature=0)
+        )
+    )
     source = reply.kv
     layout = KVLayout.from_proto(source.layout)
-    layout.check(KVLayout(layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.dtype, layout.block_size,
-                          model_fingerprint(model_dir)))
-    kv_cache = KVCache(layout.num_layers, len(source.block_ids) + 4, layout.block_size, layout.num_kv_heads,
-                       layout.head_dim, getattr(torch, layout.dtype), torch.device("cpu"))
+    layout.check(
+        KVLayout(
+            layout.num_layers,
+            layout.num_kv_heads,
+            layout.head_dim,
+            layout.dtype,
+            layout.block_size,
+            model_fingerprint(model_dir),
+        )
+    )
+    kv_cache = KVCache(
+        layout.num_layers,
+        len(source.block_ids) + 4,
+        layout.block_size,
+        layout.num_kv_heads,
+        layout.head_dim,
+        getattr(torch, layout.dtype),
+        torch.device("cpu"),
+    )
     results = {"num_tokens": source.num_tokens, "num_bytes": source.num_bytes}
     grpc_reader = GrpcStreamReader()
     shm_reader = ShmReader()
@@ -204,7 +229,7 @@ async def bench_transports(args, prefill_addr: str, model_dir, prompt: list[int]
         results["shm_s"].append(time.perf_counter() - t)
         t = time.perf_counter()
         for s, d, n in runs:
-            kv_cache.kv[:, :, d:d + n].copy_(region[:, :, s:s + n])
+            kv_cache.kv[:, :, d : d + n].copy_(region[:, :, s : s + n])
         results["shm_bytes_s"].append(time.perf_counter() - t)
     # The tcp transport interleaved with its baseline, raw TCP loopback to another process.
     tcp_reader = TcpReader(connections=args.connections)
@@ -229,7 +254,9 @@ def main() -> int:
     ap.add_argument("--model", default="smollm2-135m", help="whose KV to move")
     ap.add_argument("--tokens", type=int, default=1000, help="prompt length: the KV of this many tokens moves")
     ap.add_argument("--repeat", type=int, default=10, help="reads per transport (the median is reported)")
-    ap.add_argument("--connections", type=int, default=DEFAULT_CONNECTIONS, help="parallel connections of the tcp transport")
+    ap.add_argument(
+        "--connections", type=int, default=DEFAULT_CONNECTIONS, help="parallel connections of the tcp transport"
+    )
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
     model_dir = resolve_model(args.model)
@@ -242,15 +269,20 @@ def main() -> int:
         names = ("copy", "shm_bytes", "shm", "tcp_raw", "tcp", "grpc")
         gbps = {k: median_gbps(nbytes, r[k + "_s"]) for k in names}
         print(f"KV of a {r['num_tokens']}-token prompt: {nbytes / 1e6:.1f} MB; median of {args.repeat} reads")
-        for name, label in [("copy", "in-process tensor copy"), ("shm_bytes", "shm one-sided read, bytes only"),
-                            ("shm", "shm one-sided read + integrity check"),
-                            ("tcp_raw", "raw TCP loopback"),
-                            ("tcp", f"tcp data plane, {args.connections} conn. (+ digest)"),
-                            ("grpc", "gRPC stream, 1 MiB chunks (+ digests)")]:
+        for name, label in [
+            ("copy", "in-process tensor copy"),
+            ("shm_bytes", "shm one-sided read, bytes only"),
+            ("shm", "shm one-sided read + integrity check"),
+            ("tcp_raw", "raw TCP loopback"),
+            ("tcp", f"tcp data plane, {args.connections} conn. (+ digest)"),
+            ("grpc", "gRPC stream, 1 MiB chunks (+ digests)"),
+        ]:
             print(f"  {label:>38}: {gbps[name]:6.2f} GB/s")
-        print(f"  shm / copy: bytes {gbps['shm_bytes'] / gbps['copy']:.2f}, verified {gbps['shm'] / gbps['copy']:.2f} "
-              f"(goal >= 0.60); tcp / tcp_raw: {gbps['tcp'] / gbps['tcp_raw']:.2f} (goal >= 0.80); "
-              f"grpc / tcp_raw: {gbps['grpc'] / gbps['tcp_raw']:.2f}")
+        print(
+            f"  shm / copy: bytes {gbps['shm_bytes'] / gbps['copy']:.2f}, verified {gbps['shm'] / gbps['copy']:.2f} "
+            f"(goal >= 0.60); tcp / tcp_raw: {gbps['tcp'] / gbps['tcp_raw']:.2f} (goal >= 0.80); "
+            f"grpc / tcp_raw: {gbps['grpc'] / gbps['tcp_raw']:.2f}"
+        )
         decode_proc, decode_addr = start_node("decode_node", "--model", args.model)
         cluster = asyncio.run(bench_cluster(prefill_addr, decode_addr, args.model, prompt, args.repeat))
     finally:
@@ -258,19 +290,36 @@ def main() -> int:
             if proc is not None:
                 stop(proc)
     alone = statistics.median(prefill_alone(model_dir, prompt, args.repeat))
-    print(f"TTFT through the cluster {cluster['ttft_s'] * 1e3:.1f} ms vs prefill compute alone {alone * 1e3:.1f} ms "
-          f"({cluster['ttft_s'] / alone - 1:+.1%}); KV transfer ({'/'.join(cluster['kv_transport'])}) "
-          f"{cluster['transfer_s'] * 1e3:.1f} ms; second token at {cluster['second_token_s'] * 1e3:.1f} ms")
+    print(
+        f"TTFT through the cluster {cluster['ttft_s'] * 1e3:.1f} ms vs prefill compute alone {alone * 1e3:.1f} ms "
+        f"({cluster['ttft_s'] / alone - 1:+.1%}); KV transfer ({'/'.join(cluster['kv_transport'])}) "
+        f"{cluster['transfer_s'] * 1e3:.1f} ms; second token at {cluster['second_token_s'] * 1e3:.1f} ms"
+    )
     baseline = {"copy": "copy", "shm_bytes": "copy", "shm": "copy", "tcp_raw": "tcp", "tcp": "tcp", "grpc": "tcp"}
-    transports = {name: {"gbps": gbps[name], "baseline": baseline[name],
-                         "ratio": gbps[name] / gbps["copy" if baseline[name] == "copy" else "tcp_raw"]}
-                  for name in ("copy", "tcp_raw", "shm", "tcp", "grpc")}
-    result = {"transports": transports,
-              "ttft_ms": {"cluster": cluster["ttft_s"] * 1e3, "prefill_alone": alone * 1e3,
-                          "transfer": cluster["transfer_s"] * 1e3, "second_token": cluster["second_token_s"] * 1e3},
-              "gbps": gbps, "num_bytes": nbytes, "num_tokens": r["num_tokens"], "cluster": cluster,
-              "tcp_connections": args.connections, "prefill_alone_s": alone,
-              "raw_seconds": {k + "_s": r[k + "_s"] for k in names}}
+    transports = {
+        name: {
+            "gbps": gbps[name],
+            "baseline": baseline[name],
+            "ratio": gbps[name] / gbps["copy" if baseline[name] == "copy" else "tcp_raw"],
+        }
+        for name in ("copy", "tcp_raw", "shm", "tcp", "grpc")
+    }
+    result = {
+        "transports": transports,
+        "ttft_ms": {
+            "cluster": cluster["ttft_s"] * 1e3,
+            "prefill_alone": alone * 1e3,
+            "transfer": cluster["transfer_s"] * 1e3,
+            "second_token": cluster["second_token_s"] * 1e3,
+        },
+        "gbps": gbps,
+        "num_bytes": nbytes,
+        "num_tokens": r["num_tokens"],
+        "cluster": cluster,
+        "tcp_connections": args.connections,
+        "prefill_alone_s": alone,
+        "raw_seconds": {k + "_s": r[k + "_s"] for k in names},
+    }
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

@@ -59,16 +59,29 @@ async def reader(prefill: str, raw: str, tokens: int, repeat: int) -> dict:
 
     prompt = [(i * 7919) % 40000 + 100 for i in range(tokens)]
     async with grpc.aio.insecure_channel(prefill) as channel:
-        reply = await nodes_pb2_grpc.PrefillNodeStub(channel).Prefill(nodes_pb2.PrefillRequest(
-            request_id="bench", prompt_token_ids=prompt, sampling=common_pb2.SamplingParams(max_tokens=2)))
+        reply = await nodes_pb2_grpc.PrefillNodeStub(channel).Prefill(
+            nodes_pb2.PrefillRequest(
+                request_id="bench", prompt_token_ids=prompt, sampling=common_pb2.SamplingParams(max_tokens=2)
+            )
+        )
         source = reply.kv
         layout = KVLayout.from_proto(source.layout)
-        kv = KVCache(layout.num_layers, len(source.block_ids) + 1, layout.block_size, layout.num_kv_heads,
-                     layout.head_dim, getattr(torch, layout.dtype), torch.device("cpu"))
+        kv = KVCache(
+            layout.num_layers,
+            len(source.block_ids) + 1,
+            layout.block_size,
+            layout.num_kv_heads,
+            layout.head_dim,
+            getattr(torch, layout.dtype),
+            torch.device("cpu"),
+        )
         blocks = list(range(len(source.block_ids)))
         seconds = {}
-        for name, r in (("tcp_1", TcpReader(connections=1)), ("tcp_2", TcpReader(connections=2)),
-                        ("grpc", GrpcStreamReader())):
+        for name, r in (
+            ("tcp_1", TcpReader(connections=1)),
+            ("tcp_2", TcpReader(connections=2)),
+            ("grpc", GrpcStreamReader()),
+        ):
             await r.read(source, kv, layout, blocks)  # warm-up
             times = []
             for _ in range(repeat):
@@ -79,9 +92,13 @@ async def reader(prefill: str, raw: str, tokens: int, repeat: int) -> dict:
             await r.close()
         await nodes_pb2_grpc.PrefillNodeStub(channel).ReleaseKV(nodes_pb2.ReleaseKVRequest(lease_id=source.lease_id))
     seconds["tcp_raw"] = raw_receive(raw, source.num_bytes, repeat)
-    return {"num_bytes": source.num_bytes, "num_tokens": source.num_tokens, "dtype": layout.dtype,
-            "gbps": {k: source.num_bytes / statistics.median(v) / 1e9 for k, v in seconds.items()},
-            "seconds": seconds}
+    return {
+        "num_bytes": source.num_bytes,
+        "num_tokens": source.num_tokens,
+        "dtype": layout.dtype,
+        "gbps": {k: source.num_bytes / statistics.median(v) / 1e9 for k, v in seconds.items()},
+        "seconds": seconds,
+    }
 
 
 def one_link(rate: str | None, args) -> dict:
@@ -92,20 +109,68 @@ def one_link(rate: str | None, args) -> dict:
     with two_hosts(rate) as (a, b, addr_a, addr_b):
         procs = []
         try:
-            prefill = in_namespace(a, "-m", "prefill_node", "--host", addr_a, "--model", args.model, "--dtype", "auto",
-                                  "--kv-cache-gb", "1", "--lease-ttl-s", "600")
+            prefill = in_namespace(
+                a,
+                "-m",
+                "prefill_node",
+                "--host",
+                addr_a,
+                "--model",
+                args.model,
+                "--dtype",
+                "auto",
+                "--kv-cache-gb",
+                "1",
+                "--lease-ttl-s",
+                "600",
+            )
             procs.append(prefill)
             prefill_addr = prefill.wait_ready()
             # The raw sender needs the byte count: the reader reports it, so lease once to learn it.
-            r = subprocess.run(["ip", "netns", "exec", b, sys.executable, __file__, "--size-of", prefill_addr,
-                                "--tokens", str(args.tokens)], capture_output=True, text=True, cwd=ROOT, timeout=600)
+            r = subprocess.run(
+                [
+                    "ip",
+                    "netns",
+                    "exec",
+                    b,
+                    sys.executable,
+                    __file__,
+                    "--size-of",
+                    prefill_addr,
+                    "--tokens",
+                    str(args.tokens),
+                ],
+                capture_output=True,
+                text=True,
+                cwd=ROOT,
+                timeout=600,
+            )
             nbytes_probe = int(r.stdout.strip().splitlines()[-1])
             sender = in_namespace(a, __file__, "--raw-sender", "5201", str(nbytes_probe), str(args.repeat))
             procs.append(sender)
             sender.wait_ready()
-            r = subprocess.run(["ip", "netns", "exec", b, sys.executable, __file__, "--reader", prefill_addr,
-                                "--raw", f"{addr_a}:5201", "--tokens", str(args.tokens), "--repeat", str(args.repeat)],
-                               capture_output=True, text=True, cwd=ROOT, timeout=900)
+            r = subprocess.run(
+                [
+                    "ip",
+                    "netns",
+                    "exec",
+                    b,
+                    sys.executable,
+                    __file__,
+                    "--reader",
+                    prefill_addr,
+                    "--raw",
+                    f"{addr_a}:5201",
+                    "--tokens",
+                    str(args.tokens),
+                    "--repeat",
+                    str(args.repeat),
+                ],
+                capture_output=True,
+                text=True,
+                cwd=ROOT,
+                timeout=900,
+            )
             if r.returncode != 0:
                 raise RuntimeError(r.stderr[-3000:])
             return json.loads(r.stdout.strip().splitlines()[-1])
@@ -120,9 +185,13 @@ async def size_of(prefill: str, tokens: int) -> int:
     from pdserve_api import common_pb2, nodes_pb2, nodes_pb2_grpc
 
     async with grpc.aio.insecure_channel(prefill) as channel:
-        reply = await nodes_pb2_grpc.PrefillNodeStub(channel).Prefill(nodes_pb2.PrefillRequest(
-            request_id="size", prompt_token_ids=[(i * 7919) % 40000 + 100 for i in range(tokens)],
-            sampling=common_pb2.SamplingParams(max_tokens=2)))
+        reply = await nodes_pb2_grpc.PrefillNodeStub(channel).Prefill(
+            nodes_pb2.PrefillRequest(
+                request_id="size",
+                prompt_token_ids=[(i * 7919) % 40000 + 100 for i in range(tokens)],
+                sampling=common_pb2.SamplingParams(max_tokens=2),
+            )
+        )
         await nodes_pb2_grpc.PrefillNodeStub(channel).ReleaseKV(nodes_pb2.ReleaseKVRequest(lease_id=reply.kv.lease_id))
     return reply.kv.num_bytes
 
@@ -164,11 +233,14 @@ def main() -> int:
         if link:
             res["of_link_rate"] = {k: g[k] / link for k in ("tcp_raw", "tcp_1", "tcp_2", "grpc")}
         results[rate or "unlimited"] = res
-        print(f"{rate or 'unlimited':>10}: {res['num_bytes'] / 1e6:.1f} MB ({res['dtype']}); " + ", ".join(
-            f"{k} {v:.2f} GB/s" for k, v in g.items()) + "; / raw: " + ", ".join(
-            f"{k} {v:.2f}" for k, v in res["ratios"].items()) + (
-            "; / link: " + ", ".join(f"{k} {v:.2f}" for k, v in res["of_link_rate"].items()) if link else ""),
-            flush=True)
+        print(
+            f"{rate or 'unlimited':>10}: {res['num_bytes'] / 1e6:.1f} MB ({res['dtype']}); "
+            + ", ".join(f"{k} {v:.2f} GB/s" for k, v in g.items())
+            + "; / raw: "
+            + ", ".join(f"{k} {v:.2f}" for k, v in res["ratios"].items())
+            + ("; / link: " + ", ".join(f"{k} {v:.2f}" for k, v in res["of_link_rate"].items()) if link else ""),
+            flush=True,
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     return 0

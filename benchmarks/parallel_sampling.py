@@ -51,12 +51,18 @@ def engine_part(prompt_lens: list[int], rounds: int) -> dict:
             prompt = [(r * 7919 + i * 104729) % (vocab - 1) + 1 for i in range(length)]
             params = SamplingParams(max_tokens=8, temperature=1.0, ignore_eos=True)
             times["n=1"].append(until_first_tokens(engine, [prompt], params))
-            times["n=4"].append(until_first_tokens(engine, [prompt], SamplingParams(
-                max_tokens=8, temperature=1.0, ignore_eos=True, n=4)))
+            times["n=4"].append(
+                until_first_tokens(
+                    engine, [prompt], SamplingParams(max_tokens=8, temperature=1.0, ignore_eos=True, n=4)
+                )
+            )
             times["4 requests"].append(until_first_tokens(engine, [prompt] * 4, params))
         med = {k: statistics.median(v) for k, v in times.items()}
-        results[length] = {"seconds_median": med, "n4_over_n1": med["n=4"] / med["n=1"],
-                           "4_requests_over_n1": med["4 requests"] / med["n=1"]}
+        results[length] = {
+            "seconds_median": med,
+            "n4_over_n1": med["n=4"] / med["n=1"],
+            "4_requests_over_n1": med["4 requests"] / med["n=1"],
+        }
         print(f"engine, prompt {length}: {json.dumps(results[length])}", flush=True)
     return results
 
@@ -64,10 +70,30 @@ def engine_part(prompt_lens: list[int], rounds: int) -> dict:
 def cluster_part(prompt_lens: list[int], rounds: int) -> dict:
     from router.client import Client
 
-    up = subprocess.Popen([sys.executable, "-m", "pdserve", "up", "--prefill", "1", "--decode", "1", "--port", "0",
-                           "--num-threads", "1", "--pin-cpus", "--kv-cache-gb", "0.5", "--local-prefill", "off",
-                           "--no-prefix-caching"],  # n=1 and n=4 send the same prompt: no reuse between them
-                          stderr=subprocess.PIPE, text=True)
+    up = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "pdserve",
+            "up",
+            "--prefill",
+            "1",
+            "--decode",
+            "1",
+            "--port",
+            "0",
+            "--num-threads",
+            "1",
+            "--pin-cpus",
+            "--kv-cache-gb",
+            "0.5",
+            "--local-prefill",
+            "off",
+            "--no-prefix-caching",
+        ],  # n=1 and n=4 send the same prompt: no reuse between them
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         address = wait_line(up, up.stderr, "pdserve up: router on").split()[4]
         client = Client(address)
@@ -81,14 +107,20 @@ def cluster_part(prompt_lens: list[int], rounds: int) -> dict:
                 for n in (1, 4):
                     out = client.generate(prompt, max_tokens=8, temperature=1.0, ignore_eos=True, n=n)
                     t = out.timings
-                    rows[f"n={n}"].append({"prefill_s": t["prefill_end"] - t["prefill_start"],
-                                           "kv_bytes": int(t["kv_bytes"]),
-                                           "completion_tokens": out.usage["completion_tokens"]})
+                    rows[f"n={n}"].append(
+                        {
+                            "prefill_s": t["prefill_end"] - t["prefill_start"],
+                            "kv_bytes": int(t["kv_bytes"]),
+                            "completion_tokens": out.usage["completion_tokens"],
+                        }
+                    )
             summary = {}
             for k, v in rows.items():
-                summary[k] = {"prefill_s_median": statistics.median(x["prefill_s"] for x in v),
-                              "kv_bytes_median": statistics.median(x["kv_bytes"] for x in v),
-                              "completion_tokens": v[0]["completion_tokens"]}
+                summary[k] = {
+                    "prefill_s_median": statistics.median(x["prefill_s"] for x in v),
+                    "kv_bytes_median": statistics.median(x["kv_bytes"] for x in v),
+                    "completion_tokens": v[0]["completion_tokens"],
+                }
             summary["prefill_n4_over_n1"] = summary["n=4"]["prefill_s_median"] / summary["n=1"]["prefill_s_median"]
             summary["kv_bytes_n4_over_n1"] = summary["n=4"]["kv_bytes_median"] / summary["n=1"]["kv_bytes_median"]
             results[length] = summary
@@ -105,8 +137,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    result = {"engine": engine_part(args.prompt_lens, args.rounds),
-              "cluster": cluster_part(args.prompt_lens, args.rounds)}
+    result = {
+        "engine": engine_part(args.prompt_lens, args.rounds),
+        "cluster": cluster_part(args.prompt_lens, args.rounds),
+    }
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

@@ -37,8 +37,9 @@ def main() -> None:
     def run() -> float:
         r = next(runs)
         for i in range(args.prompts):
-            engine.add_request(f"p{r}-{i}", [rng.randrange(100, 40000) for _ in range(args.tokens)],
-                               SamplingParams(max_tokens=1))
+            engine.add_request(
+                f"p{r}-{i}", [rng.randrange(100, 40000) for _ in range(args.tokens)], SamplingParams(max_tokens=1)
+            )
         t = time.perf_counter()
         while engine.has_unfinished():
             engine.step()
@@ -49,6 +50,7 @@ def main() -> None:
     print(f"prefill of {args.prompts} x {args.tokens} tokens: {ms:.0f} ms")
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
+
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             run()
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))

@@ -29,7 +29,7 @@ from engine.sequence import Sequence  # noqa: E402
 def sha256_hashes(token_ids: list[int], block_size: int) -> list[int]:
     parent, names = 0, []
     for start in range(0, len(token_ids) - block_size + 1, block_size):
-        data = struct.pack(f"<Q{block_size}q", parent, *token_ids[start:start + block_size])
+        data = struct.pack(f"<Q{block_size}q", parent, *token_ids[start : start + block_size])
         parent = int.from_bytes(hashlib.sha256(data).digest()[:8], "little")
         names.append(parent)
     return names
@@ -65,15 +65,20 @@ def main() -> int:
         return found
 
     assert hit() == (len(prompt) - 1) // args.block_size * args.block_size
-    result = {"tokens": args.tokens, "block_size": args.block_size,
-              "xxh3_names_us": median_us(lambda: block_hashes(prompt, args.block_size)),
-              "sha256_names_us": median_us(lambda: sha256_hashes(prompt, args.block_size)),
-              "checked_hit_us": median_us(hit)}
+    result = {
+        "tokens": args.tokens,
+        "block_size": args.block_size,
+        "xxh3_names_us": median_us(lambda: block_hashes(prompt, args.block_size)),
+        "sha256_names_us": median_us(lambda: sha256_hashes(prompt, args.block_size)),
+        "checked_hit_us": median_us(hit),
+    }
     result["sha256_over_xxh3"] = result["sha256_names_us"] / result["xxh3_names_us"]
-    print(f"{args.tokens}-token prompt, blocks of {args.block_size}, medians of 200: names xxh3 "
-          f"{result['xxh3_names_us']:.0f} us, SHA-256 {result['sha256_names_us']:.0f} us "
-          f"({result['sha256_over_xxh3']:.2f}x); a full cache hit, names and every key checked: "
-          f"{result['checked_hit_us']:.0f} us")
+    print(
+        f"{args.tokens}-token prompt, blocks of {args.block_size}, medians of 200: names xxh3 "
+        f"{result['xxh3_names_us']:.0f} us, SHA-256 {result['sha256_names_us']:.0f} us "
+        f"({result['sha256_over_xxh3']:.2f}x); a full cache hit, names and every key checked: "
+        f"{result['checked_hit_us']:.0f} us"
+    )
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     return 0

@@ -45,10 +45,17 @@ def ray_config() -> dict:
         app["args"][pool]["engine"].update(num_threads=1, kv_cache_bytes=256 << 20)
     for dep in app["deployments"]:
         if "autoscaling_config" in dep:
-            dep["autoscaling_config"].update(min_replicas=1, max_replicas=2, upscale_delay_s=1, downscale_delay_s=600,
-                                             metrics_interval_s=0.5, look_back_period_s=2)
+            dep["autoscaling_config"].update(
+                min_replicas=1,
+                max_replicas=2,
+                upscale_delay_s=1,
+                downscale_delay_s=600,
+                metrics_interval_s=0.5,
+                look_back_period_s=2,
+            )
             dep["autoscaling_config"]["policy"]["policy_kwargs"] = (
-                {"target_pending_requests": 2} if dep["name"] == "Prefill" else {"target_running_sequences": 4})
+                {"target_pending_requests": 2} if dep["name"] == "Prefill" else {"target_running_sequences": 4}
+            )
     return config
 
 
@@ -71,8 +78,9 @@ def tpot(address: str, metadata=None, runs: int = 5, tokens: int = 64) -> float:
     per_token = []
     for i in range(runs + 1):
         stamps, t = [], time.perf_counter()
-        for part in client.stream(messages=[{"role": "user", "content": PROMPT}], max_tokens=tokens, temperature=0,
-                                  ignore_eos=True):
+        for part in client.stream(
+            messages=[{"role": "user", "content": PROMPT}], max_tokens=tokens, temperature=0, ignore_eos=True
+        ):
             stamps.extend([time.perf_counter() - t] * len(part.token_ids))
         if i:
             per_token.append((stamps[-1] - stamps[0]) / (len(stamps) - 1))
@@ -81,8 +89,11 @@ def tpot(address: str, metadata=None, runs: int = 5, tokens: int = 64) -> float:
 
 def pdserve_up_tpot() -> float:
     port = free_port()
-    up = subprocess.Popen([sys.executable, "-m", "pdserve", "up", "--port", str(port), "--num-threads", "1",
-                           "--kv-cache-gb", "0.25"], stderr=subprocess.PIPE, text=True)
+    up = subprocess.Popen(
+        [sys.executable, "-m", "pdserve", "up", "--port", str(port), "--num-threads", "1", "--kv-cache-gb", "0.25"],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         for line in up.stderr:
             if line.startswith("pdserve up: router on"):
@@ -129,8 +140,14 @@ def main() -> int:
     os.environ["RAY_AUTH_MODE"] = "disabled"
     from pdserve.ray_app import LOCAL_RESOURCES
 
-    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=f"/tmp/ray-bench-{os.getpid()}", log_to_driver=False,
-             namespace="pdserve", resources=LOCAL_RESOURCES)
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        _temp_dir=f"/tmp/ray-bench-{os.getpid()}",
+        log_to_driver=False,
+        namespace="pdserve",
+        resources=LOCAL_RESOURCES,
+    )
     try:
         config = ray_config()
         serve_config.deploy(serve_config.validate(config))
@@ -141,14 +158,20 @@ def main() -> int:
         time.sleep(5)
         session = ray.get_runtime_context().gcs_address and ray._private.worker._global_node.get_session_dir_path()
         results["idle_pss_mb"] = ray_pss_mb(session)
-        print(f"idle deployment (head + proxy + controller + router/prefill/decode replicas) PSS: "
-              f"{results['idle_pss_mb']:.0f} MB", flush=True)
+        print(
+            f"idle deployment (head + proxy + controller + router/prefill/decode replicas) PSS: "
+            f"{results['idle_pss_mb']:.0f} MB",
+            flush=True,
+        )
         results["direct_tpot_ms"] = tpot(direct) * 1e3
         results["proxy_tpot_ms"] = tpot(proxy, metadata=[("application", "pdserve")]) * 1e3
         for k in ("direct", "proxy"):
             results[f"{k}_overhead_ms_per_token"] = results[f"{k}_tpot_ms"] - results["pdserve_up_tpot_ms"]
-        print(f"TPOT: router replica's own port {results['direct_tpot_ms']:.2f} ms, Serve gRPC proxy "
-              f"{results['proxy_tpot_ms']:.2f} ms (pdserve up {results['pdserve_up_tpot_ms']:.2f} ms)", flush=True)
+        print(
+            f"TPOT: router replica's own port {results['direct_tpot_ms']:.2f} ms, Serve gRPC proxy "
+            f"{results['proxy_tpot_ms']:.2f} ms (pdserve up {results['pdserve_up_tpot_ms']:.2f} ms)",
+            flush=True,
+        )
         long_prompt = [(i * 7919) % 40000 + 100 for i in range(1000)]
         results["prefill_scale_up_s"] = time_to_scale(direct, "Prefill", long_prompt, max_tokens=1)
         print(f"prefill: load onset -> second replica RUNNING: {results['prefill_scale_up_s']:.1f} s", flush=True)

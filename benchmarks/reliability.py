@@ -30,8 +30,7 @@ MAX_TOKENS = 80
 
 
 def expected_tokens(model, prompts) -> list[list[int]]:
-    engine = LLMEngine(EngineConfig(model=str(model), dtype="float32", device="cpu", num_kv_blocks=1024,
-                                    block_size=4))
+    engine = LLMEngine(EngineConfig(model=str(model), dtype="float32", device="cpu", num_kv_blocks=1024, block_size=4))
     for i, p in enumerate(prompts):
         engine.add_request(str(i), p, SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True))
     done = {}
@@ -43,8 +42,9 @@ def expected_tokens(model, prompts) -> list[list[int]]:
 
 
 async def soak_run(model):
-    async with local_cluster(model, num_prefill=1, num_decode=2, lease_ttl_s=2.0,
-                             decode_engine={"max_num_seqs": 32}) as (router, prefills, decodes):
+    async with local_cluster(
+        model, num_prefill=1, num_decode=2, lease_ttl_s=2.0, decode_engine={"max_num_seqs": 32}
+    ) as (router, prefills, decodes):
         out = await soak(router, prefills + decodes, num_requests=2000, concurrency=64, cancel_fraction=0.2)
         await wait_for_no_blocks(prefills + decodes, timeout=15)
         out.leaked_blocks = sum(n.llm.block_manager.num_used_blocks for n in prefills + decodes)

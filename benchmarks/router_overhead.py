@@ -23,9 +23,9 @@ from pathlib import Path
 
 import grpc
 
-from serving.grpc_server import GrpcServer
 from pdserve_api import common_pb2, nodes_pb2, nodes_pb2_grpc
 from router.client import AsyncClient
+from serving.grpc_server import GrpcServer
 
 N = 2000  # requests per latency measurement
 
@@ -33,8 +33,13 @@ N = 2000  # requests per latency measurement
 class InstantPrefill(nodes_pb2_grpc.PrefillNodeServicer):
     async def Prefill(self, request, context):
         now = time.time()
-        return nodes_pb2.PrefillResponse(first_token_id=1, text="a", prefill_start=now, prefill_end=now,
-                                         kv=nodes_pb2.KVSource(lease_id="x", num_tokens=len(request.prompt_token_ids)))
+        return nodes_pb2.PrefillResponse(
+            first_token_id=1,
+            text="a",
+            prefill_start=now,
+            prefill_end=now,
+            kv=nodes_pb2.KVSource(lease_id="x", num_tokens=len(request.prompt_token_ids)),
+        )
 
     async def GetLoad(self, request, context):
         return common_pb2.NodeLoad()
@@ -46,8 +51,9 @@ class InstantPrefill(nodes_pb2_grpc.PrefillNodeServicer):
 class InstantDecode(nodes_pb2_grpc.DecodeNodeServicer):
     async def Decode(self, request, context):
         for i in range(request.sampling.max_tokens - 1):
-            yield nodes_pb2.DecodeResponse(token_ids=[2], text="b", finished=i == request.sampling.max_tokens - 2,
-                                           finish_reason="length")
+            yield nodes_pb2.DecodeResponse(
+                token_ids=[2], text="b", finished=i == request.sampling.max_tokens - 2, finish_reason="length"
+            )
 
     async def GetLoad(self, request, context):
         return common_pb2.NodeLoad()
@@ -56,10 +62,16 @@ class InstantDecode(nodes_pb2_grpc.DecodeNodeServicer):
 def serve_nodes(queue) -> None:
     async def run():
         prefill, decode = GrpcServer(), GrpcServer()
-        prefill.add(nodes_pb2_grpc.add_PrefillNodeServicer_to_server, InstantPrefill(),
-                    nodes_pb2.DESCRIPTOR.services_by_name["PrefillNode"])
-        decode.add(nodes_pb2_grpc.add_DecodeNodeServicer_to_server, InstantDecode(),
-                   nodes_pb2.DESCRIPTOR.services_by_name["DecodeNode"])
+        prefill.add(
+            nodes_pb2_grpc.add_PrefillNodeServicer_to_server,
+            InstantPrefill(),
+            nodes_pb2.DESCRIPTOR.services_by_name["PrefillNode"],
+        )
+        decode.add(
+            nodes_pb2_grpc.add_DecodeNodeServicer_to_server,
+            InstantDecode(),
+            nodes_pb2.DESCRIPTOR.services_by_name["DecodeNode"],
+        )
         await prefill.start()
         await decode.start()
         queue.put((prefill.address, decode.address))
@@ -76,8 +88,11 @@ async def direct_latency(prefill: str, decode: str) -> list[float]:
         for _ in range(N):
             t = time.perf_counter()
             first = await p.Prefill(nodes_pb2.PrefillRequest(prompt_token_ids=[5, 6, 7], sampling=sampling))
-            async for _ in d.Decode(nodes_pb2.DecodeRequest(prompt_token_ids=[5, 6, 7], output_token_ids=[1],
-                                                            sampling=sampling, kv=first.kv)):
+            async for _ in d.Decode(
+                nodes_pb2.DecodeRequest(
+                    prompt_token_ids=[5, 6, 7], output_token_ids=[1], sampling=sampling, kv=first.kv
+                )
+            ):
                 pass
             times.append(time.perf_counter() - t)
         return times
@@ -117,8 +132,11 @@ def main() -> int:
     nodes = multiprocessing.get_context("spawn").Process(target=serve_nodes, args=(queue,), daemon=True)
     nodes.start()
     prefill, decode = queue.get(timeout=60)
-    router = subprocess.Popen([sys.executable, "-m", "router", "--port", "0", "--prefill", prefill, "--decode", decode],
-                              stdout=subprocess.PIPE, text=True)
+    router = subprocess.Popen(
+        [sys.executable, "-m", "router", "--port", "0", "--prefill", prefill, "--decode", decode],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         address = next(line.split()[1] for line in router.stdout if line.startswith("READY "))
         direct = asyncio.run(direct_latency(prefill, decode))
@@ -128,12 +146,18 @@ def main() -> int:
         router.terminate()
         router.wait(timeout=30)
         nodes.terminate()
-    result = {"direct_p50_ms": statistics.median(direct) * 1e3, "router_p50_ms": statistics.median(through) * 1e3,
-              "router_p95_ms": sorted(through)[int(0.95 * len(through))] * 1e3, "router_rps": rps}
+    result = {
+        "direct_p50_ms": statistics.median(direct) * 1e3,
+        "router_p50_ms": statistics.median(through) * 1e3,
+        "router_p95_ms": sorted(through)[int(0.95 * len(through))] * 1e3,
+        "router_rps": rps,
+    }
     result["added_p50_ms"] = result["router_p50_ms"] - result["direct_p50_ms"]
-    print(f"2-token request: direct to the nodes {result['direct_p50_ms']:.2f} ms p50, through the router "
-          f"{result['router_p50_ms']:.2f} ms p50 ({result['router_p95_ms']:.2f} p95): the router adds "
-          f"{result['added_p50_ms']:.2f} ms; it routes {rps:.0f} requests/s (32 concurrent clients)")
+    print(
+        f"2-token request: direct to the nodes {result['direct_p50_ms']:.2f} ms p50, through the router "
+        f"{result['router_p50_ms']:.2f} ms p50 ({result['router_p95_ms']:.2f} p95): the router adds "
+        f"{result['added_p50_ms']:.2f} ms; it routes {rps:.0f} requests/s (32 concurrent clients)"
+    )
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     return 0

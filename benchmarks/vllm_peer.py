@@ -60,51 +60,114 @@ def stop(procs: list[subprocess.Popen]) -> None:
 
 
 def load(url: str, model: str, tag: str, out: Path, vllm_python: str) -> dict:
-    subprocess.run([vllm_python, str(PEER / "bench.py"), url, "--n", "4", "--conc", "2", "--tag", f"warm{tag}",
-                    "--model", model], check=True, stdout=subprocess.DEVNULL)
-    subprocess.run([vllm_python, str(PEER / "bench.py"), url, "--n", "32", "--conc", "8", "--tag", tag,
-                    "--model", model, "--out", str(out)], check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(
+        [vllm_python, str(PEER / "bench.py"), url, "--n", "4", "--conc", "2", "--tag", f"warm{tag}", "--model", model],
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
+    subprocess.run(
+        [
+            vllm_python,
+            str(PEER / "bench.py"),
+            url,
+            "--n",
+            "32",
+            "--conc",
+            "8",
+            "--tag",
+            tag,
+            "--model",
+            model,
+            "--out",
+            str(out),
+        ],
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
     return json.loads(out.read_text())["summary"]
 
 
 def run_vllm(model_dir: str, venv: Path, logs: Path, tag: str) -> dict:
-    env = {**os.environ, "PEER_DIR": str(PEER), "VLLM_VENV": str(venv), "MODEL_DIR": model_dir,
-           "KV_STORE": str(logs / "kvstore"), "PYTHONPATH": str(PEER / "patches"), "PD_KEEP_AFFINITY": "1",
-           "PD_NIXL_PTHR_DELAY_US": "500"}
+    env = {
+        **os.environ,
+        "PEER_DIR": str(PEER),
+        "VLLM_VENV": str(venv),
+        "MODEL_DIR": model_dir,
+        "KV_STORE": str(logs / "kvstore"),
+        "PYTHONPATH": str(PEER / "patches"),
+        "PD_KEEP_AFFINITY": "1",
+        "PD_NIXL_PTHR_DELAY_US": "500",
+    }
     procs = []
     try:
         for role, kv_role in (("prefill", "kv_producer"), ("decode", "kv_consumer")):
-            procs.append(subprocess.Popen(["bash", str(PEER / "start_pd.sh"), role, "nixl"],
-                                          env={**env, "NIXL_ROLE": kv_role},
-                                          stdout=open(logs / f"vllm_{role}.log", "w"), stderr=subprocess.STDOUT))
+            procs.append(
+                subprocess.Popen(
+                    ["bash", str(PEER / "start_pd.sh"), role, "nixl"],
+                    env={**env, "NIXL_ROLE": kv_role},
+                    stdout=open(logs / f"vllm_{role}.log", "w"),
+                    stderr=subprocess.STDOUT,
+                )
+            )
         for port in (8101, 8102):
             wait_http(f"http://127.0.0.1:{port}/health", procs[-1])
         env.pop("PYTHONPATH")
-        procs.append(subprocess.Popen([str(venv / "bin" / "python"), str(PEER / "proxy.py"), "--port", "8200"],
-                                      env=env, stdout=open(logs / "vllm_proxy.log", "w"), stderr=subprocess.STDOUT))
+        procs.append(
+            subprocess.Popen(
+                [str(venv / "bin" / "python"), str(PEER / "proxy.py"), "--port", "8200"],
+                env=env,
+                stdout=open(logs / "vllm_proxy.log", "w"),
+                stderr=subprocess.STDOUT,
+            )
+        )
         time.sleep(2)
-        return load("http://127.0.0.1:8200/v1/completions", "smol", tag, logs / f"vllm_{tag}.json",
-                    str(venv / "bin" / "python"))
+        return load(
+            "http://127.0.0.1:8200/v1/completions", "smol", tag, logs / f"vllm_{tag}.json", str(venv / "bin" / "python")
+        )
     finally:
         stop(procs)
 
 
 def run_vllm_single(model_dir: str, venv: Path, logs: Path, tag: str) -> dict:
     env = {**os.environ, "PEER_DIR": str(PEER), "VLLM_VENV": str(venv), "MODEL_DIR": model_dir}
-    proc = subprocess.Popen(["bash", str(PEER / "start_single.sh"), "8100", "auto"], env=env,
-                            stdout=open(logs / "vllm_single.log", "w"), stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        ["bash", str(PEER / "start_single.sh"), "8100", "auto"],
+        env=env,
+        stdout=open(logs / "vllm_single.log", "w"),
+        stderr=subprocess.STDOUT,
+    )
     try:
         wait_http("http://127.0.0.1:8100/health", proc)
-        return load("http://127.0.0.1:8100/v1/completions", "smol", tag, logs / f"vllm_{tag}.json",
-                    str(venv / "bin" / "python"))
+        return load(
+            "http://127.0.0.1:8100/v1/completions", "smol", tag, logs / f"vllm_{tag}.json", str(venv / "bin" / "python")
+        )
     finally:
         stop([proc])
 
 
 def run_pdserve(logs: Path, tag: str, vllm_python: str, extra: list[str]) -> dict:
-    proc = subprocess.Popen([sys.executable, "-m", "pdserve", "up", "--prefill", "1", "--decode", "1",
-                             "--num-threads", "1", "--pin-cpus", "--port", "0", "--http-port", "8300", *extra],
-                            stdout=subprocess.DEVNULL, stderr=open(logs / f"pdserve_{tag}.log", "w"))
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "pdserve",
+            "up",
+            "--prefill",
+            "1",
+            "--decode",
+            "1",
+            "--num-threads",
+            "1",
+            "--pin-cpus",
+            "--port",
+            "0",
+            "--http-port",
+            "8300",
+            *extra,
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=open(logs / f"pdserve_{tag}.log", "w"),
+    )
     try:
         wait_http("http://127.0.0.1:8300/health", proc)
         with urllib.request.urlopen("http://127.0.0.1:8300/v1/models") as r:
@@ -120,8 +183,11 @@ def main() -> int:
     ap.add_argument("--vllm-venv", default=str(ROOT / ".venv-vllm"))
     ap.add_argument("--logs", default="/tmp/pdserve-vllm-peer")
     ap.add_argument("--json", default=str(ROOT / "docs" / "bench" / "vllm_peer.json"))
-    ap.add_argument("--also-args", default="",
-                    help="also run pdserve with these `pdserve up` flags, e.g. '--max-num-batched-tokens 1024'")
+    ap.add_argument(
+        "--also-args",
+        default="",
+        help="also run pdserve with these `pdserve up` flags, e.g. '--max-num-batched-tokens 1024'",
+    )
     ap.add_argument("--single", action="store_true", help="also run vLLM as one instance on both cores")
     args = ap.parse_args()
     from engine.model_source import resolve_model
@@ -130,11 +196,14 @@ def main() -> int:
     logs = Path(args.logs)
     (logs / "kvstore").mkdir(parents=True, exist_ok=True)
     venv = Path(args.vllm_venv)
-    systems = {"vllm-pd": lambda tag: run_vllm(model_dir, venv, logs, tag),
-               "pdserve-pd": lambda tag: run_pdserve(logs, tag, str(venv / "bin" / "python"), [])}
+    systems = {
+        "vllm-pd": lambda tag: run_vllm(model_dir, venv, logs, tag),
+        "pdserve-pd": lambda tag: run_pdserve(logs, tag, str(venv / "bin" / "python"), []),
+    }
     if args.also_args:
         systems["pdserve-pd " + args.also_args] = lambda tag: run_pdserve(
-            logs, tag.replace(" ", "_"), str(venv / "bin" / "python"), args.also_args.split())
+            logs, tag.replace(" ", "_"), str(venv / "bin" / "python"), args.also_args.split()
+        )
     if args.single:
         systems["vllm-single"] = lambda tag: run_vllm_single(model_dir, venv, logs, tag)
     runs: dict[str, list[dict]] = {name: [] for name in systems}
@@ -142,18 +211,25 @@ def main() -> int:
         for name, run in systems.items():
             s = run(f"{name}-r{r}")
             runs[name].append(s)
-            print(f"round {r} {name:>10}: {s['out_tok_s']:6.1f} tok/s, TTFT p50 {s['ttft_p50_ms']:.0f} ms, "
-                  f"TPOT p50 {s['tpot_p50_ms']:.1f} ms p95 {s['tpot_p95_ms']:.1f} ms", flush=True)
-    med = {name: {k: statistics.median(s[k] for s in rs) for k in ("out_tok_s", "ttft_p50_ms", "tpot_p50_ms")}
-           for name, rs in runs.items()}
+            print(
+                f"round {r} {name:>10}: {s['out_tok_s']:6.1f} tok/s, TTFT p50 {s['ttft_p50_ms']:.0f} ms, "
+                f"TPOT p50 {s['tpot_p50_ms']:.1f} ms p95 {s['tpot_p95_ms']:.1f} ms",
+                flush=True,
+            )
+    med = {
+        name: {k: statistics.median(s[k] for s in rs) for k in ("out_tok_s", "ttft_p50_ms", "tpot_p50_ms")}
+        for name, rs in runs.items()
+    }
     ratios = {}
     for name in runs:
         if name != "vllm-pd":
             ratios[name] = [p["out_tok_s"] / v["out_tok_s"] for p, v in zip(runs[name], runs["vllm-pd"])]
-            print(f"tokens/s {name} / vLLM per round: {', '.join(f'{x:.2f}' for x in ratios[name])}; "
-                  f"median {statistics.median(ratios[name]):.2f}", flush=True)
-    Path(args.json).write_text(json.dumps({"runs": runs, "medians": med, "tps_ratio_per_round": ratios},
-                                          indent=1))
+            print(
+                f"tokens/s {name} / vLLM per round: {', '.join(f'{x:.2f}' for x in ratios[name])}; "
+                f"median {statistics.median(ratios[name]):.2f}",
+                flush=True,
+            )
+    Path(args.json).write_text(json.dumps({"runs": runs, "medians": med, "tps_ratio_per_round": ratios}, indent=1))
     return 0
 
 

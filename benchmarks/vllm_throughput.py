@@ -16,8 +16,14 @@ def main():
 
     prompts = [TokensPrompt(prompt_token_ids=p) for p in json.load(open(prompts_file))]
     # On CPU, gpu_memory_utilization is the share of host memory vLLM reserves; 2 GiB of KV is plenty.
-    llm = LLM(model=model_dir, dtype=dtype, max_model_len=2048, seed=0, gpu_memory_utilization=0.5,
-              kv_cache_memory_bytes=2 << 30)
+    llm = LLM(
+        model=model_dir,
+        dtype=dtype,
+        max_model_len=2048,
+        seed=0,
+        gpu_memory_utilization=0.5,
+        kv_cache_memory_bytes=2 << 30,
+    )
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     llm.generate(prompts[:8], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), use_tqdm=False)
     start = time.perf_counter()

@@ -20,17 +20,35 @@ from serving.replica import Replica
 
 @serve.deployment(name="Decode", ray_actor_options={"num_cpus": 0})
 class DecodeDeployment:
-    async def __init__(self, app_name: str, engine: EngineConfig, config: DecodeConfig, kv_options: tuple = (),
-                       security: SecurityConfig = SecurityConfig()):
+    async def __init__(
+        self,
+        app_name: str,
+        engine: EngineConfig,
+        config: DecodeConfig,
+        kv_options: tuple = (),
+        security: SecurityConfig = SecurityConfig(),
+    ):
         host = ray.util.get_node_ip_address()
-        self.node = node = DecodeNode(engine, replace(config, port=preferred_port(host, config.port)), host=host,
-                                      metrics=Metrics("ray"), security=security.security(), kv_options=kv_options)
+        self.node = node = DecodeNode(
+            engine,
+            replace(config, port=preferred_port(host, config.port)),
+            host=host,
+            metrics=Metrics("ray"),
+            security=security.security(),
+            kv_options=kv_options,
+        )
         self._tokens = [node.llm.num_generated_tokens]  # at the last reading of tokens_per_second
-        self.replica = Replica("decode", app_name, node, config.drain_timeout_s, gauges={
-            "pdserve_decode_running_sequences": ("Sequences transferring or decoding", lambda: node.num_active),
-            "pdserve_decode_kv_utilization": ("Used KV blocks / all KV blocks", self._kv_utilization),
-            "pdserve_decode_tokens_per_second": ("Generated tokens per second", self._tokens_per_second),
-        })
+        self.replica = Replica(
+            "decode",
+            app_name,
+            node,
+            config.drain_timeout_s,
+            gauges={
+                "pdserve_decode_running_sequences": ("Sequences transferring or decoding", lambda: node.num_active),
+                "pdserve_decode_kv_utilization": ("Used KV blocks / all KV blocks", self._kv_utilization),
+                "pdserve_decode_tokens_per_second": ("Generated tokens per second", self._tokens_per_second),
+            },
+        )
         await self.replica.start()
 
     def _kv_utilization(self) -> float:

@@ -50,15 +50,23 @@ class Reserved:
 class DecodeNode(EngineServer, nodes_pb2_grpc.DecodeNodeServicer):
     role = "decode"
 
-    def __init__(self, engine_config: EngineConfig, config: DecodeConfig = DecodeConfig(), *,
-                 host: str = "127.0.0.1", metrics: Metrics | None = None, security: Security = NONE,
-                 kv_options: tuple = ()):
+    def __init__(
+        self,
+        engine_config: EngineConfig,
+        config: DecodeConfig = DecodeConfig(),
+        *,
+        host: str = "127.0.0.1",
+        metrics: Metrics | None = None,
+        security: Security = NONE,
+        kv_options: tuple = (),
+    ):
         """kv_options: the KV transports' reader options (kvtransfer/transports.py)."""
         self.config = config
         llm = LLMEngine(engine_config)
         super().__init__(llm, host, config.port, security, metrics)
-        self.server.add(nodes_pb2_grpc.add_DecodeNodeServicer_to_server, self,
-                        nodes_pb2.DESCRIPTOR.services_by_name["DecodeNode"])
+        self.server.add(
+            nodes_pb2_grpc.add_DecodeNodeServicer_to_server, self, nodes_pb2.DESCRIPTOR.services_by_name["DecodeNode"]
+        )
         self.layout = KVLayout.of(llm.kv_cache, model_fingerprint(llm.model_dir))
         self.receiver = KVReceiver(llm.kv_cache, self.layout, config.kv_transport, security, kv_options)
         self.host_id = host_id()
@@ -79,8 +87,9 @@ class DecodeNode(EngineServer, nodes_pb2_grpc.DecodeNodeServicer):
     # ---- DecodeNode service -----------------------------------------------------------------
     async def Decode(self, request: nodes_pb2.DecodeRequest, context):
         if self.num_active >= self.config.max_queued + self.llm.config.max_num_seqs:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"decode node at capacity ({self.num_active} streams open)")
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED, f"decode node at capacity ({self.num_active} streams open)"
+            )
         self.num_active += 1
         try:
             params = await self._check(request, context)
@@ -91,9 +100,12 @@ class DecodeNode(EngineServer, nodes_pb2_grpc.DecodeNodeServicer):
             self.num_active -= 1
 
     async def GetLoad(self, request, context) -> common_pb2.NodeLoad:
-        return common_pb2.NodeLoad(**self.llm.load(), **self.llm.cache_changes(request.cache_since),
-                                   host_id=self.host_id,
-                                   kv_transports=[c.to_proto() for c in self.receiver.capabilities()])
+        return common_pb2.NodeLoad(
+            **self.llm.load(),
+            **self.llm.cache_changes(request.cache_since),
+            host_id=self.host_id,
+            kv_transports=[c.to_proto() for c in self.receiver.capabilities()],
+        )
 
     # ---- a request's life -------------------------------------------------------------------
     async def _decode_imported(self, request: nodes_pb2.DecodeRequest, params, context):
@@ -124,10 +136,14 @@ class DecodeNode(EngineServer, nodes_pb2_grpc.DecodeNodeServicer):
                 raise ValueError("a request prefilled locally carries no kv source")
             # n > 1: every sample draws its first token here, from the one imported KV
             if params.forks and request.output_token_ids:
-                raise ValueError("output_token_ids must be empty with n, best_of or beam_width > 1: each sample "
-                                 "draws its first token on the decode node")
+                raise ValueError(
+                    "output_token_ids must be empty with n, best_of or beam_width > 1: each sample "
+                    "draws its first token on the decode node"
+                )
             if not (request.prefill_locally or request.output_token_ids or request.kv.layerwise or params.forks):
-                raise ValueError("output_token_ids must hold the token sampled by the prefill")  # layer-wise: with the KV
+                raise ValueError(
+                    "output_token_ids must hold the token sampled by the prefill"
+                )  # layer-wise: with the KV
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return params
@@ -138,26 +154,33 @@ class DecodeNode(EngineServer, nodes_pb2_grpc.DecodeNodeServicer):
         cache and only the rest is read."""
         source = request.kv
         try:
-            partial = (self.llm.config.enable_prefix_caching and source.layout.block_size == self.llm.config.block_size
-                       and self.receiver.can_skip(source))
+            partial = (
+                self.llm.config.enable_prefix_caching
+                and source.layout.block_size == self.llm.config.block_size
+                and self.receiver.can_skip(source)
+            )
         except KVTransferError as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-        kv_tokens = (list(request.prompt_token_ids) + list(request.output_token_ids))[:source.num_tokens] \
-            if partial else None
+        kv_tokens = (
+            (list(request.prompt_token_ids) + list(request.output_token_ids))[: source.num_tokens] if partial else None
+        )
         give_up = request.deadline or time.time() + BLOCK_WAIT_S
         while True:
             try:
                 reserved = await self.engine.call_or_undo(
                     lambda: self.llm.try_reserve_kv(source.num_tokens, kv_tokens, params.cache_salt),
-                    lambda r: self.llm.free_kv(r[0]))
+                    lambda r: self.llm.free_kv(r[0]),
+                )
             except ValueError as e:  # longer than this node can ever hold
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             if reserved is not None:
                 return Reserved(*reserved)
             if time.time() >= give_up:
-                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                    f"decode node out of KV blocks for {source.num_tokens} tokens "
-                                    f"({self.llm.block_manager.num_free_blocks} free)")
+                await context.abort(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"decode node out of KV blocks for {source.num_tokens} tokens "
+                    f"({self.llm.block_manager.num_free_blocks} free)",
+                )
             await asyncio.sleep(0.01)
 
     async def _transfer(self, source: nodes_pb2.KVSource, reserved: Reserved, context) -> KVTransfer:
@@ -178,20 +201,34 @@ class DecodeNode(EngineServer, nodes_pb2_grpc.DecodeNodeServicer):
         self.metrics.observe("pdserve_kv_transfer_seconds", transfer.seconds, transport=transfer.transport)
         self.metrics.observe("pdserve_kv_transfer_bytes", transfer.num_bytes, transport=transfer.transport)
         if transfer.seconds > 0:
-            self.metrics.set("pdserve_kv_transfer_gbps", transfer.num_bytes / transfer.seconds / 1e9,
-                             transport=transfer.transport)
+            self.metrics.set(
+                "pdserve_kv_transfer_gbps", transfer.num_bytes / transfer.seconds / 1e9, transport=transfer.transport
+            )
         return transfer
 
-    async def _run(self, request: nodes_pb2.DecodeRequest, params, output_token_ids: list[int],
-                   num_emitted_chars: int, reserved: Reserved, context):
+    async def _run(
+        self,
+        request: nodes_pb2.DecodeRequest,
+        params,
+        output_token_ids: list[int],
+        num_emitted_chars: int,
+        reserved: Reserved,
+        context,
+    ):
         """3. running: from the moment the admission is queued the engine owns the blocks (it frees
         them if the admission fails or the request is aborted)."""
         admitted = []
 
         def admit():  # in the engine thread, between two steps: the next step decodes it
             admitted.append(time.time())
-            self.llm.add_prefilled_request(request.request_id, list(request.prompt_token_ids), output_token_ids,
-                                           params, reserved.blocks, num_emitted_chars=num_emitted_chars)
+            self.llm.add_prefilled_request(
+                request.request_id,
+                list(request.prompt_token_ids),
+                output_token_ids,
+                params,
+                reserved.blocks,
+                num_emitted_chars=num_emitted_chars,
+            )
 
         first = True
         reserved.owned = False  # no await between this and the admission being queued
@@ -215,9 +252,16 @@ class DecodeNode(EngineServer, nodes_pb2_grpc.DecodeNodeServicer):
         start = time.time()
         first = True
         try:
-            async for out in self.engine.stream(request.request_id, lambda: self.llm.add_request(
-                    request.request_id, list(request.prompt_token_ids), params, output_token_ids=prior,
-                    num_emitted_chars=request.num_emitted_chars if prior else None)):
+            async for out in self.engine.stream(
+                request.request_id,
+                lambda: self.llm.add_request(
+                    request.request_id,
+                    list(request.prompt_token_ids),
+                    params,
+                    output_token_ids=prior,
+                    num_emitted_chars=request.num_emitted_chars if prior else None,
+                ),
+            ):
                 msg = _response(out)
                 if first:
                     msg.prefill_start, msg.prefill_end = start, time.time()
@@ -235,8 +279,13 @@ class DecodeNode(EngineServer, nodes_pb2_grpc.DecodeNodeServicer):
 
 def _response(out) -> nodes_pb2.DecodeResponse:
     """One engine output as a Decode stream message."""
-    msg = nodes_pb2.DecodeResponse(token_ids=out.new_token_ids, text=out.new_text, finished=out.last,
-                                   finish_reason=out.finish_reason or "", index=out.index)
+    msg = nodes_pb2.DecodeResponse(
+        token_ids=out.new_token_ids,
+        text=out.new_text,
+        finished=out.last,
+        finish_reason=out.finish_reason or "",
+        index=out.index,
+    )
     if out.logprobs:  # one entry per new token (several after a verified draft)
-        msg.logprobs.extend(logprobs_to_proto(lp) for lp in out.logprobs[-len(out.new_token_ids):])
+        msg.logprobs.extend(logprobs_to_proto(lp) for lp in out.logprobs[-len(out.new_token_ids) :])
     return msg

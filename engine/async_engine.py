@@ -60,6 +60,7 @@ class AsyncEngine:
         try:
             return await asyncio.shield(task)
         except asyncio.CancelledError:
+
             def undo_when_done(t: asyncio.Future) -> None:
                 if not t.cancelled() and t.exception() is None and t.result() is not None:
                     self._commands.put((undo, (t.result(),), {}, t.get_loop(), t.get_loop().create_future()))

@@ -27,6 +27,7 @@ class AttendGroup:
 @dataclass
 class DecodeGroup:
     """For the C++ CPU kernel, which reads K/V in place through the block table."""
+
     block_table: torch.Tensor  # [B, max_blocks] int64
     context_lens: torch.Tensor  # [B] int64, the new token included
 
@@ -34,6 +35,7 @@ class DecodeGroup:
 @dataclass
 class PrefillSeqs:
     """For `_attend_matmul` (CPU, bf16): each prefill sequence attended alone, no padding."""
+
     slots: list[torch.Tensor]  # per sequence, [start + len] slots of its context
     starts: list[int]
     lens: list[int]
@@ -50,9 +52,17 @@ class AttentionMetadata:
     sliding_window: int | None
 
 
-def build_metadata(starts: list[int], lens: list[int], block_tables: list[list[int]], num_decode: int,
-                   block_size: int, sliding_window: int | None, device: torch.device,
-                   decode_kernel: bool = False, prefill_matmul: bool = False) -> AttentionMetadata:
+def build_metadata(
+    starts: list[int],
+    lens: list[int],
+    block_tables: list[list[int]],
+    num_decode: int,
+    block_size: int,
+    sliding_window: int | None,
+    device: torch.device,
+    decode_kernel: bool = False,
+    prefill_matmul: bool = False,
+) -> AttentionMetadata:
     """starts[i]: KV positions sequence i already has; lens[i]: positions computed this step.
     The first `num_decode` sequences have lens == 1. With decode_kernel, their attention runs in
     the C++ kernel (see cpu_kernels.py); with prefill_matmul, the prefills' runs in
@@ -102,25 +112,43 @@ def build_metadata(starts: list[int], lens: list[int], block_tables: list[list[i
     else:
         decode = group(slice(0, num_decode))
     if prefill_matmul and num_decode < num_seqs:
-        prefill = PrefillSeqs([all_slots[i, :starts[i] + lens[i]].to(device) for i in range(num_decode, num_seqs)],
-                              starts[num_decode:], lens[num_decode:])
+        prefill = PrefillSeqs(
+            [all_slots[i, : starts[i] + lens[i]].to(device) for i in range(num_decode, num_seqs)],
+            starts[num_decode:],
+            lens[num_decode:],
+        )
     else:
         prefill = group(slice(num_decode, num_seqs))
-    return AttentionMetadata(pos.to(device), slot_mapping.to(device), num_decode, decode, prefill,
-                             block_size, sliding_window)
+    return AttentionMetadata(
+        pos.to(device), slot_mapping.to(device), num_decode, decode, prefill, block_size, sliding_window
+    )
 
 
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+) -> torch.Tensor:
     """q: [T, Hq, D]; k, v: [T, Hkv, D]; k_cache, v_cache: [num_slots, Hkv, D]. Returns [T, Hq, D]."""
     k_cache.index_copy_(0, meta.slot_mapping, k)
     v_cache.index_copy_(0, meta.slot_mapping, v)
     nd = meta.num_decode_tokens
     out = q.new_empty(q.shape)  # q may be a strided view into the fused qkv output
     if isinstance(meta.decode, DecodeGroup):
-        torch.ops.pdserve.paged_decode_attention(out[:nd], q[:nd], k_cache, v_cache, meta.decode.block_table,
-                                                 meta.decode.context_lens, meta.block_size, q.shape[-1] ** -0.5,
-                                                 meta.sliding_window or 0)
+        torch.ops.pdserve.paged_decode_attention(
+            out[:nd],
+            q[:nd],
+            k_cache,
+            v_cache,
+            meta.decode.block_table,
+            meta.decode.context_lens,
+            meta.block_size,
+            q.shape[-1] ** -0.5,
+            meta.sliding_window or 0,
+        )
     elif meta.decode is not None:
         out[:nd] = _attend(q[:nd].unsqueeze(1), k_cache, v_cache, meta.decode).squeeze(1)
     if meta.prefill is None:
@@ -129,8 +157,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     if isinstance(g, PrefillSeqs):
         first = nd
         for slots, start, n in zip(g.slots, g.starts, g.lens):
-            _attend_matmul(out[first:first + n], q[first:first + n], k_cache, v_cache, slots, start,
-                           meta.sliding_window)
+            _attend_matmul(
+                out[first : first + n], q[first : first + n], k_cache, v_cache, slots, start, meta.sliding_window
+            )
             first += n
         return out
     batch = g.slots.shape[0]
@@ -146,13 +175,22 @@ def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: At
     flat = g.slots.view(-1)
     k = k_cache.index_select(0, flat).view(batch, ctx, *k_cache.shape[1:]).transpose(1, 2)  # [B, Hkv, Lk, D]
     v = v_cache.index_select(0, flat).view(batch, ctx, *v_cache.shape[1:]).transpose(1, 2)
-    o = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=g.mask, is_causal=g.mask is None,
-                                       enable_gqa=q.shape[2] != k.shape[1])
+    o = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k, v, attn_mask=g.mask, is_causal=g.mask is None, enable_gqa=q.shape[2] != k.shape[1]
+    )
     return o.transpose(1, 2)
 
 
-def _attend_matmul(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   slots: torch.Tensor, start: int, sliding_window: int | None, chunk: int = 64) -> None:
+def _attend_matmul(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    start: int,
+    sliding_window: int | None,
+    chunk: int = 64,
+) -> None:
     """One sequence's prefill queries q [L, Hq, D] (positions start..start+L-1) over its context
     slots, written into out [L, Hq, D]: per chunk of 64 queries, two batched fp32 matmuls with the
     KV head's query heads stacked as rows (GQA) and a softmax between them. On a CPU in bf16 this
@@ -168,7 +206,7 @@ def _attend_matmul(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_
     v = v_cache.index_select(0, slots).transpose(0, 1).to(torch.float32, memory_format=torch.contiguous_format)
     q = q.view(seq_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)  # [Hkv, G, L, D]
     out = out.view(seq_len, num_kv_heads, group, head_dim)
-    scale = head_dim ** -0.5
+    scale = head_dim**-0.5
     c0 = 0
     while c0 < seq_len:
         # Chunks aligned to absolute positions: a query sees the same keys in the same sums
@@ -176,7 +214,7 @@ def _attend_matmul(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_
         n = min(chunk - (start + c0) % chunk, seq_len - c0)
         k_end = start + c0 + n  # one past the chunk's last query position
         k_begin = max(0, start + c0 - sliding_window + 1) if sliding_window else 0
-        qc = q[:, :, c0:c0 + n].reshape(num_kv_heads, group * n, head_dim).float() * scale
+        qc = q[:, :, c0 : c0 + n].reshape(num_kv_heads, group * n, head_dim).float() * scale
         s = torch.bmm(qc, k[:, k_begin:k_end].transpose(1, 2)).view(num_kv_heads, group, n, k_end - k_begin)
         # Without a window, only the chunk's own n positions (the last n keys) hide any key.
         masked = s if sliding_window else s[..., -n:]
@@ -188,5 +226,5 @@ def _attend_matmul(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_
         masked.masked_fill_(hidden.to(s.device), float("-inf"))
         p = torch.softmax(s, -1).view(num_kv_heads, group * n, k_end - k_begin)
         o = torch.bmm(p, v[:, k_begin:k_end])  # [Hkv, G * n, D]
-        out[c0:c0 + n] = o.view(num_kv_heads, group, n, head_dim).permute(2, 0, 1, 3)
+        out[c0 : c0 + n] = o.view(num_kv_heads, group, n, head_dim).permute(2, 0, 1, 3)
         c0 += n

@@ -53,8 +53,14 @@ class BeamSearch:
     def advance(self, next_logprobs: list[dict[int, float]]) -> None:
         """next_logprobs[b]: the top log-probabilities of the token after running beam b."""
         width, penalty = self.width, self.params.length_penalty
-        candidates = sorted(((beam.score + lp, b, token) for b, beam in enumerate(self.running)
-                             for token, lp in next_logprobs[b].items()), key=lambda c: -c[0])[:2 * width]
+        candidates = sorted(
+            (
+                (beam.score + lp, b, token)
+                for b, beam in enumerate(self.running)
+                for token, lp in next_logprobs[b].items()
+            ),
+            key=lambda c: -c[0],
+        )[: 2 * width]
         length = len(self.running[0].token_ids) + 1  # every beam has as many tokens
         at_max = length >= self.params.max_tokens
         hits = [at_max or token in self.stop_token_ids for _, _, token in candidates]
@@ -62,14 +68,18 @@ class BeamSearch:
         if self.improvable:
             for (score, b, token), hit in zip(candidates[:width], hits[:width]):
                 if hit:
-                    self.finished.append(Hypothesis(self.running[b].token_ids + [token], score,
-                                                    score / length ** penalty))
+                    self.finished.append(
+                        Hypothesis(self.running[b].token_ids + [token], score, score / length**penalty)
+                    )
             self.finished = sorted(self.finished, key=lambda h: -h.score)[:width]  # stable: earlier first
         # running: the first W candidates that go on
-        self.running = [Beam(self.running[b].token_ids + [token], score)
-                        for (score, b, token), hit in zip(candidates, hits) if not hit][:width]
+        self.running = [
+            Beam(self.running[b].token_ids + [token], score)
+            for (score, b, token), hit in zip(candidates, hits)
+            if not hit
+        ][:width]
         if self.running and len(self.finished) == width:
-            best_possible = self.running[0].score / length ** penalty
+            best_possible = self.running[0].score / length**penalty
             self.improvable = self.improvable and best_possible > min(h.score for h in self.finished)
         self.done = not self.improvable or all(hits) or not self.running
 
@@ -85,8 +95,9 @@ class BeamRequest:
     """One beam search request inside the engine: the single-token sequences of each step, the
     step's results as they come in, and the final outputs."""
 
-    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 stop_token_ids: frozenset[int]):
+    def __init__(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, stop_token_ids: frozenset[int]
+    ):
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self.search = BeamSearch(params, stop_token_ids)
@@ -95,8 +106,10 @@ class BeamRequest:
 
     def step_sequences(self) -> list[Sequence]:
         params = self.search.step_params()
-        return [Sequence(self.request_id, self.prompt_token_ids + beam.token_ids, params, index=BEAM_INDEX + b)
-                for b, beam in enumerate(self.search.running)]
+        return [
+            Sequence(self.request_id, self.prompt_token_ids + beam.token_ids, params, index=BEAM_INDEX + b)
+            for b, beam in enumerate(self.search.running)
+        ]
 
     def collect(self, out: RequestOutput) -> bool:
         """Takes one beam's step result; True once every running beam's is in (the step is done)."""
@@ -115,9 +128,20 @@ class BeamRequest:
         for i, h in enumerate(results):
             text = detokenize(self.prompt_token_ids, h.token_ids)
             reason = "stop" if h.token_ids[-1] in self.search.stop_token_ids else "length"
-            outs.append(RequestOutput(
-                request_id=self.request_id, prompt_token_ids=self.prompt_token_ids, token_ids=h.token_ids,
-                text=text, new_token_ids=list(h.token_ids), new_text=text, finished=True, finish_reason=reason,
-                num_cached_tokens=self.num_cached_tokens, index=i, cumulative_logprob=h.logprob,
-                request_finished=i == len(results) - 1))
+            outs.append(
+                RequestOutput(
+                    request_id=self.request_id,
+                    prompt_token_ids=self.prompt_token_ids,
+                    token_ids=h.token_ids,
+                    text=text,
+                    new_token_ids=list(h.token_ids),
+                    new_text=text,
+                    finished=True,
+                    finish_reason=reason,
+                    num_cached_tokens=self.num_cached_tokens,
+                    index=i,
+                    cumulative_logprob=h.logprob,
+                    request_finished=i == len(results) - 1,
+                )
+            )
         return outs

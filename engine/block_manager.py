@@ -50,7 +50,7 @@ def block_hashes(token_ids: list[int], block_size: int, cache_salt: str = "") ->
     """The names of the full blocks of a token sequence, in order."""
     hashes, parent = [], salt_root(cache_salt)
     for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = chain_hash(parent, token_ids[start:start + block_size])
+        parent = chain_hash(parent, token_ids[start : start + block_size])
         hashes.append(parent)
     return hashes
 
@@ -78,6 +78,11 @@ class BlockManager:
     @property
     def num_free_blocks(self) -> int:
         return len(self.empty) + len(self.evictable)
+
+    def record_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Counts an admitted prefix lookup: its tokens, and those the cache held."""
+        self.num_query_tokens += num_tokens
+        self.num_hit_tokens += num_hit_tokens
 
     @property
     def num_used_blocks(self) -> int:

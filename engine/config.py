@@ -40,14 +40,13 @@ class EngineConfig:
     num_kv_blocks: int | None = option(None, "KV cache blocks, overriding --kv-cache-gb (tests use tiny pools)")
     max_num_seqs: int = option(256, "sequences in one decode batch at most")
     max_num_batched_tokens: int = option(4096, "tokens in one forward at most (prefill chunks + decodes)")
-    max_model_len: int | None = option(
-        None, "longest prompt + output in tokens (default: the model's context length)"
-    )
+    max_model_len: int | None = option(None, "longest prompt + output in tokens (default: the model's context length)")
     scheduling: str = option(
         "continuous", "static: a new batch only once the whole batch is done (for comparison)", choices=SCHEDULING
     )
     enable_chunked_prefill: bool = option(
-        True, "compute a long prompt in one step (by default it is split over steps within the token budget)",
+        True,
+        "compute a long prompt in one step (by default it is split over steps within the token budget)",
         flag="--no-chunked-prefill",
     )
     enable_prefix_caching: bool = option(
@@ -56,7 +55,8 @@ class EngineConfig:
         flag="--no-prefix-caching",
     )
     cpu_kernels: bool = option(
-        True, "plain torch ops on the CPU (by default C++ attention and fused ops, where they build)",
+        True,
+        "plain torch ops on the CPU (by default C++ attention and fused ops, where they build)",
         flag="--no-cpu-kernels",
     )
     num_threads: int | None = option(None, "torch threads on CPU (default: torch's choice)")
@@ -71,17 +71,27 @@ class EngineConfig:
     def __post_init__(self):
         _check(isinstance(self.model, str) and self.model != "", "model", "a model name or path", self.model)
         _check(self.dtype in DTYPES, "dtype", f"one of {DTYPES}", self.dtype)
-        _check(isinstance(self.device, str) and self.device.split(":")[0] in ("auto", "cpu", "cuda"),
-               "device", "'auto', 'cpu' or 'cuda[:N]'", self.device)
-        _check(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128, 256), "block_size",
-               "a power of two in [1, 256]", self.block_size)
+        _check(
+            isinstance(self.device, str) and self.device.split(":")[0] in ("auto", "cpu", "cuda"),
+            "device",
+            "'auto', 'cpu' or 'cuda[:N]'",
+            self.device,
+        )
+        _check(
+            self.block_size in (1, 2, 4, 8, 16, 32, 64, 128, 256),
+            "block_size",
+            "a power of two in [1, 256]",
+            self.block_size,
+        )
         _check(self.kv_cache_bytes > 0, "kv_cache_bytes", "> 0", self.kv_cache_bytes)
-        _check(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks", ">= 1 or None",
-               self.num_kv_blocks)
+        _check(
+            self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks", ">= 1 or None", self.num_kv_blocks
+        )
         _check(self.max_num_seqs >= 1, "max_num_seqs", ">= 1", self.max_num_seqs)
         _check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", ">= 1", self.max_num_batched_tokens)
-        _check(self.max_model_len is None or self.max_model_len >= 2, "max_model_len", ">= 2 or None",
-               self.max_model_len)
+        _check(
+            self.max_model_len is None or self.max_model_len >= 2, "max_model_len", ">= 2 or None", self.max_model_len
+        )
         _check(self.scheduling in SCHEDULING, "scheduling", f"one of {SCHEDULING}", self.scheduling)
         _check(self.num_threads is None or self.num_threads >= 1, "num_threads", ">= 1 or None", self.num_threads)
         if self.speculative is not None:

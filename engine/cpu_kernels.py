@@ -53,8 +53,15 @@ def _build(isa_flags: list[str]) -> None:
         if (directory / "lock").exists():
             log.warning("pdserve CPU kernels: removing a stale build lock left by a killed build (%s)", directory)
             (directory / "lock").unlink(missing_ok=True)
-        build(name=_name(isa_flags), sources=SOURCES, extra_cflags=BASE_FLAGS + isa_flags, extra_ldflags=["-fopenmp"],
-              build_directory=str(directory), is_python_module=False, verbose=False)
+        build(
+            name=_name(isa_flags),
+            sources=SOURCES,
+            extra_cflags=BASE_FLAGS + isa_flags,
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(directory),
+            is_python_module=False,
+            verbose=False,
+        )
     finally:
         os.close(fd)  # releases the flock
 
@@ -69,8 +76,11 @@ def load() -> bool:
         try:
             _build(flags)
         except Exception as e:  # no compiler, no headers, an ISA flag the compiler lacks
-            log.warning("pdserve CPU kernels: build for %s failed (%s)", flags or "plain C++",
-                        str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__)
+            log.warning(
+                "pdserve CPU kernels: build for %s failed (%s)",
+                flags or "plain C++",
+                str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__,
+            )
             continue
         if all(hasattr(torch.ops.pdserve, op) for op in OPS):
             log.info("pdserve CPU kernels built for %s (%s)", cpu.isa, " ".join(flags) or "plain C++")

@@ -29,15 +29,15 @@ class IncrementalDetokenizer:
         """Adds one generated token. Returns (text to stream now, whether a stop string ended the
         output). `final` says no token follows, so nothing is held back."""
         self.ids.append(token_id)
-        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
-        full = self._decode(self.ids[self.prefix_offset:])
+        prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset :])
         stopped = False
         if len(full) > len(prefix) and (final or not full.endswith("\ufffd")):
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-            stopped = self._append(full[len(prefix):])
+            stopped = self._append(full[len(prefix) :])
         hold = 0 if final or stopped else self.hold_back
         end = max(self.num_emitted, len(self.text) - hold)
-        delta, self.num_emitted = self.text[self.num_emitted:end], end
+        delta, self.num_emitted = self.text[self.num_emitted : end], end
         return delta, stopped
 
     def _append(self, delta: str) -> bool:
@@ -47,7 +47,7 @@ class IncrementalDetokenizer:
             window = self.text[start:] + delta
             hits = [window.find(s) for s in self.stop if s in window]
             if hits:
-                self.text = self.text[:start] + window[:min(hits)]
+                self.text = self.text[:start] + window[: min(hits)]
                 return True
         self.text += delta
         return False

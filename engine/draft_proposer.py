@@ -26,27 +26,39 @@ from engine.model import LlamaModel
 from engine.model_config import ModelConfig
 from engine.model_source import resolve_model
 from engine.ops import Ops
-from engine.sequence import Sequence
-from engine.speculative import DraftState, SpeculativeConfig, draft_length
+from engine.sequence import DraftState, Sequence
+from engine.speculative import SpeculativeConfig, draft_length, observe
 from engine.weights import load_weights
 
 
 class DraftModelProposer:
-    def __init__(self, config: SpeculativeConfig, target: ModelConfig, block_manager: BlockManager,
-                 dtype: torch.dtype, device: torch.device, max_model_len: int, reserve: int, fused_ops: bool):
+    def __init__(
+        self,
+        config: SpeculativeConfig,
+        target: ModelConfig,
+        block_manager: BlockManager,
+        dtype: torch.dtype,
+        device: torch.device,
+        max_model_len: int,
+        reserve: int,
+        fused_ops: bool,
+    ):
         model_dir = resolve_model(config.draft_model)
         cfg = ModelConfig.from_dir(model_dir)
         if cfg.vocab_size != target.vocab_size:
-            raise ValueError(f"speculative.draft_model: its vocabulary ({cfg.vocab_size} tokens) must be the "
-                             f"target's ({target.vocab_size})")
+            raise ValueError(
+                f"speculative.draft_model: its vocabulary ({cfg.vocab_size} tokens) must be the "
+                f"target's ({target.vocab_size})"
+            )
         self.config, self.cfg, self.device = config, cfg, device
         self.block_manager, self.reserve, self.max_model_len = block_manager, reserve, max_model_len
         self.model = LlamaModel(cfg, load_weights(model_dir, cfg, dtype, device), max_model_len, Ops(fused=fused_ops))
         self.decode_kernel = fused_ops and decode_attention_fits(cfg.head_dim)
         self.prefill_matmul = fused_ops and dtype == torch.bfloat16
         bm = block_manager
-        self.kv_cache = KVCache(cfg.num_layers, bm.num_blocks, bm.block_size, cfg.num_kv_heads, cfg.head_dim,
-                                dtype, device)
+        self.kv_cache = KVCache(
+            cfg.num_layers, bm.num_blocks, bm.block_size, cfg.num_kv_heads, cfg.head_dim, dtype, device
+        )
 
     def propose(self, seqs: list[Sequence]) -> None:
         bm = self.block_manager
@@ -81,7 +93,7 @@ class DraftModelProposer:
         """The draft KV holds the accepted drafts it took as input (all but the last draft)."""
         state = seq.draft_state
         state.draft_computed = min(state.draft_computed, seq.num_tokens + min(num_accepted, num_drafted - 1))
-        state.observe(self.config, num_drafted, num_accepted)
+        observe(self.config, state, num_drafted, num_accepted)
 
     @torch.inference_mode()
     def _forward(self, spans: list[tuple[Sequence, int, int]]) -> list[int]:
@@ -96,10 +108,20 @@ class DraftModelProposer:
             lens.append(end - start)
             tables.append(seq.block_table)
         num_single = sum(n == 1 for n in lens)
-        meta = build_metadata(starts, lens, tables, num_single, self.block_manager.block_size,
-                              self.cfg.sliding_window, self.device, self.decode_kernel, self.prefill_matmul)
-        hidden = self.model.forward(torch.tensor(ids, dtype=torch.long).to(self.device), meta.positions, meta,
-                                    self.kv_cache)
+        meta = build_metadata(
+            starts,
+            lens,
+            tables,
+            num_single,
+            self.block_manager.block_size,
+            self.cfg.sliding_window,
+            self.device,
+            self.decode_kernel,
+            self.prefill_matmul,
+        )
+        hidden = self.model.forward(
+            torch.tensor(ids, dtype=torch.long).to(self.device), meta.positions, meta, self.kv_cache
+        )
         last = torch.tensor(lens).cumsum(0) - 1
         tokens = self.model.compute_logits(hidden[last.to(self.device)]).argmax(dim=-1).tolist()
         out = [0] * len(spans)

@@ -38,8 +38,14 @@ X86_CLASSES = ("generic", "avx2", "avx512", "avx512_bf16", "amx")  # ascending
 ARM_CLASSES = ("generic", "neon")
 _AVX2 = ["-mavx2", "-mfma", "-mf16c"]
 _AVX512 = _AVX2 + ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mprefer-vector-width=512"]
-KERNEL_FLAGS = {"amx": _AVX512, "avx512_bf16": _AVX512, "avx512": _AVX512, "avx2": _AVX2,
-                "neon": ["-mcpu=native"], "generic": []}
+KERNEL_FLAGS = {
+    "amx": _AVX512,
+    "avx512_bf16": _AVX512,
+    "avx512": _AVX512,
+    "avx2": _AVX2,
+    "neon": ["-mcpu=native"],
+    "generic": [],
+}
 
 
 @dataclass(frozen=True)
@@ -74,8 +80,13 @@ def _x86_class() -> tuple[str, str]:
         source = f"torch reports {capability}"
     except (AttributeError, RuntimeError):  # an older or unusual torch: read the flags ourselves
         flags = _proc_flags()
-        capability = ("AVX512" if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags
-                      else "AVX2" if {"avx2", "fma"} <= flags else "DEFAULT")
+        capability = (
+            "AVX512"
+            if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags
+            else "AVX2"
+            if {"avx2", "fma"} <= flags
+            else "DEFAULT"
+        )
         amx, bf16 = "amx_tile" in flags, "avx512_bf16" in flags
         source = f"/proc/cpuinfo says {capability}"
     onednn_bf16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
@@ -152,16 +163,21 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     cpu = cpu_features()
     if dtype == "auto":
         chosen = torch.bfloat16 if cpu.native_bf16 else torch.float32
-        why = ("native bf16 matmuls" if cpu.native_bf16
-               else "no native bf16 on this CPU, where bf16 matmuls are emulated and several times slower")
+        why = (
+            "native bf16 matmuls"
+            if cpu.native_bf16
+            else "no native bf16 on this CPU, where bf16 matmuls are emulated and several times slower"
+        )
         _log_once(logging.INFO, f"dtype auto -> {_name(chosen)}: CPU class {cpu.isa} ({cpu.reason}); {why}")
         return chosen
     chosen = _DTYPES[dtype]
     if chosen != torch.float32 and not cpu.native_bf16:
-        _log_once(logging.WARNING,
-                  f"dtype {dtype} on a CPU of class {cpu.isa} without native {dtype} ({cpu.reason}): it runs, "
-                  f"without oneDNN's prepacked weights, several times slower than float32; "
-                  f"--dtype auto picks float32 here")
+        _log_once(
+            logging.WARNING,
+            f"dtype {dtype} on a CPU of class {cpu.isa} without native {dtype} ({cpu.reason}): it runs, "
+            f"without oneDNN's prepacked weights, several times slower than float32; "
+            f"--dtype auto picks float32 here",
+        )
     return chosen
 
 

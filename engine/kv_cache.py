@@ -12,8 +12,17 @@ import torch
 
 
 class KVCache:
-    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device, buffer: torch.Tensor | None = None):
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        buffer: torch.Tensor | None = None,
+    ):
         shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
         if buffer is None:
             # zeros, not empty: every page is touched now rather than on a first, timed use.
@@ -46,8 +55,7 @@ class KVCache:
         """Writes layer-ordered KV [layers, 2, T, kv_heads, head_dim] into the given blocks."""
         expected = (self.slots.shape[0], 2, kv.shape[2]) + tuple(self.slots.shape[3:])
         if tuple(kv.shape) != expected or kv.dtype != self.kv.dtype:
-            raise ValueError(f"kv: expected shape {expected} dtype {self.kv.dtype}, "
-                             f"got {tuple(kv.shape)} {kv.dtype}")
+            raise ValueError(f"kv: expected shape {expected} dtype {self.kv.dtype}, got {tuple(kv.shape)} {kv.dtype}")
         if -(-kv.shape[2] // self.block_size) > len(block_table):
             raise ValueError(f"kv: {kv.shape[2]} tokens do not fit in {len(block_table)} blocks")
         self.slots[:, :, self.token_slots(block_table, kv.shape[2])] = kv.to(self.kv.device)

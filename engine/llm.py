@@ -21,8 +21,9 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 
-    def generate(self, prompts: Prompt | list[Prompt],
-                 params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+    def generate(
+        self, prompts: Prompt | list[Prompt], params: SamplingParams | list[SamplingParams] | None = None
+    ) -> list[RequestOutput]:
         """Runs the prompts to completion with continuous batching; outputs in prompt order (with
         n > 1, each output is sample 0 and holds all n in `.samples`).
         Every prompt is checked before any runs; a bad one raises ValueError naming its index."""
@@ -60,8 +61,9 @@ class LLM:
             results.append(outs[0] if len(outs) == 1 else replace(outs[0], samples=outs))
         return results
 
-    def chat(self, messages: list[dict] | list[list[dict]],
-             params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+    def chat(
+        self, messages: list[dict] | list[list[dict]], params: SamplingParams | list[SamplingParams] | None = None
+    ) -> list[RequestOutput]:
         """Like generate, for chat conversations rendered with the model's chat template."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         return self.generate([apply_chat_template(self.tokenizer, c) for c in conversations], params)

@@ -11,28 +11,29 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.beam_search import BEAM_INDEX, BeamRequest
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.draft_proposer import DraftModelProposer
 from engine.hardware import resolve_device, resolve_dtype
 from engine.kv_progress import LayerProgress
-from engine.detokenizer import IncrementalDetokenizer
 from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner
 from engine.model_source import resolve_model
 from engine.outputs import RequestOutput
-from engine.beam_search import BEAM_INDEX, BeamRequest
 from engine.parallel_sampling import SampleGroup, fork
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
-from engine.draft_proposer import DraftModelProposer
-from engine.speculative import NgramProposer, SpeculativeConfig
 from engine.sequence import FinishReason, Sequence
+from engine.speculative import NgramProposer, SpeculativeConfig
 from engine.tokenizer import check_prompt_length, load_tokenizer, prompt_token_ids
 
 
 @dataclass
 class KVLease:
     """A finished prefill's blocks, held until the decode side has read them."""
+
     block_table: list[int]
     num_tokens: int
 
@@ -51,10 +52,11 @@ class LLMEngine:
         self.dtype = resolve_dtype(config.dtype, self.device)
         max_model_len = config.max_model_len or cfg.max_position_embeddings
         if max_model_len > cfg.max_position_embeddings:
-            raise ValueError(f"max_model_len must be <= the model's max_position_embeddings "
-                             f"({cfg.max_position_embeddings}), got {max_model_len}")
-        self.runner = ModelRunner(cfg, self.model_dir, config, self.dtype, self.device, max_model_len,
-                                  kv_allocator)
+            raise ValueError(
+                f"max_model_len must be <= the model's max_position_embeddings "
+                f"({cfg.max_position_embeddings}), got {max_model_len}"
+            )
+        self.runner = ModelRunner(cfg, self.model_dir, config, self.dtype, self.device, max_model_len, kv_allocator)
         self.kv_cache = self.runner.kv_cache
         self.block_manager = BlockManager(self.kv_cache.num_blocks, config.block_size, config.enable_prefix_caching)
         # A sequence can never outgrow the whole KV pool.
@@ -77,8 +79,16 @@ class LLMEngine:
             return None
         if spec.method == "ngram":
             return NgramProposer(spec, self.max_model_len)
-        return DraftModelProposer(spec, self.model_config, self.block_manager, self.dtype, self.device,
-                                  self.max_model_len, self.scheduler.watermark_blocks, self.runner.use_cpu_kernels)
+        return DraftModelProposer(
+            spec,
+            self.model_config,
+            self.block_manager,
+            self.dtype,
+            self.device,
+            self.max_model_len,
+            self.scheduler.watermark_blocks,
+            self.runner.use_cpu_kernels,
+        )
 
     # ---- requests in -------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -88,29 +98,49 @@ class LLMEngine:
     def _check_length(self, num_tokens: int) -> None:
         check_prompt_length(num_tokens, self.max_model_len)
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    output_token_ids: list[int] | None = None, num_emitted_chars: int | None = None) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        output_token_ids: list[int] | None = None,
+        num_emitted_chars: int | None = None,
+    ) -> None:
         """Queues a request that generates here. Raises ValueError, naming what is wrong, and
         changes nothing else. output_token_ids: tokens it already generated elsewhere (a
         migration): recomputed with the prompt, as after a preemption; generation goes on after
         them, its text after the num_emitted_chars characters already streamed."""
         self._add(request_id, prompt, params, output_token_ids, num_emitted_chars)
 
-    def add_prefill(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    output_token_ids: list[int] | None = None, num_emitted_chars: int | None = None,
-                    kv_progress: LayerProgress | None = None) -> None:
+    def add_prefill(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        output_token_ids: list[int] | None = None,
+        num_emitted_chars: int | None = None,
+        kv_progress: LayerProgress | None = None,
+    ) -> None:
         """The prefill side of a disaggregated request: computes the prompt's KV (and a migrated
         request's tokens) and samples the next token as add_request would, then hands off: its
         output ends with finish_reason None, the request going on elsewhere, or with the reason its
         own rule ended it at this token (stop, length). Either way the KV stays under a kv_lease
         until release_kv (export_kv or a transport reads it); kv_progress follows it as each
         layer is written (engine/kv_progress.py)."""
-        self._add(request_id, prompt, params, output_token_ids, num_emitted_chars, prefill=True,
-                  kv_progress=kv_progress)
+        self._add(
+            request_id, prompt, params, output_token_ids, num_emitted_chars, prefill=True, kv_progress=kv_progress
+        )
 
-    def _add(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-             output_token_ids: list[int] | None, num_emitted_chars: int | None, prefill: bool = False,
-             kv_progress: LayerProgress | None = None) -> None:
+    def _add(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        output_token_ids: list[int] | None,
+        num_emitted_chars: int | None,
+        prefill: bool = False,
+        kv_progress: LayerProgress | None = None,
+    ) -> None:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         if (request_id, 0) in self.requests or request_id in self.kv_leases or request_id in self.beams:
@@ -121,8 +151,10 @@ class LLMEngine:
         if len(prior) >= params.max_tokens:
             raise ValueError(f"output_token_ids: {len(prior)} tokens already reach max_tokens ({params.max_tokens})")
         if params.forks and (prefill or prior):
-            raise ValueError("n, best_of and beam_width must be 1 for a prefill to export or a migrated request: the "
-                             "samples fork where the request decodes")
+            raise ValueError(
+                "n, best_of and beam_width must be 1 for a prefill to export or a migrated request: the "
+                "samples fork where the request decodes"
+            )
         if params.beam_width > 1:
             self._start_beam_search(request_id, ids, params)
             return
@@ -138,7 +170,7 @@ class LLMEngine:
         if self.tokenizer is not None:
             detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, seq.params.stop)
             for token_id in seq.output_token_ids:  # sampled elsewhere, and streamed there up to
-                detok.add(token_id)                 # num_emitted_chars characters
+                detok.add(token_id)  # num_emitted_chars characters
             emitted = len(detok.text) if num_emitted_chars is None else min(num_emitted_chars, len(detok.text))
             detok.num_emitted = emitted
         self.requests[seq.request_id, seq.index] = (seq, detok)
@@ -165,10 +197,14 @@ class LLMEngine:
     def load(self) -> dict[str, int]:
         """What a router or autoscaler looks at. Plain counters, safe to read from another thread
         at any time (a long step must not look like a dead node)."""
-        return {"num_waiting": len(self.scheduler.waiting), "num_running": len(self.scheduler.running),
-                "num_free_blocks": self.block_manager.num_free_blocks,
-                "num_total_blocks": self.block_manager.num_blocks, "num_kv_leases": len(self.kv_leases),
-                "block_size": self.config.block_size}
+        return {
+            "num_waiting": len(self.scheduler.waiting),
+            "num_running": len(self.scheduler.running),
+            "num_free_blocks": self.block_manager.num_free_blocks,
+            "num_total_blocks": self.block_manager.num_blocks,
+            "num_kv_leases": len(self.kv_leases),
+            "block_size": self.config.block_size,
+        }
 
     def cache_changes(self, since: int) -> dict:
         """The prefix cache's names added and removed since a version (engine/block_manager.py);
@@ -177,8 +213,12 @@ class LLMEngine:
 
     def prefix_cache_stats(self) -> dict[str, int]:
         bm = self.block_manager
-        return {"query_tokens": bm.num_query_tokens, "hit_tokens": bm.num_hit_tokens,
-                "cached_blocks": bm.num_cached_blocks, "evicted_blocks": bm.num_evicted_blocks}
+        return {
+            "query_tokens": bm.num_query_tokens,
+            "hit_tokens": bm.num_hit_tokens,
+            "cached_blocks": bm.num_cached_blocks,
+            "evicted_blocks": bm.num_evicted_blocks,
+        }
 
     # ---- the step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -253,10 +293,11 @@ class LLMEngine:
         if group.forked:
             return
         group.forked = True
-        for child in reversed(fork(parent, group.params, self.block_manager, self.kv_cache,
-                                   self.scheduler.watermark_blocks)):
+        for child in reversed(
+            fork(parent, group.params, self.block_manager, self.kv_cache, self.scheduler.watermark_blocks)
+        ):
             self._track(child)
-            self.scheduler.waiting.appendleft(child)  # next step: their last prompt token
+            self.scheduler.add(child, first=True)  # next step: their last prompt token
 
     def _verified(self, seq: Sequence, num_drafted: int, num_accepted: int) -> None:
         self.proposer.observe(seq, num_drafted, num_accepted)
@@ -285,8 +326,8 @@ class LLMEngine:
                 else:  # the last token allowed (max_tokens) held a stop string: it stopped (as vLLM)
                     seq.finish_reason = FinishReason.STOP
                 if not last:  # accepted drafts after a stop string are not output
-                    del seq.output_token_ids[j + 1 - len(tokens):]
-                    tokens = tokens[:j + 1]
+                    del seq.output_token_ids[j + 1 - len(tokens) :]
+                    tokens = tokens[: j + 1]
                 break
         self.num_generated_tokens += len(tokens)
         if seq.is_finished:
@@ -295,13 +336,20 @@ class LLMEngine:
                 self.kv_leases[seq.request_id] = KVLease(seq.block_table, seq.num_computed_tokens)
                 seq.block_table = []
         return RequestOutput(
-            request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids,
-            token_ids=list(seq.output_token_ids), text=detok.text if detok else "",
-            new_token_ids=list(tokens), new_text=new_text, finished=seq.is_finished,
+            request_id=seq.request_id,
+            prompt_token_ids=seq.prompt_token_ids,
+            token_ids=list(seq.output_token_ids),
+            text=detok.text if detok else "",
+            new_token_ids=list(tokens),
+            new_text=new_text,
+            finished=seq.is_finished,
             finish_reason=seq.finish_reason.value if seq.finish_reason not in (None, FinishReason.HANDOFF) else None,
             logprobs=list(seq.output_logprobs) if seq.params.logprobs is not None else None,
-            num_preemptions=seq.num_preemptions, num_cached_tokens=seq.num_cached_tokens or 0, index=seq.index,
-            cumulative_logprob=seq.cumulative_logprob if seq.output_logprobs else None)
+            num_preemptions=seq.num_preemptions,
+            num_cached_tokens=seq.num_cached_tokens or 0,
+            index=seq.index,
+            cumulative_logprob=seq.cumulative_logprob if seq.output_logprobs else None,
+        )
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         self.scheduler.finish(seq, reason)
@@ -324,8 +372,9 @@ class LLMEngine:
         return self.kv_leases[request_id]
 
     # ---- KV in (decode side) -------------------------------------------------------------
-    def try_reserve_kv(self, num_tokens: int, token_ids: list[int] | None = None,
-                       cache_salt: str = "") -> tuple[list[int], int] | None:
+    def try_reserve_kv(
+        self, num_tokens: int, token_ids: list[int] | None = None, cache_salt: str = ""
+    ) -> tuple[list[int], int] | None:
         """Blocks for num_tokens of KV computed elsewhere, and how many leading ones the prefix
         cache filled (with token_ids, the KV's tokens, its cached prefix is looked up); None while
         the pool cannot hold it. Fill them (kv_cache.import_kv or a transport), then
@@ -355,39 +404,52 @@ class LLMEngine:
         if need > bm.num_free_blocks:
             bm.free(probe)
             return None
-        bm.num_query_tokens += len(token_ids)
-        bm.num_hit_tokens += cached
+        bm.record_lookup(len(token_ids), cached)
         return probe.block_table + bm.allocate_blocks(need), cached // self.config.block_size
 
     def free_kv(self, block_table: list[int]) -> None:
         self.block_manager.decref(block_table)
 
-    def add_prefilled_request(self, request_id: str, prompt_token_ids: list[int], output_token_ids: list[int],
-                              params: SamplingParams, block_table: list[int],
-                              num_emitted_chars: int | None = None) -> None:
+    def add_prefilled_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        output_token_ids: list[int],
+        params: SamplingParams,
+        block_table: list[int],
+        num_emitted_chars: int | None = None,
+    ) -> None:
         """Admits a sequence whose prompt KV already sits in `block_table` (reserved with
         reserve_kv) and whose first tokens were sampled elsewhere; decoding continues from there.
         With no output_token_ids, the last prompt token is computed again here to sample the first
         (parallel sampling: every sample draws its own first token from the one imported KV).
         The sequence owns the blocks from now on, also if this raises."""
-        seq = Sequence(request_id, list(prompt_token_ids), params, output_token_ids=list(output_token_ids),
-                       num_computed_tokens=len(prompt_token_ids) + len(output_token_ids) - 1,
-                       block_table=list(block_table))
+        seq = Sequence(
+            request_id,
+            list(prompt_token_ids),
+            params,
+            output_token_ids=list(output_token_ids),
+            num_computed_tokens=len(prompt_token_ids) + len(output_token_ids) - 1,
+            block_table=list(block_table),
+        )
         try:
             if not isinstance(params, SamplingParams):
                 raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
             if (request_id, 0) in self.requests or request_id in self.beams:
                 raise ValueError(f"request_id {request_id!r} is already in use")
             if params.forks and output_token_ids:
-                raise ValueError("output_token_ids must be empty with n, best_of or beam_width > 1: the samples "
-                                 "(beams) draw their first tokens here, from the imported KV")
+                raise ValueError(
+                    "output_token_ids must be empty with n, best_of or beam_width > 1: the samples "
+                    "(beams) draw their first tokens here, from the imported KV"
+                )
             if params.beam_width > 1 and not self.config.enable_prefix_caching:
                 raise ValueError("beam search needs enable_prefix_caching: each step reuses the beams' cached KV")
             self.tokenize(seq.prompt_token_ids + seq.output_token_ids)
             self._check_length(seq.num_computed_tokens)
             if self.block_manager.blocks_for(seq.num_computed_tokens) > len(block_table):
-                raise ValueError(f"block_table has {len(block_table)} blocks, too few for "
-                                 f"{seq.num_computed_tokens} tokens")
+                raise ValueError(
+                    f"block_table has {len(block_table)} blocks, too few for {seq.num_computed_tokens} tokens"
+                )
         except ValueError:
             self.block_manager.free(seq)
             raise

@@ -26,14 +26,21 @@ class LlamaModel:
         self.cfg = cfg
         self.w = weights
         self.ops = ops
-        self.cos_sin = cos_sin_table(cfg.rope, cfg.head_dim, max_positions, weights.embed.dtype,
-                                     weights.embed.device)  # [P, 2, D]
+        self.cos_sin = cos_sin_table(
+            cfg.rope, cfg.head_dim, max_positions, weights.embed.dtype, weights.embed.device
+        )  # [P, 2, D]
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_cache: KVCache, layer_done: Callable[[int], None] | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_cache: KVCache,
+        layer_done: Callable[[int], None] | None = None,
+    ) -> torch.Tensor:
         """input_ids, positions: [T] -> hidden states [T, H] after the final norm.
         layer_done(i), when given, is called once layer i's KV is in the cache."""
         cfg, ops, eps = self.cfg, self.ops, self.cfg.rms_norm_eps
@@ -46,10 +53,13 @@ class LlamaModel:
             qkv = layer.qkv(h)  # [T, (Hq + 2 Hkv) * D]
             ops.rope_(qkv, positions, self.cos_sin, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            attn = paged_attention(q.view(num_tokens, cfg.num_heads, cfg.head_dim),
-                                   k.view(num_tokens, cfg.num_kv_heads, cfg.head_dim),
-                                   v.view(num_tokens, cfg.num_kv_heads, cfg.head_dim),
-                                   *kv_cache.layer(i), meta)  # [T, Hq, D]
+            attn = paged_attention(
+                q.view(num_tokens, cfg.num_heads, cfg.head_dim),
+                k.view(num_tokens, cfg.num_kv_heads, cfg.head_dim),
+                v.view(num_tokens, cfg.num_kv_heads, cfg.head_dim),
+                *kv_cache.layer(i),
+                meta,
+            )  # [T, Hq, D]
             if layer_done is not None:
                 layer_done(i)
             h = layer.o(attn.view(num_tokens, self.q_size))

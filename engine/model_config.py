@@ -31,7 +31,7 @@ class ModelConfig:
     checkpoint_dtype: str
 
     @classmethod
-    def from_dir(cls, model_dir: Path) -> "ModelConfig":
+    def from_dir(cls, model_dir: Path) -> ModelConfig:
         cfg = json.loads((Path(model_dir) / "config.json").read_text())
         arch = (cfg.get("architectures") or ["?"])[0]
         if arch not in SUPPORTED_ARCHITECTURES:

@@ -22,9 +22,16 @@ from engine.weights import load_weights
 
 
 class ModelRunner:
-    def __init__(self, cfg: ModelConfig, model_dir: Path, config: EngineConfig, dtype: torch.dtype,
-                 device: torch.device, max_model_len: int,
-                 kv_allocator: Callable[[int], torch.Tensor] | None = None):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        model_dir: Path,
+        config: EngineConfig,
+        dtype: torch.dtype,
+        device: torch.device,
+        max_model_len: int,
+        kv_allocator: Callable[[int], torch.Tensor] | None = None,
+    ):
         self.cfg = cfg
         self.device = device
         self.block_size = config.block_size
@@ -33,17 +40,20 @@ class ModelRunner:
         self.decode_kernel = self.use_cpu_kernels and cpu_kernels.decode_attention_fits(cfg.head_dim)
         # Prefill attention as chunked matmuls: faster than torch's flash kernel on a CPU in bf16.
         self.prefill_matmul = self.use_cpu_kernels and dtype == torch.bfloat16
-        self.model = LlamaModel(cfg, load_weights(model_dir, cfg, dtype, device), max_model_len,
-                                Ops(fused=self.use_cpu_kernels))
+        self.model = LlamaModel(
+            cfg, load_weights(model_dir, cfg, dtype, device), max_model_len, Ops(fused=self.use_cpu_kernels)
+        )
         bytes_per_block = cfg.kv_bytes_per_token(dtype.itemsize) * config.block_size
         num_blocks = config.num_kv_blocks or config.kv_cache_bytes // bytes_per_block
         if num_blocks < 1:
-            raise ValueError(f"kv_cache_bytes must hold at least one block of {bytes_per_block} bytes, "
-                             f"got {config.kv_cache_bytes}")
+            raise ValueError(
+                f"kv_cache_bytes must hold at least one block of {bytes_per_block} bytes, got {config.kv_cache_bytes}"
+            )
         # kv: [layers, 2, blocks, block_size, kv_heads, head_dim]
         buffer = kv_allocator(num_blocks * bytes_per_block) if kv_allocator else None
-        self.kv_cache = KVCache(cfg.num_layers, num_blocks, config.block_size, cfg.num_kv_heads,
-                                cfg.head_dim, dtype, device, buffer)
+        self.kv_cache = KVCache(
+            cfg.num_layers, num_blocks, config.block_size, cfg.num_kv_heads, cfg.head_dim, dtype, device, buffer
+        )
         self.sampler = Sampler(config.seed, device)
 
     def forward(self, batch: ScheduledBatch) -> tuple[list[int], list[int], torch.Tensor]:
@@ -69,14 +79,27 @@ class ModelRunner:
                 starts.append(start)
                 lens.append(n)
                 tables.append(seq.block_table)
-        meta = build_metadata(starts, lens, tables, num_decode, self.block_size, self.cfg.sliding_window,
-                              self.device, self.decode_kernel, self.prefill_matmul)
+        meta = build_metadata(
+            starts,
+            lens,
+            tables,
+            num_decode,
+            self.block_size,
+            self.cfg.sliding_window,
+            self.device,
+            self.decode_kernel,
+            self.prefill_matmul,
+        )
         ids = torch.tensor(input_ids, dtype=torch.long).to(self.device)
         # Layer-wise streaming: prompts whose last chunk runs now publish each layer once written.
-        streamed = [seq.kv_progress for seq, n in zip(batch.seqs, batch.num_scheduled_tokens)
-                    if seq.kv_progress is not None and seq.num_computed_tokens + n == seq.num_tokens]
-        hidden = self.model.forward(ids, meta.positions, meta, self.kv_cache,
-                                    self._publisher(streamed) if streamed else None)  # [T, H]
+        streamed = [
+            seq.kv_progress
+            for seq, n in zip(batch.seqs, batch.num_scheduled_tokens)
+            if seq.kv_progress is not None and seq.num_computed_tokens + n == seq.num_tokens
+        ]
+        hidden = self.model.forward(
+            ids, meta.positions, meta, self.kv_cache, self._publisher(streamed) if streamed else None
+        )  # [T, H]
 
         rows, counts, hidden_rows, pos = [], [], [], 0
         for i in order:
@@ -101,6 +124,7 @@ class ModelRunner:
                 event.record()
             for progress in streamed:
                 progress.layer_done(layer, event)
+
         return layer_done
 
     def execute(self, batch: ScheduledBatch) -> SamplerOutput:
@@ -120,8 +144,8 @@ class ModelRunner:
         out = self.sampler(logits, params, steps)
         r = 0
         for i, count in zip(rows, counts):
-            emitted = first_rejected(batch.seqs[i].draft_token_ids, out.token_ids[r:r + count]) + 1
-            result.token_ids[i] = out.token_ids[r:r + emitted]
-            result.logprobs[i] = out.logprobs[r:r + emitted]
+            emitted = first_rejected(batch.seqs[i].draft_token_ids, out.token_ids[r : r + count]) + 1
+            result.token_ids[i] = out.token_ids[r : r + emitted]
+            result.logprobs[i] = out.logprobs[r : r + emitted]
             r += count
         return result

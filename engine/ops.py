@@ -20,13 +20,20 @@ class Ops:
             residual.add_(x)
             x.copy_(rms_norm(residual, weight, eps))
 
-    def rope_(self, qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, num_heads: int,
-              num_kv_heads: int, head_dim: int) -> None:
+    def rope_(
+        self,
+        qkv: torch.Tensor,
+        positions: torch.Tensor,
+        cos_sin: torch.Tensor,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+    ) -> None:
         """Rotates the q and k heads of qkv [T, (Hq + 2 Hkv) * D] in place; cos_sin: [P, 2, D]."""
         if self.fused:
             torch.ops.pdserve.rope(qkv, positions, cos_sin, num_heads, num_kv_heads, head_dim)
             return
-        rotated = qkv[:, :(num_heads + num_kv_heads) * head_dim].view(qkv.shape[0], -1, head_dim)
+        rotated = qkv[:, : (num_heads + num_kv_heads) * head_dim].view(qkv.shape[0], -1, head_dim)
         cs = cos_sin[positions]  # [T, 2, D]
         cos, sin = cs[:, 0:1], cs[:, 1:2]  # [T, 1, D]
         half = head_dim // 2

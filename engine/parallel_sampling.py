@@ -43,15 +43,24 @@ class SampleGroup:
             self.done.append(out)
         if self.live:
             return []
-        best = sorted(self.done, key=lambda o: -o.cumulative_logprob)[:self.params.n]
+        best = sorted(self.done, key=lambda o: -o.cumulative_logprob)[: self.params.n]
         logprobs = self.params.logprobs is not None
-        return [replace(o, index=i, new_token_ids=list(o.token_ids), new_text=o.text,
-                        logprobs=o.logprobs if logprobs else None, request_finished=i == len(best) - 1)
-                for i, o in enumerate(best)]
+        return [
+            replace(
+                o,
+                index=i,
+                new_token_ids=list(o.token_ids),
+                new_text=o.text,
+                logprobs=o.logprobs if logprobs else None,
+                request_finished=i == len(best) - 1,
+            )
+            for i, o in enumerate(best)
+        ]
 
 
-def fork(parent: Sequence, params: SamplingParams, block_manager: BlockManager, kv_cache: KVCache,
-         reserve: int) -> list[Sequence]:
+def fork(
+    parent: Sequence, params: SamplingParams, block_manager: BlockManager, kv_cache: KVCache, reserve: int
+) -> list[Sequence]:
     """Samples 1..N-1 of parent's request, sharing its computed prompt KV. A sample that finds no
     free block for its copy starts from its prompt instead (the prefix cache still shares it)."""
     bm, num_prompt = block_manager, parent.num_prompt_tokens
@@ -60,9 +69,13 @@ def fork(parent: Sequence, params: SamplingParams, block_manager: BlockManager, 
     track = 0 if params.num_samples > params.n and params.logprobs is None else params.logprobs
     children = []
     for index in range(1, params.num_samples):
-        child = Sequence(parent.request_id, list(parent.prompt_token_ids),
-                         replace(params.for_sample(index), logprobs=track), index=index,
-                         num_cached_tokens=parent.num_cached_tokens)
+        child = Sequence(
+            parent.request_id,
+            list(parent.prompt_token_ids),
+            replace(params.for_sample(index), logprobs=track),
+            index=index,
+            num_cached_tokens=parent.num_cached_tokens,
+        )
         if bm.num_free_blocks > reserve:
             table = parent.block_table[:shared]
             bm.incref(table)

@@ -70,8 +70,9 @@ def _yarn(base: float, dim: int, rope: dict) -> tuple[torch.Tensor, float]:
     return inv_freq, float(attention_factor)
 
 
-def cos_sin_table(rope: dict, head_dim: int, max_positions: int, dtype: torch.dtype,
-                  device: torch.device) -> torch.Tensor:
+def cos_sin_table(
+    rope: dict, head_dim: int, max_positions: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
     """cos_sin: [max_positions, 2, head_dim] in the model dtype (cos and sin rounded as HF does)."""
     inv_freq, scaling = inv_frequencies(rope, head_dim)
     freqs = torch.arange(max_positions, dtype=torch.float)[:, None] * inv_freq[None, :]

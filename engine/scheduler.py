@@ -1,8 +1,9 @@
 """Decides what runs in the next step; returns plain data and never touches tensors.
 
 Lifecycle of a sequence: waiting -> running (prefill, possibly in chunks, of what the prefix cache
-does not already hold; then decode one token per step) -> finished. When blocks run out, the newest running sequence is preempted: its blocks
-are freed and it returns to the front of the queue to be recomputed (prompt + output so far).
+does not already hold; then decode one token per step) -> finished. When blocks run out, the
+newest running sequence is preempted: its blocks are freed and it returns to the front of the
+queue to be recomputed (prompt + output so far).
 """
 
 from __future__ import annotations
@@ -23,10 +24,15 @@ class ScheduledBatch:
     def __len__(self) -> int:
         return len(self.seqs)
 
+    def add(self, seq: Sequence, num_tokens: int) -> None:
+        self.seqs.append(seq)
+        self.num_scheduled_tokens.append(num_tokens)
+
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager, max_model_len: int,
-                 eos_token_ids: tuple[int, ...]):
+    def __init__(
+        self, config: EngineConfig, block_manager: BlockManager, max_model_len: int, eos_token_ids: tuple[int, ...]
+    ):
         self.config = config
         self.block_manager = block_manager
         self.max_model_len = max_model_len
@@ -37,26 +43,39 @@ class Scheduler:
         self.watermark_blocks = block_manager.num_blocks // 100
         self.num_preemptions = 0
 
-    def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+    def add(self, seq: Sequence, first: bool = False) -> None:
+        """Queues a sequence (first: ahead of the others, e.g. samples forked from a running one)."""
+        if first:
+            self.waiting.appendleft(seq)
+        else:
+            self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> ScheduledBatch:
-        cfg, bm = self.config, self.block_manager
-        budget = cfg.max_num_batched_tokens
+        """One step's work: 1. the running sequences, oldest first (mostly one decode token each),
+        preempting the newest when blocks run out; 2. waiting sequences while tokens, slots and
+        blocks allow (none after a preemption: memory is short; static batching admits only into
+        an empty batch)."""
         batch = ScheduledBatch([], [])
-        preempted = False
-        # 1. Running sequences, oldest first (mostly one decode token each).
+        budget, preempted = self._schedule_running(batch, self.config.max_num_batched_tokens)
+        if not preempted and not (self.config.scheduling == "static" and self.running):
+            self._schedule_waiting(batch, budget)
+        return batch
+
+    def _schedule_running(self, batch: ScheduledBatch, budget: int) -> tuple[int, bool]:
+        """Returns the token budget left and whether a sequence was preempted."""
+        bm, preempted = self.block_manager, False
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if seq.draft_token_ids:  # verify drafts only where they fit without pressing anyone
                 drafted = n + len(seq.draft_token_ids)
-                if drafted <= budget and bm.can_allocate(seq, seq.num_computed_tokens + drafted,
-                                                         reserve=self.watermark_blocks):
+                if drafted <= budget and bm.can_allocate(
+                    seq, seq.num_computed_tokens + drafted, reserve=self.watermark_blocks
+                ):
                     n = drafted
                 else:
                     seq.draft_token_ids = []
@@ -69,14 +88,13 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:
                 break
             bm.allocate(seq, seq.num_computed_tokens + n)
-            batch.seqs.append(seq)
-            batch.num_scheduled_tokens.append(n)
+            batch.add(seq, n)
             budget -= n
             i += 1
-        # 2. Waiting sequences, while tokens, slots and blocks allow (none after a preemption:
-        #    memory is short). Static batching admits only into an empty batch.
-        if preempted or (cfg.scheduling == "static" and self.running):
-            return batch
+        return budget, preempted
+
+    def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> None:
+        bm, cfg = self.block_manager, self.config
         while self.waiting and len(self.running) < cfg.max_num_seqs and budget > 0:
             seq = self.waiting[0]
             looked_up = not seq.block_table  # a new or preempted sequence: its prefix may be cached
@@ -94,18 +112,15 @@ class Scheduler:
                     continue  # nothing runs to free blocks: those of the sequences behind it were taken
                 break
             if looked_up:
-                bm.num_query_tokens += seq.num_tokens
-                bm.num_hit_tokens += seq.num_computed_tokens
+                bm.record_lookup(seq.num_tokens, seq.num_computed_tokens)
                 if seq.num_cached_tokens is None:
                     seq.num_cached_tokens = seq.num_computed_tokens
             self.waiting.popleft()
             bm.allocate(seq, seq.num_computed_tokens + n)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            batch.seqs.append(seq)
-            batch.num_scheduled_tokens.append(n)
+            batch.add(seq, n)
             budget -= n
-        return batch
 
     def update(self, batch: ScheduledBatch, sampled: list[list[int]]) -> list[Sequence]:
         """Records a step's results: per sequence, the tokens it emitted (none for a prefill chunk
@@ -123,7 +138,7 @@ class Scheduler:
                 seq.output_token_ids.append(token_id)
                 reason = self._stop_reason(seq, token_id)
                 if reason is not None:
-                    del tokens[j + 1:]  # accepted drafts past the stop are not output
+                    del tokens[j + 1 :]  # accepted drafts past the stop are not output
                     break
             # Blocks are named only now that the accepted drafts are in the output: a name hashes
             # the block's tokens, and a block filled by drafts named without them would be wrong.

@@ -11,13 +11,10 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from typing import TYPE_CHECKING
+import numpy as np
 
 from engine.kv_progress import LayerProgress
 from engine.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from engine.speculative import DraftState
 
 
 class SequenceStatus(enum.Enum):
@@ -31,6 +28,19 @@ class FinishReason(str, enum.Enum):
     LENGTH = "length"  # max_tokens or the model's context
     ABORT = "abort"  # cancelled by the caller
     HANDOFF = "handoff"  # a prefill whose request goes on elsewhere (LLMEngine.add_prefill)
+
+
+@dataclass
+class DraftState:
+    """A sequence's speculative-decoding state (engine/speculative.py): its recent acceptance; for
+    the n-gram proposer its tokens as an array (grown, not rebuilt), for the draft model how far
+    its draft KV is computed."""
+
+    tokens: np.ndarray | None
+    length: int = 0
+    acceptance: float = 1.0  # moving average of accepted / drafted
+    paused: int = 0  # steps left without drafts
+    draft_computed: int = 0  # draft model: positions whose draft KV is written
 
 
 @dataclass
@@ -73,14 +83,16 @@ class Sequence:
     def token_ids(self, start: int, end: int) -> list[int]:
         """Tokens [start, end) of prompt + output + drafts without building the whole list."""
         if end > self.num_tokens:
-            return self.token_ids(start, self.num_tokens) + self.draft_token_ids[max(0, start - self.num_tokens):
-                                                                                end - self.num_tokens]
+            return (
+                self.token_ids(start, self.num_tokens)
+                + self.draft_token_ids[max(0, start - self.num_tokens) : end - self.num_tokens]
+            )
         n = len(self.prompt_token_ids)
         if end <= n:
             return self.prompt_token_ids[start:end]
         if start >= n:
-            return self.output_token_ids[start - n:end - n]
-        return self.prompt_token_ids[start:] + self.output_token_ids[:end - n]
+            return self.output_token_ids[start - n : end - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - n]
 
     @property
     def last_token_id(self) -> int:

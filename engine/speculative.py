@@ -13,10 +13,10 @@ length stops before them and blocks past its tokens are trimmed (engine/schedule
 
 The n-gram proposer needs no second model: it finds the sequence's last n tokens (n from
 prompt_lookup_max down to prompt_lookup_min) earlier in its prompt and output, preferring the
-most recent match with k tokens after it, and drafts what followed them there. Strong where the output copies the input (editing,
-summarising, code). Where drafts keep failing it backs off: a sequence's acceptance is an average
-over its recent verifications, the draft length follows it, and below min_acceptance the
-sequence drafts nothing for a while before trying again.
+most recent match with k tokens after it, and drafts what followed them there. Strong where the
+output copies the input (editing, summarising, code). Where drafts keep failing it backs off: a
+sequence's acceptance is an average over its recent verifications, the draft length follows it,
+and below min_acceptance the sequence drafts nothing for a while before trying again.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from engine.sequence import Sequence
+from engine.sequence import DraftState, Sequence
 
 METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16
@@ -41,13 +41,17 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2  # shortest suffix looked up
     min_acceptance: float = 0.2  # below this average acceptance a sequence pauses drafting
     pause_steps: int = 8  # how long such a pause lasts
-    draft_model: str | None = None  # method draft_model: a model with the target's vocabulary (engine/draft_proposer.py)
+    draft_model: str | None = (
+        None  # method draft_model: a model with the target's vocabulary (engine/draft_proposer.py)
+    )
 
     @classmethod
     def from_dict(cls, settings: dict) -> SpeculativeConfig:
         if not isinstance(settings, dict):
-            raise ValueError(f"speculative must be a dict such as {{'method': 'ngram', "
-                             f"'num_speculative_tokens': 4}}, got {settings!r}")
+            raise ValueError(
+                f"speculative must be a dict such as {{'method': 'ngram', "
+                f"'num_speculative_tokens': 4}}, got {settings!r}"
+            )
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(settings) - known)
         if unknown:
@@ -60,16 +64,28 @@ class SpeculativeConfig:
                 raise ValueError(f"speculative.{name} must be {allowed}, got {getattr(self, name)!r}")
 
         check(self.method in METHODS, "method", f"one of {METHODS}")
-        check(_is_int(self.num_speculative_tokens) and 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS,
-              "num_speculative_tokens", f"an integer in [1, {MAX_SPECULATIVE_TOKENS}]")
+        check(
+            _is_int(self.num_speculative_tokens) and 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS,
+            "num_speculative_tokens",
+            f"an integer in [1, {MAX_SPECULATIVE_TOKENS}]",
+        )
         check(_is_int(self.prompt_lookup_min) and self.prompt_lookup_min >= 1, "prompt_lookup_min", "an integer >= 1")
-        check(_is_int(self.prompt_lookup_max) and self.prompt_lookup_max >= self.prompt_lookup_min,
-              "prompt_lookup_max", f"an integer >= prompt_lookup_min ({self.prompt_lookup_min})")
-        check(isinstance(self.min_acceptance, (int, float)) and 0 <= self.min_acceptance <= 1,
-              "min_acceptance", "in [0, 1]")
+        check(
+            _is_int(self.prompt_lookup_max) and self.prompt_lookup_max >= self.prompt_lookup_min,
+            "prompt_lookup_max",
+            f"an integer >= prompt_lookup_min ({self.prompt_lookup_min})",
+        )
+        check(
+            isinstance(self.min_acceptance, (int, float)) and 0 <= self.min_acceptance <= 1,
+            "min_acceptance",
+            "in [0, 1]",
+        )
         check(_is_int(self.pause_steps) and self.pause_steps >= 0, "pause_steps", "an integer >= 0")
-        check((self.method == "draft_model") == isinstance(self.draft_model, str) and self.draft_model != "",
-              "draft_model", "a model name or path with method 'draft_model' (and only then)")
+        check(
+            (self.method == "draft_model") == isinstance(self.draft_model, str) and self.draft_model != "",
+            "draft_model",
+            "a model name or path with method 'draft_model' (and only then)",
+        )
 
 
 def _is_int(x) -> bool:
@@ -85,21 +101,12 @@ def first_rejected(drafts: list[int], sampled: list[int]) -> int:
     return len(drafts)
 
 
-@dataclass
-class DraftState:
-    """A sequence's proposer state: its recent acceptance; for the n-gram proposer its tokens as an
-    array (grown, not rebuilt), for the draft model how far its draft KV is computed."""
-    tokens: np.ndarray | None
-    length: int = 0
-    acceptance: float = 1.0  # moving average of accepted / drafted
-    paused: int = 0  # steps left without drafts
-    draft_computed: int = 0  # draft model: positions whose draft KV is written
-
-    def observe(self, config: SpeculativeConfig, num_drafted: int, num_accepted: int) -> None:
-        """Records a verification's result; drafting pauses while acceptance stays low."""
-        self.acceptance = 0.7 * self.acceptance + 0.3 * num_accepted / num_drafted
-        if self.acceptance < config.min_acceptance and config.pause_steps:
-            self.paused = config.pause_steps
+def observe(config: SpeculativeConfig, state: DraftState, num_drafted: int, num_accepted: int) -> None:
+    """Records a verification's result in a sequence's state; drafting pauses while acceptance
+    stays low."""
+    state.acceptance = 0.7 * state.acceptance + 0.3 * num_accepted / num_drafted
+    if state.acceptance < config.min_acceptance and config.pause_steps:
+        state.paused = config.pause_steps
 
 
 def draft_length(config: SpeculativeConfig, state: DraftState, seq: Sequence, max_model_len: int) -> int:
@@ -110,8 +117,11 @@ def draft_length(config: SpeculativeConfig, state: DraftState, seq: Sequence, ma
         if not state.paused:
             state.acceptance = config.min_acceptance  # try again, on probation
         return 0
-    return min(max(1, round(config.num_speculative_tokens * state.acceptance)),
-               seq.params.max_tokens - len(seq.output_token_ids) - 1, max_model_len - seq.num_tokens)
+    return min(
+        max(1, round(config.num_speculative_tokens * state.acceptance)),
+        seq.params.max_tokens - len(seq.output_token_ids) - 1,
+        max_model_len - seq.num_tokens,
+    )
 
 
 def ngram_draft(tokens: np.ndarray, k: int, n_min: int, n_max: int) -> list[int]:
@@ -121,12 +131,12 @@ def ngram_draft(tokens: np.ndarray, k: int, n_min: int, n_max: int) -> list[int]
     length = len(tokens)
     for n in range(min(n_max, length - 1), n_min - 1, -1):
         # Windows starting at 0 .. length-n-1: each has at least one token after it.
-        windows = sliding_window_view(tokens[:length - 1], n)
-        hits = np.flatnonzero((windows == tokens[length - n:]).all(axis=1))
+        windows = sliding_window_view(tokens[: length - 1], n)
+        hits = np.flatnonzero((windows == tokens[length - n :]).all(axis=1))
         if hits.size:
             whole = hits[hits + n + k <= length]
             start = int(whole[-1] if whole.size else hits[0]) + n
-            return tokens[start:start + k].tolist()
+            return tokens[start : start + k].tolist()
     return []
 
 
@@ -147,11 +157,12 @@ class NgramProposer:
             if k < 1:
                 continue
             self._sync(seq, state)
-            seq.draft_token_ids = ngram_draft(state.tokens[:state.length], k, cfg.prompt_lookup_min,
-                                              cfg.prompt_lookup_max)
+            seq.draft_token_ids = ngram_draft(
+                state.tokens[: state.length], k, cfg.prompt_lookup_min, cfg.prompt_lookup_max
+            )
 
     def observe(self, seq: Sequence, num_drafted: int, num_accepted: int) -> None:
-        seq.draft_state.observe(self.config, num_drafted, num_accepted)
+        observe(self.config, seq.draft_state, num_drafted, num_accepted)
 
     def _state(self, seq: Sequence) -> DraftState:
         seq.draft_state = DraftState(np.empty(max(64, 2 * seq.num_tokens), dtype=np.int64))
@@ -163,8 +174,8 @@ class NgramProposer:
         n = seq.num_tokens
         if n > len(state.tokens):
             grown = np.empty(2 * n, dtype=np.int64)
-            grown[:state.length] = state.tokens[:state.length]
+            grown[: state.length] = state.tokens[: state.length]
             state.tokens = grown
         if state.length < n:
-            state.tokens[state.length:n] = seq.token_ids(state.length, n)
+            state.tokens[state.length : n] = seq.token_ids(state.length, n)
             state.length = n

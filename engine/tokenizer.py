@@ -48,5 +48,7 @@ def prompt_token_ids(tokenizer, prompt: str | list[int], vocab_size: int) -> lis
 
 def check_prompt_length(num_tokens: int, max_model_len: int) -> None:
     if num_tokens >= max_model_len:
-        raise ValueError(f"prompt has {num_tokens} tokens; it must be shorter than max_model_len "
-                         f"({max_model_len}) to leave room for one generated token")
+        raise ValueError(
+            f"prompt has {num_tokens} tokens; it must be shorter than max_model_len "
+            f"({max_model_len}) to leave room for one generated token"
+        )

@@ -61,14 +61,16 @@ def load_weights(model_dir: Path, cfg: ModelConfig, dtype: torch.dtype, device: 
         qkv_bias = None
         if cfg.qkv_bias:
             qkv_bias = torch.cat([take(attn + f"{n}_proj.bias") for n in "qkv"])
-        layers.append(LayerWeights(
-            input_norm=take(p + "input_layernorm.weight"),
-            qkv=Linear(torch.cat([take(attn + f"{n}_proj.weight") for n in "qkv"]), qkv_bias),
-            o=Linear(take(attn + "o_proj.weight")),
-            post_norm=take(p + "post_attention_layernorm.weight"),
-            gate_up=Linear(torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])),
-            down=Linear(take(p + "mlp.down_proj.weight")),
-        ))
+        layers.append(
+            LayerWeights(
+                input_norm=take(p + "input_layernorm.weight"),
+                qkv=Linear(torch.cat([take(attn + f"{n}_proj.weight") for n in "qkv"]), qkv_bias),
+                o=Linear(take(attn + "o_proj.weight")),
+                post_norm=take(p + "post_attention_layernorm.weight"),
+                gate_up=Linear(torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])),
+                down=Linear(take(p + "mlp.down_proj.weight")),
+            )
+        )
     embed = take("model.embed_tokens.weight")
     lm_head = Linear(embed if cfg.tie_word_embeddings else take("lm_head.weight"))
     return ModelWeights(embed=embed, layers=layers, final_norm=take("model.norm.weight"), lm_head=lm_head)

@@ -60,8 +60,9 @@ class Capabilities:
     same_host: bool = False  # only between processes on one host
 
     def to_proto(self) -> common_pb2.KVTransportInfo:
-        return common_pb2.KVTransportInfo(name=self.name, layerwise=self.layerwise, partial=self.partial,
-                                          same_host=self.same_host)
+        return common_pb2.KVTransportInfo(
+            name=self.name, layerwise=self.layerwise, partial=self.partial, same_host=self.same_host
+        )
 
     @classmethod
     def from_proto(cls, m: common_pb2.KVTransportInfo) -> Capabilities:
@@ -132,8 +133,14 @@ class KVReader(Protocol):
     def can_skip(self, source: nodes_pb2.KVSource) -> bool:
         """Whether read() can leave out leading blocks (skip_blocks > 0) and still verify the rest."""
 
-    async def read(self, source: nodes_pb2.KVSource, kv_cache: KVCache, layout: KVLayout,
-                   block_ids: list[int], skip_blocks: int = 0) -> dict | None:
+    async def read(
+        self,
+        source: nodes_pb2.KVSource,
+        kv_cache: KVCache,
+        layout: KVLayout,
+        block_ids: list[int],
+        skip_blocks: int = 0,
+    ) -> dict | None:
         """Fills block_ids with the source's KV, verified against source.digest (per layer for a
         layer-wise source), or raises KVLayoutMismatch / KVCorrupt / KVTransferError; returns only
         once nothing it started can still write into block_ids. skip_blocks: the first blocks are
@@ -174,8 +181,15 @@ class TransferStatus(enum.Enum):
 
 
 class KVTransfer:
-    def __init__(self, reader: KVReader, source: nodes_pb2.KVSource, kv_cache: KVCache, layout: KVLayout,
-                 block_ids: list[int], skip_blocks: int = 0):
+    def __init__(
+        self,
+        reader: KVReader,
+        source: nodes_pb2.KVSource,
+        kv_cache: KVCache,
+        layout: KVLayout,
+        block_ids: list[int],
+        skip_blocks: int = 0,
+    ):
         self.transport = reader.name + ("-layerwise" if source.layerwise else "")
         self.skipped_tokens = min(skip_blocks * layout.block_size, source.num_tokens)
         self.num_bytes = layout.num_bytes(source.num_tokens - self.skipped_tokens)
@@ -211,4 +225,3 @@ class KVTransfer:
     @property
     def seconds(self) -> float:
         return self.ended - self.started
-

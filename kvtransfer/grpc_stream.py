@@ -38,9 +38,11 @@ class GrpcSender(KVSender):
         pass
 
     def attach(self, ctx: SenderContext) -> None:
-        ctx.grpc_server.add(nodes_pb2_grpc.add_KVPlaneServicer_to_server,
-                            KVPlaneServicer(ctx.kv_cache, ctx.layout, ctx.leases),
-                            nodes_pb2.DESCRIPTOR.services_by_name["KVPlane"])
+        ctx.grpc_server.add(
+            nodes_pb2_grpc.add_KVPlaneServicer_to_server,
+            KVPlaneServicer(ctx.kv_cache, ctx.layout, ctx.leases),
+            nodes_pb2.DESCRIPTOR.services_by_name["KVPlane"],
+        )
 
     def capabilities(self) -> Capabilities:
         return CAPABILITIES  # its address is the node's own (KVSource.kv_address)
@@ -58,15 +60,19 @@ class KVPlaneServicer(nodes_pb2_grpc.KVPlaneServicer):
         if lease is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no kv_lease {request.lease_id!r} (released or expired)")
         if lease.progress is not None:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"kv_lease {request.lease_id!r} streams layer by layer: read it over tcp")
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"kv_lease {request.lease_id!r} streams layer by layer: read it over tcp",
+            )
         try:
             self.layout.check(KVLayout.from_proto(request.expect), sides=("prefill", "decode"))
         except KVLayoutMismatch as e:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         chunk = request.chunk_bytes or CHUNK_BYTES
         if not 0 < chunk <= MAX_MESSAGE_BYTES - 4096:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"chunk_bytes must be in (0, {MAX_MESSAGE_BYTES - 4096}]")
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"chunk_bytes must be in (0, {MAX_MESSAGE_BYTES - 4096}]"
+            )
         nbytes = self.layout.num_bytes(lease.num_tokens)
         if self.leases.pin(request.lease_id) is None:  # expired during the checks
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no kv_lease {request.lease_id!r} (released or expired)")
@@ -77,12 +83,17 @@ class KVPlaneServicer(nodes_pb2_grpc.KVPlaneServicer):
             finally:
                 self.leases.unpin(lease)
             view = data.numpy()
-            header = nodes_pb2.KVHeader(layout=self.layout.to_proto(), num_tokens=lease.num_tokens,
-                                        num_bytes=nbytes, digest=lease.digest)
+            header = nodes_pb2.KVHeader(
+                layout=self.layout.to_proto(), num_tokens=lease.num_tokens, num_bytes=nbytes, digest=lease.digest
+            )
             for offset in range(0, nbytes, chunk):
-                piece = view[offset:offset + chunk].tobytes()
-                yield nodes_pb2.KVChunk(header=header if offset == 0 else None, offset=offset, data=piece,
-                                        digest=xxhash.xxh3_64_intdigest(piece))
+                piece = view[offset : offset + chunk].tobytes()
+                yield nodes_pb2.KVChunk(
+                    header=header if offset == 0 else None,
+                    offset=offset,
+                    data=piece,
+                    digest=xxhash.xxh3_64_intdigest(piece),
+                )
         finally:
             self.buffers.release(buf)
 
@@ -90,8 +101,9 @@ class KVPlaneServicer(nodes_pb2_grpc.KVPlaneServicer):
 class GrpcStreamReader:
     name = "grpc"
 
-    def __init__(self, chunk_bytes: int = CHUNK_BYTES, security: Security = NONE, timeout_s: float = 60.0,
-                 channel=None):
+    def __init__(
+        self, chunk_bytes: int = CHUNK_BYTES, security: Security = NONE, timeout_s: float = 60.0, channel=None
+    ):
         """channel(address): a gRPC channel to a prefill node (the decode node's, shared with its
         control plane); default: channels of its own, with `security` (mutual TLS, the token)."""
         self.chunk_bytes = chunk_bytes
@@ -114,28 +126,39 @@ class GrpcStreamReader:
             self.channels[address] = self.security.channel(address)
         return self.channels[address]
 
-    async def read(self, source: nodes_pb2.KVSource, kv_cache: KVCache, layout: KVLayout,
-                   block_ids: list[int], skip_blocks: int = 0) -> None:
+    async def read(
+        self,
+        source: nodes_pb2.KVSource,
+        kv_cache: KVCache,
+        layout: KVLayout,
+        block_ids: list[int],
+        skip_blocks: int = 0,
+    ) -> None:
         if skip_blocks:
             raise KVTransferError("the grpc transport reads whole leases")
         stub = nodes_pb2_grpc.KVPlaneStub(self.channel(source.kv_address))
         nbytes = layout.num_bytes(source.num_tokens)
         writer = StreamWriter(kv_cache.kv, block_ids, source.num_tokens)  # straight into the blocks
-        request = nodes_pb2.PullKVRequest(lease_id=source.lease_id, expect=layout.to_proto(),
-                                          chunk_bytes=self.chunk_bytes)
+        request = nodes_pb2.PullKVRequest(
+            lease_id=source.lease_id, expect=layout.to_proto(), chunk_bytes=self.chunk_bytes
+        )
         try:
             async for chunk in stub.PullKV(request, timeout=self.timeout_s):
                 if chunk.HasField("header"):
                     # The header is checked before any byte is written.
                     layout.check(KVLayout.from_proto(chunk.header.layout))
                     if chunk.header.num_tokens != source.num_tokens or chunk.header.num_bytes != nbytes:
-                        raise KVTransferError(f"KV header says {chunk.header.num_tokens} tokens / "
-                                              f"{chunk.header.num_bytes} bytes, expected {source.num_tokens} / {nbytes}")
+                        raise KVTransferError(
+                            f"KV header says {chunk.header.num_tokens} tokens / "
+                            f"{chunk.header.num_bytes} bytes, expected {source.num_tokens} / {nbytes}"
+                        )
                 elif writer.offset == 0:
                     raise KVTransferError("KV stream did not start with a header")
                 if chunk.offset != writer.offset or chunk.offset + len(chunk.data) > nbytes:
-                    raise KVTransferError(f"KV chunk at offset {chunk.offset} ({len(chunk.data)} bytes) out of order "
-                                          f"or past {nbytes} bytes")
+                    raise KVTransferError(
+                        f"KV chunk at offset {chunk.offset} ({len(chunk.data)} bytes) out of order "
+                        f"or past {nbytes} bytes"
+                    )
                 if xxhash.xxh3_64_intdigest(chunk.data) != chunk.digest:
                     raise KVCorrupt(f"KV chunk at offset {chunk.offset} failed its digest")
                 writer.write(torch.frombuffer(chunk.data, dtype=torch.uint8))  # read-only view, no copy
@@ -154,5 +177,6 @@ class GrpcStreamReader:
 
 
 CAPABILITIES = Capabilities("grpc")
-TRANSPORT = Transport("grpc", sender=GrpcSender,
-                      reader=lambda ctx: GrpcStreamReader(security=ctx.security, channel=ctx.channel))
+TRANSPORT = Transport(
+    "grpc", sender=GrpcSender, reader=lambda ctx: GrpcStreamReader(security=ctx.security, channel=ctx.channel)
+)

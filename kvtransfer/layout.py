@@ -33,10 +33,11 @@ class KVLayout:
     model_fingerprint: str
 
     @classmethod
-    def of(cls, kv_cache: KVCache, model_fingerprint: str) -> "KVLayout":
+    def of(cls, kv_cache: KVCache, model_fingerprint: str) -> KVLayout:
         layers, _, _, block_size, kv_heads, head_dim = kv_cache.kv.shape
-        return cls(layers, kv_heads, head_dim, str(kv_cache.kv.dtype).removeprefix("torch."), block_size,
-                   model_fingerprint)
+        return cls(
+            layers, kv_heads, head_dim, str(kv_cache.kv.dtype).removeprefix("torch."), block_size, model_fingerprint
+        )
 
     @property
     def itemsize(self) -> int:
@@ -45,25 +46,33 @@ class KVLayout:
     def num_bytes(self, num_tokens: int) -> int:
         return 2 * self.num_layers * num_tokens * self.num_kv_heads * self.head_dim * self.itemsize
 
-    def check(self, other: "KVLayout", same_block_size: bool = False,
-              sides: tuple[str, str] = ("decode", "prefill")) -> None:
+    def check(
+        self, other: KVLayout, same_block_size: bool = False, sides: tuple[str, str] = ("decode", "prefill")
+    ) -> None:
         """Raises KVLayoutMismatch naming every field that differs (self is sides[0])."""
         fields = ["model_fingerprint", "num_layers", "num_kv_heads", "head_dim", "dtype"]
         if same_block_size:
             fields.append("block_size")
-        diffs = [f"{f}: {sides[0]} {getattr(self, f)!r}, {sides[1]} {getattr(other, f)!r}" for f in fields
-                 if getattr(self, f) != getattr(other, f)]
+        diffs = [
+            f"{f}: {sides[0]} {getattr(self, f)!r}, {sides[1]} {getattr(other, f)!r}"
+            for f in fields
+            if getattr(self, f) != getattr(other, f)
+        ]
         if diffs:
-            raise KVLayoutMismatch("KV layout mismatch between prefill and decode, nothing copied: "
-                                   + "; ".join(diffs))
+            raise KVLayoutMismatch("KV layout mismatch between prefill and decode, nothing copied: " + "; ".join(diffs))
 
     def to_proto(self) -> nodes_pb2.KVLayout:
-        return nodes_pb2.KVLayout(num_layers=self.num_layers, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
-                                  dtype=self.dtype, block_size=self.block_size,
-                                  model_fingerprint=self.model_fingerprint)
+        return nodes_pb2.KVLayout(
+            num_layers=self.num_layers,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            dtype=self.dtype,
+            block_size=self.block_size,
+            model_fingerprint=self.model_fingerprint,
+        )
 
     @classmethod
-    def from_proto(cls, m: nodes_pb2.KVLayout) -> "KVLayout":
+    def from_proto(cls, m: nodes_pb2.KVLayout) -> KVLayout:
         return cls(m.num_layers, m.num_kv_heads, m.head_dim, m.dtype, m.block_size, m.model_fingerprint)
 
 
@@ -98,8 +107,9 @@ def block_runs(block_ids: list[int]) -> list[tuple[int, int]]:
     return runs
 
 
-def pieces(kv: torch.Tensor, block_ids: list[int], num_tokens: int,
-           layers: range | None = None) -> Iterator[torch.Tensor]:
+def pieces(
+    kv: torch.Tensor, block_ids: list[int], num_tokens: int, layers: range | None = None
+) -> Iterator[torch.Tensor]:
     """The layer-ordered stream of a sequence as contiguous views into kv [L, 2, NB, bs, H, D]:
     for each layer (all, or those in `layers`) and K/V, one view per run of consecutive blocks."""
     num_layers, _, _, block_size, kv_heads, head_dim = kv.shape
@@ -111,7 +121,7 @@ def pieces(kv: torch.Tensor, block_ids: list[int], num_tokens: int,
                 if remaining <= 0:
                     break
                 n = min(count * block_size, remaining)
-                yield kv[layer, k_or_v, first:first + count].view(-1, kv_heads, head_dim)[:n]
+                yield kv[layer, k_or_v, first : first + count].view(-1, kv_heads, head_dim)[:n]
                 remaining -= n
 
 
@@ -128,8 +138,14 @@ def layer_views(kv: torch.Tensor, block_ids: list[int], num_tokens: int, layers:
         n = min(count * rows.shape[3], remaining)
         spans.append((first, count, n * token_bytes))
         remaining -= n
-    return [[memoryview(rows[layer, k_or_v, first:first + count].reshape(-1)[:nbytes])
-             for k_or_v in (0, 1) for first, count, nbytes in spans] for layer in layers]
+    return [
+        [
+            memoryview(rows[layer, k_or_v, first : first + count].reshape(-1)[:nbytes])
+            for k_or_v in (0, 1)
+            for first, count, nbytes in spans
+        ]
+        for layer in layers
+    ]
 
 
 def digest_views(views: list[memoryview]) -> int:
@@ -169,7 +185,7 @@ def gather(kv: torch.Tensor, block_ids: list[int], num_tokens: int, out: torch.T
     offset = 0
     for piece in pieces(kv, block_ids, num_tokens):
         flat = piece.reshape(-1).view(torch.uint8)
-        out[offset:offset + flat.numel()].copy_(flat)
+        out[offset : offset + flat.numel()].copy_(flat)
         offset += flat.numel()
     return out[:offset]
 
@@ -192,7 +208,7 @@ class StreamWriter:
                 raise ValueError(f"kv stream longer than the blocks ({self.offset} bytes)")
             target = self.targets[self.index]
             n = min(target.numel() - self.filled, data.numel() - pos)
-            target[self.filled:self.filled + n].copy_(data[pos:pos + n])
+            target[self.filled : self.filled + n].copy_(data[pos : pos + n])
             pos += n
             self.filled += n
             self.offset += n
@@ -213,8 +229,9 @@ def aligned_runs(src_ids: list[int], dst_ids: list[int]) -> list[tuple[int, int,
     return runs
 
 
-def copy_blocks(src: torch.Tensor, src_ids: list[int], dst: torch.Tensor, dst_ids: list[int],
-                num_tokens: int, digest: bool = True) -> int | None:
+def copy_blocks(
+    src: torch.Tensor, src_ids: list[int], dst: torch.Tensor, dst_ids: list[int], num_tokens: int, digest: bool = True
+) -> int | None:
     """Block-for-block copy between two caches of one layout. Without digest: one strided copy
     (all layers, K and V) per run of blocks consecutive on both sides. With it, layer by layer:
     the copy, then that layer's digest of what landed in dst while it is still in cache; returns
@@ -222,11 +239,11 @@ def copy_blocks(src: torch.Tensor, src_ids: list[int], dst: torch.Tensor, dst_id
     runs = aligned_runs(src_ids, dst_ids)
     if not digest:
         for s, d, n in runs:
-            dst[:, :, d:d + n].copy_(src[:, :, s:s + n])
+            dst[:, :, d : d + n].copy_(src[:, :, s : s + n])
         return None
     digests = []
     for layer in range(dst.shape[0]):
         for s, d, n in runs:
-            dst[layer, :, d:d + n].copy_(src[layer, :, s:s + n])
+            dst[layer, :, d : d + n].copy_(src[layer, :, s : s + n])
         digests.append(layer_digest(dst, dst_ids, num_tokens, layer))
     return combine_digests(digests)

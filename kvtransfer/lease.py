@@ -41,8 +41,9 @@ class LeaseTable:
     def __len__(self) -> int:
         return len(self._leases)
 
-    def add(self, request_id: str, block_ids: list[int], num_tokens: int, digest: int,
-            progress: LayerProgress | None = None) -> Lease:
+    def add(
+        self, request_id: str, block_ids: list[int], num_tokens: int, digest: int, progress: LayerProgress | None = None
+    ) -> Lease:
         """With progress (the prefill still computes) the lease never expires until `start_clock`."""
         expires = float("inf") if progress is not None else time.time() + self.ttl_s
         lease = Lease(request_id, block_ids, num_tokens, digest, expires, progress=progress)

@@ -19,8 +19,14 @@ log = logging.getLogger(__name__)
 
 
 class KVReceiver:
-    def __init__(self, kv_cache: KVCache, layout: KVLayout, transport: str = "auto", security: Security = NONE,
-                 options: tuple = ()):
+    def __init__(
+        self,
+        kv_cache: KVCache,
+        layout: KVLayout,
+        transport: str = "auto",
+        security: Security = NONE,
+        options: tuple = (),
+    ):
         """transport: auto (every registered transport, first that can reach a source wins) or
         one name; options: the transports' reader options (their defaults where not given)."""
         self.kv_cache = kv_cache
@@ -29,7 +35,8 @@ class KVReceiver:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self.readers: list[KVReader] = [
             t.reader(ReaderContext(security, options_for(t.reader_options, options), self.channel))
-            for t in transports.named(transport)]
+            for t in transports.named(transport)
+        ]
         self.transport = transport
 
     def capabilities(self) -> list[Capabilities]:
@@ -47,8 +54,10 @@ class KVReceiver:
             if reader.can_read(source, self.layout):
                 return reader
         layerwise = " layer by layer" if source.layerwise else ""
-        raise KVTransferError(f"no {self.transport} transport can read the KV of lease {source.lease_id}{layerwise} "
-                              f"(host {source.host_id!r}, address {source.kv_address!r})")
+        raise KVTransferError(
+            f"no {self.transport} transport can read the KV of lease {source.lease_id}{layerwise} "
+            f"(host {source.host_id!r}, address {source.kv_address!r})"
+        )
 
     def can_skip(self, source: nodes_pb2.KVSource) -> bool:
         """Whether a read of this source can leave out blocks this node's prefix cache holds."""
@@ -59,8 +68,9 @@ class KVReceiver:
         node already holds: only where can_skip); await .wait() or poll .status."""
         reader = self.choose(source)
         if skip_blocks and not reader.can_skip(source):
-            raise KVTransferError(f"the {reader.name} transport cannot leave out cached blocks of lease "
-                                  f"{source.lease_id}")
+            raise KVTransferError(
+                f"the {reader.name} transport cannot leave out cached blocks of lease {source.lease_id}"
+            )
         return KVTransfer(reader, source, self.kv_cache, self.layout, block_ids, skip_blocks)
 
     async def release(self, source: nodes_pb2.KVSource) -> None:

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import hmac
 from dataclasses import dataclass
-from typing import ClassVar
 from pathlib import Path
+from typing import ClassVar
 
 import grpc
 
@@ -23,8 +23,10 @@ from engine.config import option
 OPEN_METHODS = ("/grpc.health.v1.Health/",)
 # Every pdserve gRPC server and channel sets its message limit explicitly: a KV chunk plus headroom.
 MAX_MESSAGE_BYTES = 8 << 20
-MESSAGE_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                   ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
+MESSAGE_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+]
 
 
 def _read(path: str | None) -> bytes | None:
@@ -51,8 +53,9 @@ class Security:
         return bool(self.cert)
 
     @classmethod
-    def from_files(cls, cert=None, key=None, ca=None, token_file=None, require_client_cert=False,
-                   api_key_file=None) -> "Security":
+    def from_files(
+        cls, cert=None, key=None, ca=None, token_file=None, require_client_cert=False, api_key_file=None
+    ) -> Security:
         token = Path(token_file).read_text().strip() if token_file else None
         if token_file and not token:
             raise ValueError(f"token file {token_file} is empty")
@@ -62,8 +65,11 @@ class Security:
     def server_credentials(self) -> grpc.ServerCredentials | None:
         if not self.tls:
             return None
-        return grpc.ssl_server_credentials([(_read(self.key), _read(self.cert))], root_certificates=_read(self.ca),
-                                           require_client_auth=self.require_client_cert)
+        return grpc.ssl_server_credentials(
+            [(_read(self.key), _read(self.cert))],
+            root_certificates=_read(self.ca),
+            require_client_auth=self.require_client_cert,
+        )
 
     def interceptors(self) -> list:
         if self.api_keys:
@@ -75,16 +81,18 @@ class Security:
         # One instance per call type: grpc.aio files an interceptor under its first matching type only.
         interceptors = [AddTokenUnary(self.token), AddTokenStream(self.token)] if self.token else None
         if self.tls or self.ca:
-            creds = grpc.ssl_channel_credentials(root_certificates=_read(self.ca), private_key=_read(self.key),
-                                                 certificate_chain=_read(self.cert))
+            creds = grpc.ssl_channel_credentials(
+                root_certificates=_read(self.ca), private_key=_read(self.key), certificate_chain=_read(self.cert)
+            )
             return grpc.aio.secure_channel(address, creds, options=options, interceptors=interceptors)
         return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
 
     def sync_channel(self, address: str, options: list = MESSAGE_OPTIONS) -> grpc.Channel:
         """A blocking channel (the sync client); the token goes in each call's metadata()."""
         if self.tls or self.ca:
-            creds = grpc.ssl_channel_credentials(root_certificates=_read(self.ca), private_key=_read(self.key),
-                                                 certificate_chain=_read(self.cert))
+            creds = grpc.ssl_channel_credentials(
+                root_certificates=_read(self.ca), private_key=_read(self.key), certificate_chain=_read(self.cert)
+            )
             return grpc.secure_channel(address, creds, options=options)
         return grpc.insecure_channel(address, options=options)
 
@@ -106,8 +114,9 @@ class SecurityConfig:
     token_file: str | None = option(None, "file holding the shared internal bearer token")
 
     def security(self) -> Security:
-        return Security.from_files(self.tls_cert, self.tls_key, self.tls_ca, self.token_file,
-                                   require_client_cert=bool(self.tls_ca))
+        return Security.from_files(
+            self.tls_cert, self.tls_key, self.tls_ca, self.token_file, require_client_cert=bool(self.tls_ca)
+        )
 
 
 def read_api_keys(path: str) -> tuple[str, ...]:

@@ -22,8 +22,9 @@ from pdserve_api import nodes_pb2
 class KVSenders:
     def __init__(self, options: tuple = ()):
         """options: the transports' sender options (their defaults where not given)."""
-        self.senders: list[KVSender] = [t.sender(options_for(t.sender_options, options))
-                                        for t in transports.TRANSPORTS.values()]
+        self.senders: list[KVSender] = [
+            t.sender(options_for(t.sender_options, options)) for t in transports.TRANSPORTS.values()
+        ]
         self.host_id = host_id()
         self.ctx: SenderContext | None = None
 
@@ -58,10 +59,18 @@ class KVSenders:
         computes) carries no whole-KV digest: each layer comes with its own."""
         ctx = self.ctx
         source = nodes_pb2.KVSource(
-            lease_id=lease.lease_id, kv_address=ctx.grpc_server.address, host_id=self.host_id,
-            layout=ctx.layout.to_proto(), block_ids=lease.block_ids, num_tokens=lease.num_tokens, digest=lease.digest,
-            num_bytes=ctx.layout.num_bytes(lease.num_tokens), lease_expires=min(lease.expires_at, 1e12),
-            access_key=lease.access_key, layerwise=layerwise)
+            lease_id=lease.lease_id,
+            kv_address=ctx.grpc_server.address,
+            host_id=self.host_id,
+            layout=ctx.layout.to_proto(),
+            block_ids=lease.block_ids,
+            num_tokens=lease.num_tokens,
+            digest=lease.digest,
+            num_bytes=ctx.layout.num_bytes(lease.num_tokens),
+            lease_expires=min(lease.expires_at, 1e12),
+            access_key=lease.access_key,
+            layerwise=layerwise,
+        )
         for sender in self.senders:
             sender.describe(lease, source)
         return source

@@ -90,7 +90,7 @@ def sweep_stale_regions() -> None:
         try:
             if path.stat().st_uid != os.getuid():
                 continue
-            pid = int(path.name[len(PREFIX):].split("-")[0])
+            pid = int(path.name[len(PREFIX) :].split("-")[0])
             os.kill(pid, 0)
         except ProcessLookupError:
             with contextlib.suppress(OSError):
@@ -101,9 +101,12 @@ def sweep_stale_regions() -> None:
 
 @dataclass(frozen=True)
 class ShmOptions:
-    shm: bool = option(True, "keep the KV out of shared memory: decode nodes on this host read it as those on "
-                       "other hosts do (by default it lives in a /dev/shm region they read in place)",
-                       flag="--no-shm")
+    shm: bool = option(
+        True,
+        "keep the KV out of shared memory: decode nodes on this host read it as those on "
+        "other hosts do (by default it lives in a /dev/shm region they read in place)",
+        flag="--no-shm",
+    )
 
 
 class ShmSender(KVSender):
@@ -156,8 +159,13 @@ class ShmReader:
         return CAPABILITIES
 
     def can_read(self, source: nodes_pb2.KVSource, layout: KVLayout) -> bool:
-        return (not source.layerwise and source.host_id == self.host_id and bool(REGION_NAME.fullmatch(source.shm_region))
-                and source.layout.block_size == layout.block_size and (SHM_DIR / source.shm_region).exists())
+        return (
+            not source.layerwise
+            and source.host_id == self.host_id
+            and bool(REGION_NAME.fullmatch(source.shm_region))
+            and source.layout.block_size == layout.block_size
+            and (SHM_DIR / source.shm_region).exists()
+        )
 
     def _attach(self, source: nodes_pb2.KVSource, layout: KVLayout) -> torch.Tensor:
         if not REGION_NAME.fullmatch(source.shm_region):
@@ -169,12 +177,18 @@ class ShmReader:
                 raise KVTransferError(f"shared-memory region {source.shm_region} is gone")
             block_bytes = layout.num_bytes(layout.block_size)
             if source.region_bytes != path.stat().st_size or source.region_bytes % block_bytes:
-                raise KVTransferError(f"region {source.shm_region}: size {source.region_bytes} does not match the "
-                                      f"file or the layout")
+                raise KVTransferError(
+                    f"region {source.shm_region}: size {source.region_bytes} does not match the file or the layout"
+                )
             raw = torch.from_file(str(path), shared=True, size=source.region_bytes, dtype=torch.uint8)
             region = raw.view(getattr(torch, layout.dtype)).view(
-                layout.num_layers, 2, source.region_bytes // block_bytes, layout.block_size, layout.num_kv_heads,
-                layout.head_dim)
+                layout.num_layers,
+                2,
+                source.region_bytes // block_bytes,
+                layout.block_size,
+                layout.num_kv_heads,
+                layout.head_dim,
+            )
             self._regions[source.shm_region] = region
         return region
 
@@ -192,8 +206,14 @@ class ShmReader:
         digest cannot check a part)."""
         return GENERATION_CHECK and len(source.block_generations) == len(source.block_ids) > 0
 
-    async def read(self, source: nodes_pb2.KVSource, kv_cache: KVCache, layout: KVLayout,
-                   block_ids: list[int], skip_blocks: int = 0) -> None:
+    async def read(
+        self,
+        source: nodes_pb2.KVSource,
+        kv_cache: KVCache,
+        layout: KVLayout,
+        block_ids: list[int],
+        skip_blocks: int = 0,
+    ) -> None:
         layout.check(KVLayout.from_proto(source.layout), same_block_size=True)
         src = self._attach(source, layout)
         src_ids = list(source.block_ids)
@@ -203,15 +223,17 @@ class ShmReader:
             raise KVTransferError(f"block ids beyond the region {source.shm_region}")
         if not 0 <= skip_blocks < len(src_ids):
             raise KVTransferError(f"cannot leave out {skip_blocks} of {len(src_ids)} blocks")
-        dst_ids = block_ids[skip_blocks:len(src_ids)]
+        dst_ids = block_ids[skip_blocks : len(src_ids)]
         generations = self._generations(source)
         if skip_blocks and generations is None:
             raise KVTransferError(f"lease {source.lease_id}: a partial read needs the region's generation counters")
         if generations is None or len(source.block_generations) != len(src_ids):
             digest = await asyncio.to_thread(copy_blocks, src, src_ids, kv_cache.kv, dst_ids, source.num_tokens)
             if digest != source.digest:
-                raise KVCorrupt(f"KV digest mismatch after the shared-memory read (lease {source.lease_id}): "
-                                "the blocks changed under the read")
+                raise KVCorrupt(
+                    f"KV digest mismatch after the shared-memory read (lease {source.lease_id}): "
+                    "the blocks changed under the read"
+                )
             return
         src_ids = src_ids[skip_blocks:]
         index = np.asarray(src_ids)
@@ -223,8 +245,10 @@ class ShmReader:
                 raise KVTransferError(f"kv_lease {source.lease_id} ended before the shared-memory read")
             copy_blocks(src, src_ids, kv_cache.kv, dst_ids, 0, False)
             if not np.array_equal(gens[index], expected):
-                raise KVCorrupt(f"the lease {source.lease_id} ended during the shared-memory read: "
-                                "its blocks may have changed under it")
+                raise KVCorrupt(
+                    f"the lease {source.lease_id} ended during the shared-memory read: "
+                    "its blocks may have changed under it"
+                )
 
         await asyncio.to_thread(checked_copy)
 
@@ -233,5 +257,6 @@ class ShmReader:
 
 
 CAPABILITIES = Capabilities("shm", partial=GENERATION_CHECK, same_host=True)
-TRANSPORT = Transport("shm", sender=ShmSender, reader=lambda ctx: ShmReader(), sender_options=ShmOptions,
-                      sender_switch="shm")
+TRANSPORT = Transport(
+    "shm", sender=ShmSender, reader=lambda ctx: ShmReader(), sender_options=ShmOptions, sender_switch="shm"
+)

@@ -49,8 +49,7 @@ from engine.config import option
 from engine.kv_cache import KVCache
 from engine.kv_progress import PrefillFailed
 from kvtransfer.base import Capabilities, KVCorrupt, KVSender, KVTransferError, SenderContext, Transport
-from kvtransfer.layout import (KVLayout, KVLayoutMismatch, as_bytes, combine_digests, digest_views, layer_views,
-                               pieces)
+from kvtransfer.layout import KVLayout, KVLayoutMismatch, as_bytes, combine_digests, digest_views, layer_views, pieces
 from kvtransfer.lease import Lease, LeaseTable
 from kvtransfer.security import NONE, Security
 from pdserve_api import nodes_pb2
@@ -72,8 +71,9 @@ class TcpSenderOptions:
 
 @dataclass(frozen=True)
 class TcpReaderOptions:
-    kv_tcp_connections: int = option(DEFAULT_CONNECTIONS, "parallel connections per KV read on the tcp transport "
-                                     "(each reads a range of layers)")
+    kv_tcp_connections: int = option(
+        DEFAULT_CONNECTIONS, "parallel connections per KV read on the tcp transport (each reads a range of layers)"
+    )
 
     def __post_init__(self):
         if self.kv_tcp_connections < 1:
@@ -106,8 +106,10 @@ def _send_json(sock: socket.socket, obj: dict, prefix: bytes = b"") -> None:
 
 
 def _layout_dict(layout: KVLayout) -> dict:
-    return {f: getattr(layout, f) for f in ("num_layers", "num_kv_heads", "head_dim", "dtype", "block_size",
-                                            "model_fingerprint")}
+    return {
+        f: getattr(layout, f)
+        for f in ("num_layers", "num_kv_heads", "head_dim", "dtype", "block_size", "model_fingerprint")
+    }
 
 
 def _tune(sock: socket.socket) -> None:
@@ -167,8 +169,15 @@ class TcpKVServer:
     """Serves leased blocks of one KV cache to decode nodes; a thread per connection (the copies
     into the socket release the GIL)."""
 
-    def __init__(self, kv_cache: KVCache, layout: KVLayout, leases: LeaseTable, host: str = "127.0.0.1",
-                 port: int = 0, security: Security = NONE):
+    def __init__(
+        self,
+        kv_cache: KVCache,
+        layout: KVLayout,
+        leases: LeaseTable,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        security: Security = NONE,
+    ):
         self.kv_cache, self.layout, self.leases, self.security = kv_cache, layout, leases, security
         self.ssl = _server_context(security)
         plane = self
@@ -250,14 +259,22 @@ class TcpKVServer:
         first = int(request.get("first_block", 0))
         num_tokens = lease.num_tokens - first * self.layout.block_size
         if not 0 <= first < len(lease.block_ids) or num_tokens <= 0:
-            _send_json(sock, {"ok": False, "code": "INVALID_ARGUMENT",
-                              "error": f"first_block {first} outside the lease's {len(lease.block_ids)} blocks"})
+            _send_json(
+                sock,
+                {
+                    "ok": False,
+                    "code": "INVALID_ARGUMENT",
+                    "error": f"first_block {first} outside the lease's {len(lease.block_ids)} blocks",
+                },
+            )
             return
         num_bytes = self.layout.num_bytes(num_tokens) * len(layers) // self.layout.num_layers
         progress = lease.progress
         per_layer_digest = progress is not None or first > 0
-        _send_json(sock, {"ok": True, "num_tokens": lease.num_tokens, "num_bytes": num_bytes,
-                          "layerwise": progress is not None})
+        _send_json(
+            sock,
+            {"ok": True, "num_tokens": lease.num_tokens, "num_bytes": num_bytes, "layerwise": progress is not None},
+        )
         staged = host_layers(self.kv_cache.kv, lease.block_ids[first:], num_tokens, layers)
         for layer, (layer_bytes, on_device) in zip(layers, staged):
             if progress is not None:  # layer-wise: each layer as soon as it is written, then its digest
@@ -279,8 +296,9 @@ class TcpKVServer:
             a, b = (int(x) for x in request["layers"])
         except (KeyError, TypeError, ValueError) as e:
             return ("INVALID_ARGUMENT", f"malformed kv request: {e}"), None, None
-        if self.security.token and not hmac.compare_digest(str(request.get("token", "")).encode(),
-                                                           self.security.token.encode()):
+        if self.security.token and not hmac.compare_digest(
+            str(request.get("token", "")).encode(), self.security.token.encode()
+        ):
             return ("UNAUTHENTICATED", "missing or wrong bearer token"), None, None
         lease = self.leases.get(lease_id)
         if lease is None or not hmac.compare_digest(key.encode(), lease.access_key.encode()):
@@ -348,16 +366,26 @@ class TcpReader:
     def can_skip(self, source: nodes_pb2.KVSource) -> bool:
         return True  # the sender then sends each layer's digest
 
-    async def read(self, source: nodes_pb2.KVSource, kv_cache: KVCache, layout: KVLayout,
-                   block_ids: list[int], skip_blocks: int = 0) -> dict | None:
+    async def read(
+        self,
+        source: nodes_pb2.KVSource,
+        kv_cache: KVCache,
+        layout: KVLayout,
+        block_ids: list[int],
+        skip_blocks: int = 0,
+    ) -> dict | None:
         """Returns the trailer of a layer-wise source (the first token), else None."""
         layout.check(KVLayout.from_proto(source.layout))  # before a byte is written
         ranges = layer_ranges(layout.num_layers, self.connections)
         # Every connection runs to its end (or its timeout) before this returns, so that nothing
         # writes into the blocks after a failure has been reported.
-        results = await asyncio.gather(*(asyncio.to_thread(self._read_layers, source, kv_cache, layout, block_ids,
-                                                           a, b, skip_blocks) for a, b in ranges),
-                                       return_exceptions=True)
+        results = await asyncio.gather(
+            *(
+                asyncio.to_thread(self._read_layers, source, kv_cache, layout, block_ids, a, b, skip_blocks)
+                for a, b in ranges
+            ),
+            return_exceptions=True,
+        )
         for r in results:
             if isinstance(r, BaseException):
                 raise r
@@ -370,13 +398,27 @@ class TcpReader:
             raise KVCorrupt(f"KV digest mismatch after the tcp read (lease {source.lease_id})")
         return None
 
-    def _read_layers(self, source: nodes_pb2.KVSource, kv_cache: KVCache, layout: KVLayout, block_ids: list[int],
-                     a: int, b: int, skip_blocks: int) -> tuple[list[int], dict | None]:
+    def _read_layers(
+        self,
+        source: nodes_pb2.KVSource,
+        kv_cache: KVCache,
+        layout: KVLayout,
+        block_ids: list[int],
+        a: int,
+        b: int,
+        skip_blocks: int,
+    ) -> tuple[list[int], dict | None]:
         """Reads layers [a, b) into the blocks (from block skip_blocks on); returns their digests,
         and the trailer of a layer-wise source if b is the last layer."""
         address = source.tcp_address
-        request = {"lease_id": source.lease_id, "access_key": source.access_key, "token": self.security.token or "",
-                   "layout": _layout_dict(layout), "layers": [a, b], "first_block": skip_blocks}
+        request = {
+            "lease_id": source.lease_id,
+            "access_key": source.access_key,
+            "token": self.security.token or "",
+            "layout": _layout_dict(layout),
+            "layers": [a, b],
+            "first_block": skip_blocks,
+        }
         num_tokens = source.num_tokens - skip_blocks * layout.block_size
         sock = None
         try:
@@ -384,16 +426,7 @@ class TcpReader:
             if not reply.get("ok"):
                 self._give_back(address, sock)  # a refusal leaves the connection usable
                 sock = None
-                error = f"{reply.get('code')}: {reply.get('error')}"
-                if reply.get("code") == "FAILED_PRECONDITION":
-                    raise KVLayoutMismatch(reply.get("error"))
-                raise KVTransferError(f"KV read from {address} refused: {error}")
-            expected = layout.num_bytes(num_tokens) * (b - a) // layout.num_layers
-            if (reply.get("num_tokens") != source.num_tokens or reply.get("num_bytes") != expected
-                    or bool(reply.get("layerwise")) != source.layerwise):
-                raise KVTransferError(f"KV reply says {reply.get('num_tokens')} tokens / {reply.get('num_bytes')} "
-                                      f"bytes / layerwise {reply.get('layerwise')}, expected {source.num_tokens} / "
-                                      f"{expected} / {source.layerwise}")
+            _check_reply(reply, source, layout.num_bytes(num_tokens) * (b - a) // layout.num_layers, address)
             digests, sent = [], bytearray(8)
             staged = host_layers(kv_cache.kv, block_ids[skip_blocks:], num_tokens, range(a, b))
             for layer, (layer_bytes, on_device) in zip(range(a, b), staged):
@@ -405,8 +438,9 @@ class TcpReader:
                 if source.layerwise or skip_blocks:
                     _recv_exact(sock, memoryview(sent))
                     if struct.unpack("<Q", sent)[0] != digests[-1]:
-                        raise KVCorrupt(f"KV digest mismatch in layer {layer} of the tcp read "
-                                        f"(lease {source.lease_id})")
+                        raise KVCorrupt(
+                            f"KV digest mismatch in layer {layer} of the tcp read (lease {source.lease_id})"
+                        )
             trailer = _recv_json(sock) if source.layerwise and b == layout.num_layers else None
             self._give_back(address, sock)
             sock = None
@@ -467,13 +501,39 @@ class TcpReader:
             self._idle.clear()
 
 
+def _check_reply(reply: dict, source: nodes_pb2.KVSource, num_bytes: int, address: str) -> None:
+    """Raises unless the server's reply to a read is the one expected: a refusal, or other sizes."""
+    if not reply.get("ok"):
+        if reply.get("code") == "FAILED_PRECONDITION":
+            raise KVLayoutMismatch(reply.get("error"))
+        raise KVTransferError(f"KV read from {address} refused: {reply.get('code')}: {reply.get('error')}")
+    said = (reply.get("num_tokens"), reply.get("num_bytes"), bool(reply.get("layerwise")))
+    if said != (source.num_tokens, num_bytes, source.layerwise):
+        raise KVTransferError(
+            f"KV reply says {said[0]} tokens / {said[1]} bytes / layerwise {said[2]}, expected "
+            f"{source.num_tokens} / {num_bytes} / {source.layerwise}"
+        )
+
+
 def _check_trailer(trailer, source: nodes_pb2.KVSource) -> dict:
-    ok = isinstance(trailer, dict) and isinstance(trailer.get("finished"), bool) and (
-        trailer["finished"] or isinstance(trailer.get("token_id"), int) and isinstance(trailer.get("text_chars"), int))
+    ok = (
+        isinstance(trailer, dict)
+        and isinstance(trailer.get("finished"), bool)
+        and (
+            trailer["finished"]
+            or isinstance(trailer.get("token_id"), int)
+            and isinstance(trailer.get("text_chars"), int)
+        )
+    )
     if not ok:
         raise KVTransferError(f"malformed layer-wise trailer for lease {source.lease_id}: {trailer!r}")
     return trailer
 
 
-TRANSPORT = Transport("tcp", sender=TcpSender, reader=lambda ctx: TcpReader(ctx.security, ctx.options.kv_tcp_connections),
-                      sender_options=TcpSenderOptions, reader_options=TcpReaderOptions)
+TRANSPORT = Transport(
+    "tcp",
+    sender=TcpSender,
+    reader=lambda ctx: TcpReader(ctx.security, ctx.options.kv_tcp_connections),
+    sender_options=TcpSenderOptions,
+    reader_options=TcpReaderOptions,
+)

@@ -39,8 +39,9 @@ def reader_options() -> list[type]:
     return [t.reader_options for t in TRANSPORTS.values() if t.reader_options]
 
 
-def choose(senders: list[Capabilities], readers: list[Capabilities], same_host: bool,
-           layerwise: bool = False) -> Capabilities | None:
+def choose(
+    senders: list[Capabilities], readers: list[Capabilities], same_host: bool, layerwise: bool = False
+) -> Capabilities | None:
     """The transport a decode node (its readers, in its order) would read a prefill node's lease
     with (its senders), as the two nodes report them, and what it can do there; None: none can.
     layerwise: only one that streams the layers of a prefill still computing, on both sides."""
@@ -49,8 +50,9 @@ def choose(senders: list[Capabilities], readers: list[Capabilities], same_host: 
         sender = offered.get(reader.name)
         if sender is None or (reader.same_host and not same_host):
             continue
-        both = Capabilities(reader.name, reader.layerwise and sender.layerwise, reader.partial and sender.partial,
-                            reader.same_host)
+        both = Capabilities(
+            reader.name, reader.layerwise and sender.layerwise, reader.partial and sender.partial, reader.same_host
+        )
         if both.layerwise or not layerwise:
             return both
     return None

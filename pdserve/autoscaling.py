@@ -31,8 +31,10 @@ class PrefillPolicy:
         self.target_pending_requests = target_pending_requests
 
     def __call__(self, ctx) -> tuple[int, dict]:
-        desired = max(math.ceil(_total(ctx, "pending_tokens") / self.target_pending_tokens),
-                      math.ceil(_total(ctx, "pending_requests") / self.target_pending_requests))
+        desired = max(
+            math.ceil(_total(ctx, "pending_tokens") / self.target_pending_tokens),
+            math.ceil(_total(ctx, "pending_requests") / self.target_pending_requests),
+        )
         return desired, {}
 
 
@@ -48,6 +50,8 @@ class DecodePolicy:
         self.target_kv_utilization = target_kv_utilization
 
     def __call__(self, ctx) -> tuple[int, dict]:
-        desired = max(math.ceil(_total(ctx, "running_sequences") / self.target_running_sequences),
-                      math.ceil(_total(ctx, "kv_utilization") / self.target_kv_utilization))
+        desired = max(
+            math.ceil(_total(ctx, "running_sequences") / self.target_running_sequences),
+            math.ceil(_total(ctx, "kv_utilization") / self.target_kv_utilization),
+        )
         return desired, {}

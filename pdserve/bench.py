@@ -19,11 +19,13 @@ from pathlib import Path
 
 import grpc
 
-from pdserve.bench_stats import RequestRecord, Report, format_report, report
+from pdserve.bench_stats import Report, RequestRecord, format_report, report
 from router.client import AsyncClient
 
-FILLER = ("The history of the lighthouse begins with fires lit on hilltops to guide ships home. Engineers "
-          "later built towers of stone with lamps and lenses, and keepers lived beside them through storms. ")
+FILLER = (
+    "The history of the lighthouse begins with fires lit on hilltops to guide ships home. Engineers "
+    "later built towers of stone with lamps and lenses, and keepers lived beside them through storms. "
+)
 
 
 def length_sampler(spec: str, rng: random.Random):
@@ -78,8 +80,9 @@ def _turn(turn, where: str):
         turn = turn.get("prompt_token_ids") or turn.get("prompt")
     if isinstance(turn, str) and turn or isinstance(turn, list) and turn and all(isinstance(t, int) for t in turn):
         return turn
-    raise ValueError(f"{where}: each prompt or turn must be non-empty text or token ids "
-                     "('prompt' or 'prompt_token_ids')")
+    raise ValueError(
+        f"{where}: each prompt or turn must be non-empty text or token ids ('prompt' or 'prompt_token_ids')"
+    )
 
 
 def _max_tokens(row, where: str) -> int | None:
@@ -108,20 +111,27 @@ async def build_workload(client: AsyncClient, args, rng: random.Random) -> list[
             # each prompt is its own from its first block (the cache hit rate is reported).
             n, start = prompt_len(), rng.randrange(len(pool))
             head = [rng.choice(pool) for _ in range(min(n, 8))]
-            items.append({"prompt": head + [pool[(start + i) % len(pool)] for i in range(n - len(head))],
-                          "max_tokens": None, "output_len": output_len()})
+            items.append(
+                {
+                    "prompt": head + [pool[(start + i) % len(pool)] for i in range(n - len(head))],
+                    "max_tokens": None,
+                    "output_len": output_len(),
+                }
+            )
     for item in items:
         item["max_tokens"] = item.get("max_tokens") or item.get("output_len") or length_sampler(args.output_len, rng)()
     return items
 
 
-async def one_request(client: AsyncClient, item: dict, t0: float, args, progress,
-                      answer: list[int] | None = None) -> RequestRecord:
+async def one_request(
+    client: AsyncClient, item: dict, t0: float, args, progress, answer: list[int] | None = None
+) -> RequestRecord:
     """Sends one request and times it; its generated ids go into `answer` when given."""
     rec = RequestRecord(sent=time.perf_counter() - t0)
     try:
-        async for part in client.stream(item["prompt"], max_tokens=item["max_tokens"], temperature=args.temperature,
-                                        ignore_eos=args.ignore_eos):
+        async for part in client.stream(
+            item["prompt"], max_tokens=item["max_tokens"], temperature=args.temperature, ignore_eos=args.ignore_eos
+        ):
             if part.token_ids and rec.first_token is None:
                 rec.first_token = time.perf_counter() - t0
             rec.num_tokens += len(part.token_ids)
@@ -150,8 +160,9 @@ async def one_item(client: AsyncClient, item: dict, t0: float, args, progress) -
     for turn in item["turns"]:
         answer: list[int] = []
         prompt = history + turn
-        records.append(await one_request(client, {"prompt": prompt, "max_tokens": item["max_tokens"]}, t0, args,
-                                         progress, answer))
+        records.append(
+            await one_request(client, {"prompt": prompt, "max_tokens": item["max_tokens"]}, t0, args, progress, answer)
+        )
         if not records[-1].ok:
             break
         history = prompt + answer
@@ -174,8 +185,13 @@ async def run_once(args, items: list[dict], rate: float, rng: random.Random) -> 
     if not args.quiet:
         from tqdm import tqdm
 
-        progress = tqdm(total=sum(len(it.get("turns", [None])) for it in items), desc=f"rate {rate:g}" if rate != float("inf") else "requests",
-                        unit="req", file=sys.stderr, leave=True)  # left at its final count, not cleared
+        progress = tqdm(
+            total=sum(len(it.get("turns", [None])) for it in items),
+            desc=f"rate {rate:g}" if rate != float("inf") else "requests",
+            unit="req",
+            file=sys.stderr,
+            leave=True,
+        )  # left at its final count, not cleared
     async with AsyncClient(args.addr, timeout=args.timeout, metadata=metadata) as client:
         t0 = time.perf_counter()
         if args.rate is None:  # closed loop
@@ -198,8 +214,9 @@ async def run_once(args, items: list[dict], rate: float, rng: random.Random) -> 
                     return await one_item(client, item, t0, args, progress)
 
             times = arrival_times(len(items), rate, args.arrival, rng)
-            records = [r for rs in await asyncio.gather(*(scheduled(it, at) for it, at in zip(items, times)))
-                       for r in rs]
+            records = [
+                r for rs in await asyncio.gather(*(scheduled(it, at) for it, at in zip(items, times))) for r in rs
+            ]
         duration = time.perf_counter() - t0
     if progress is not None:
         progress.close()
@@ -218,39 +235,65 @@ async def bench(args) -> list[dict]:
         rep, records = await run_once(args, items, rate, rng)
         label = f"[rate {rate:g} req/s] " if args.rate else f"[closed loop, concurrency {args.concurrency or 1}] "
         print(format_report(rep, label), flush=True)
-        runs.append({"rate": rate if rate != float("inf") else None, "report": rep.to_dict(),
-                     "records": [r.__dict__ for r in records]})
+        runs.append(
+            {
+                "rate": rate if rate != float("inf") else None,
+                "report": rep.to_dict(),
+                "records": [r.__dict__ for r in records],
+            }
+        )
     return runs
 
 
 def add_args(p) -> None:
     p.add_argument("--addr", required=True, help="HOST:PORT of a pdserve router (or Ray Serve proxy)")
-    p.add_argument("--num-requests", type=int, default=64,
-                   help="requests (or conversations, from a multi-turn dataset) per rate, or in the closed loop")
-    p.add_argument("--rate", default=None,
-                   help="requests/s (open loop); 'inf' sends all at once; a comma-separated list sweeps")
-    p.add_argument("--arrival", choices=["poisson", "constant"], default="poisson",
-                   help="inter-arrival times at a --rate")
-    p.add_argument("--concurrency", type=int, default=None,
-                   help="closed loop without --rate; with --rate, a cap on requests in flight")
+    p.add_argument(
+        "--num-requests",
+        type=int,
+        default=64,
+        help="requests (or conversations, from a multi-turn dataset) per rate, or in the closed loop",
+    )
+    p.add_argument(
+        "--rate", default=None, help="requests/s (open loop); 'inf' sends all at once; a comma-separated list sweeps"
+    )
+    p.add_argument(
+        "--arrival", choices=["poisson", "constant"], default="poisson", help="inter-arrival times at a --rate"
+    )
+    p.add_argument(
+        "--concurrency",
+        type=int,
+        default=None,
+        help="closed loop without --rate; with --rate, a cap on requests in flight",
+    )
     p.add_argument("--prompt-len", default="uniform:200:400", help="N, uniform:A:B or normal:MEAN:STD tokens")
     p.add_argument("--output-len", default="128", help="N, uniform:A:B or normal:MEAN:STD tokens")
-    p.add_argument("--dataset", help="JSONL of prompts: {'prompt': text} or {'prompt_token_ids': [...]}, "
-                                     "optional 'max_tokens'; or multi-turn conversations: a list of turns, "
-                                     "{'turns': [...]}, or {'conversation_id': id, 'turn': k, 'prompt': ...} "
-                                     "per line (each turn is sent after the previous answer, with the history)")
+    p.add_argument(
+        "--dataset",
+        help="JSONL of prompts: {'prompt': text} or {'prompt_token_ids': [...]}, "
+        "optional 'max_tokens'; or multi-turn conversations: a list of turns, "
+        "{'turns': [...]}, or {'conversation_id': id, 'turn': k, 'prompt': ...} "
+        "per line (each turn is sent after the previous answer, with the history)",
+    )
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 is greedy")
-    p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
-                   help="stop at EOS (default: generate exactly the output length)")
+    p.add_argument(
+        "--no-ignore-eos",
+        dest="ignore_eos",
+        action="store_false",
+        help="stop at EOS (default: generate exactly the output length)",
+    )
     p.add_argument("--slo-ttft", type=float, default=None, help="seconds; goodput counts requests within it")
     p.add_argument("--slo-tpot", type=float, default=None, help="seconds per output token")
     p.add_argument("--json", help="write the reports (and per-request records) here")
     p.add_argument("--plot", help="write PNG plots into this directory")
     p.add_argument("--application", help="Ray Serve application name (metadata through Serve's proxy)")
     p.add_argument("--timeout", type=float, default=600.0, help="per-request deadline in seconds")
-    p.add_argument("--seed", type=int, default=None,
-                   help="seed of the workload's draws (prompts, lengths, arrivals) (default: a new one each run, "
-                        "printed: the same prompts again would hit the server's prefix cache)")
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="seed of the workload's draws (prompts, lengths, arrivals) (default: a new one each run, "
+        "printed: the same prompts again would hit the server's prefix cache)",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
@@ -263,8 +306,9 @@ def main(args) -> int:
         args.seed = random.SystemRandom().randrange(1 << 31)  # recorded in --json's args
     runs = asyncio.run(bench(args))
     if args.json:
-        Path(args.json).write_text(json.dumps({"args": {k: v for k, v in vars(args).items() if k != "func"},
-                                               "runs": runs}, indent=2))
+        Path(args.json).write_text(
+            json.dumps({"args": {k: v for k, v in vars(args).items() if k != "func"}, "runs": runs}, indent=2)
+        )
     if args.plot:
         from pdserve.bench_plot import plot
 

@@ -25,8 +25,9 @@ def plot(runs: list[dict], out: Path) -> list[Path]:
         ok = [r for r in run["records"] if r["error"] is None and r["done"] is not None]
         label = f"{run['rate']:g} req/s" if run["rate"] else "closed loop"
         _cdf(axes[0], [r["first_token"] - r["sent"] for r in ok], label)
-        _cdf(axes[1], [(r["done"] - r["first_token"]) / (r["num_tokens"] - 1) for r in ok if r["num_tokens"] > 1],
-             label)
+        _cdf(
+            axes[1], [(r["done"] - r["first_token"]) / (r["num_tokens"] - 1) for r in ok if r["num_tokens"] > 1], label
+        )
         _cdf(axes[2], [r["done"] - r["sent"] for r in ok], label)
     for ax, title in zip(axes, ("TTFT", "TPOT", "End-to-end latency")):
         ax.set_title(f"{title} CDF")

@@ -7,7 +7,6 @@ import sys
 import time
 
 from engine import EngineConfig
-from kvtransfer.security import SecurityConfig
 from router.config import RouterConfig
 from serving.options import HelpFormatter, add_options, from_args
 from serving.process import ProcessConfig, pin_cpus
@@ -17,8 +16,12 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 is greedy")
     p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens; 0 disables it")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: the smallest set of tokens "
-                   "whose probability reaches p; 1 disables it")
+    p.add_argument(
+        "--top-p",
+        type=float,
+        default=1.0,
+        help="nucleus sampling: the smallest set of tokens whose probability reaches p; 1 disables it",
+    )
     p.add_argument("--seed", type=int, default=None, help="per-request seed: the same seed gives the same tokens")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
@@ -26,8 +29,14 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 def sampling_params(args):
     from engine import SamplingParams
 
-    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                          top_p=args.top_p, seed=args.seed, stop=args.stop)
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        stop=args.stop,
+    )
 
 
 def rpc_error(e) -> str:
@@ -50,10 +59,12 @@ def cmd_generate_offline(args) -> int:
     done = time.perf_counter()
     print(out.text)
     n = len(out.token_ids)
-    print(f"[{llm.engine.model_dir.name} on {llm.engine.device} {str(llm.engine.dtype).replace('torch.', '')}: "
-          f"load {loaded - started:.1f} s, {len(out.prompt_token_ids)} prompt + {n} generated tokens "
-          f"in {done - loaded:.2f} s ({n / (done - loaded):.1f} tokens/s), finish: {out.finish_reason}]",
-          file=sys.stderr)
+    print(
+        f"[{llm.engine.model_dir.name} on {llm.engine.device} {str(llm.engine.dtype).replace('torch.', '')}: "
+        f"load {loaded - started:.1f} s, {len(out.prompt_token_ids)} prompt + {n} generated tokens "
+        f"in {done - loaded:.2f} s ({n / (done - loaded):.1f} tokens/s), finish: {out.finish_reason}]",
+        file=sys.stderr,
+    )
     return 0
 
 
@@ -81,8 +92,13 @@ def cmd_generate(args) -> int:
 
     from pdserve.generate import stream_answer
 
-    sampling = {"max_tokens": args.max_tokens, "temperature": args.temperature, "top_k": args.top_k,
-                "top_p": args.top_p, "stop": args.stop}
+    sampling = {
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "top_k": args.top_k,
+        "top_p": args.top_p,
+        "stop": args.stop,
+    }
     if args.seed is not None:
         sampling["seed"] = args.seed
     try:
@@ -90,8 +106,16 @@ def cmd_generate(args) -> int:
 
         metadata = [("application", args.application)] if args.application else None
         security = Security(ca=args.tls_ca, token=read_api_keys(args.api_key_file)[0] if args.api_key_file else None)
-        stream_answer(args.addr, args.prompt, chat=not args.raw, as_json=args.json, timeout=args.timeout,
-                      metadata=metadata, security=security, **sampling)
+        stream_answer(
+            args.addr,
+            args.prompt,
+            chat=not args.raw,
+            as_json=args.json,
+            timeout=args.timeout,
+            metadata=metadata,
+            security=security,
+            **sampling,
+        )
     except grpc.RpcError as e:  # stream_answer ended any streamed text with a newline
         print(f"pdserve: error: {rpc_error(e)}", file=sys.stderr)
         return 1
@@ -122,19 +146,29 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
 
     def command(name: str, help: str, description: str = "") -> argparse.ArgumentParser:
-        return sub.add_parser(name, help=help, description=f"{help[0].upper()}{help[1:]}. {description}".strip(),
-                              formatter_class=HelpFormatter)
+        return sub.add_parser(
+            name,
+            help=help,
+            description=f"{help[0].upper()}{help[1:]}. {description}".strip(),
+            formatter_class=HelpFormatter,
+        )
 
-    p = command("up", "start a router + prefill and decode node processes on this host",
-                "Stops everything, exiting 1, when a node process exits; node logs go to --log-dir.")
+    p = command(
+        "up",
+        "start a router + prefill and decode node processes on this host",
+        "Stops everything, exiting 1, when a node process exits; node logs go to --log-dir.",
+    )
     from pdserve.up import add_args as add_up_args
 
     add_up_args(p)
     p.set_defaults(func=cmd_up)
 
-    p = command("colocated", "serve one engine doing both phases (no disaggregation) behind the same API",
-                "The baseline disaggregation is compared with: as one vLLM instance, prefill chunks mixed into "
-                "the decode batch. Prints READY <address> once it serves.")
+    p = command(
+        "colocated",
+        "serve one engine doing both phases (no disaggregation) behind the same API",
+        "The baseline disaggregation is compared with: as one vLLM instance, prefill chunks mixed into "
+        "the decode batch. Prints READY <address> once it serves.",
+    )
     add_options(p, ProcessConfig)
     add_options(p, RouterConfig, only=("port",), helps={"port": "the gRPC port (0: any)"})
     add_options(p, EngineConfig)
@@ -142,9 +176,12 @@ def main(argv: list[str] | None = None) -> int:
 
     p = command("serve", "deploy pdserve on a Ray cluster (Ray Serve), from a Serve config file")
     p.add_argument("--config", default=None, help="Serve config (default: deploy/serve_config.yaml)")
-    p.add_argument("--address", default=None,
-                   help="an existing Ray cluster (e.g. auto or HOST:6379) (default: a local one, started here "
-                        "and stopped with Ctrl-C)")
+    p.add_argument(
+        "--address",
+        default=None,
+        help="an existing Ray cluster (e.g. auto or HOST:6379) (default: a local one, started here "
+        "and stopped with Ctrl-C)",
+    )
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the application to run")
     p.set_defaults(func=cmd_serve)
 
@@ -154,22 +191,29 @@ def main(argv: list[str] | None = None) -> int:
     add_bench_args(p)
     p.set_defaults(func=cmd_bench)
 
-    p = command("generate", "ask a running pdserve router; streams the answer",
-                "Decoding is greedy (temperature 0) unless --temperature is given.")
+    p = command(
+        "generate",
+        "ask a running pdserve router; streams the answer",
+        "Decoding is greedy (temperature 0) unless --temperature is given.",
+    )
     p.add_argument("prompt", help="the question (sent as a user message unless --raw)")
     p.add_argument("--addr", default="127.0.0.1:50051", help="the router's HOST:PORT")
     p.add_argument("--json", action="store_true", help="print one JSON object (text, token_ids, usage) at the end")
     p.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
-    p.add_argument("--application", default=None,
-                   help="through Ray Serve's gRPC proxy: the application name (sent as metadata)")
+    p.add_argument(
+        "--application", default=None, help="through Ray Serve's gRPC proxy: the application name (sent as metadata)"
+    )
     p.add_argument("--tls-ca", help="trust this CA for a TLS router (default: plaintext)")
     p.add_argument("--api-key-file", help="the router's API key (its first line), sent as authorization: Bearer")
     add_sampling_args(p)
     p.set_defaults(func=cmd_generate)
 
-    p = command("generate-offline", "run the engine in this process on one prompt",
-                "Decoding is greedy (temperature 0) unless --temperature is given.")
+    p = command(
+        "generate-offline",
+        "run the engine in this process on one prompt",
+        "Decoding is greedy (temperature 0) unless --temperature is given.",
+    )
     p.add_argument("prompt", help="the question (chat template applied unless --raw)")
     p.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     add_options(p, ProcessConfig, only=("cpus",))

@@ -29,19 +29,29 @@ from serving.protocol import logprobs_to_proto
 class ColocatedServer(EngineServer, Frontend):
     role = "colocated"
 
-    def __init__(self, config: EngineConfig, host: str = "127.0.0.1", port: int = 0, metrics: Metrics | None = None,
-                 security: Security = NONE):
+    def __init__(
+        self,
+        config: EngineConfig,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        metrics: Metrics | None = None,
+        security: Security = NONE,
+    ):
         llm = LLMEngine(config)
         EngineServer.__init__(self, llm, host, port, security, metrics)
         Frontend.__init__(self, config.model, llm.max_model_len, self.metrics)
-        self.server.add(generate_pb2_grpc.add_GenerationServicer_to_server, self,
-                        generate_pb2.DESCRIPTOR.services_by_name["Generation"])
+        self.server.add(
+            generate_pb2_grpc.add_GenerationServicer_to_server,
+            self,
+            generate_pb2.DESCRIPTOR.services_by_name["Generation"],
+        )
 
     def num_open(self) -> int:
         return len(self.llm.requests)
 
-    async def _serve(self, request: generate_pb2.GenerateRequest,
-                     deadline: float = 0.0) -> AsyncIterator[generate_pb2.GenerateResponse]:
+    async def _serve(
+        self, request: generate_pb2.GenerateRequest, deadline: float = 0.0
+    ) -> AsyncIterator[generate_pb2.GenerateResponse]:
         """1. check, 2. prefill and decode in the one engine, 3. stream."""
         timings = common_pb2.Timings(queued=time.time())
         rid = request.request_id or uuid.uuid4().hex
@@ -54,10 +64,15 @@ class ColocatedServer(EngineServer, Frontend):
                     timings.first_token = timings.prefill_end = time.time()
                     timings.cached_tokens, timings.prefill_node = out.num_cached_tokens, self.address
                 n += len(out.new_token_ids)
-                msg = generate_pb2.GenerateResponse(request_id=rid, token_ids=out.new_token_ids, text=out.new_text,
-                                                    index=out.index, finish_reason=out.finish_reason or "")
+                msg = generate_pb2.GenerateResponse(
+                    request_id=rid,
+                    token_ids=out.new_token_ids,
+                    text=out.new_text,
+                    index=out.index,
+                    finish_reason=out.finish_reason or "",
+                )
                 if out.logprobs:  # one entry per new token (several after a verified draft)
-                    msg.logprobs.extend(logprobs_to_proto(lp) for lp in out.logprobs[-len(out.new_token_ids):])
+                    msg.logprobs.extend(logprobs_to_proto(lp) for lp in out.logprobs[-len(out.new_token_ids) :])
                 yield final_message(msg, out.finish_reason, len(prompt), n, timings) if out.last else msg
         except ValueError as e:
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
@@ -67,6 +82,9 @@ def run(args) -> int:
     """`pdserve colocated`: serves until SIGTERM or SIGINT (its options: pdserve/cli.py)."""
     setup_logging()
     port = from_args(RouterConfig, args).port
-    asyncio.run(run_until_signalled(lambda: ColocatedServer(from_args(EngineConfig, args), args.host, port),
-                                    metrics_port=args.metrics_port))
+    asyncio.run(
+        run_until_signalled(
+            lambda: ColocatedServer(from_args(EngineConfig, args), args.host, port), metrics_port=args.metrics_port
+        )
+    )
     return 0

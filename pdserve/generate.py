@@ -10,9 +10,17 @@ import grpc
 from router.client import Client, Completion
 
 
-def stream_answer(address: str, prompt: str, chat: bool = True, as_json: bool = False, timeout: float | None = None,
-                  out=sys.stdout, metadata: list[tuple[str, str]] | None = None, security=None,
-                  **sampling) -> Completion:
+def stream_answer(
+    address: str,
+    prompt: str,
+    chat: bool = True,
+    as_json: bool = False,
+    timeout: float | None = None,
+    out=sys.stdout,
+    metadata: list[tuple[str, str]] | None = None,
+    security=None,
+    **sampling,
+) -> Completion:
     """Streams the answer's text to `out` (or one JSON object at the end); raises grpc.RpcError,
     after ending any text already streamed with a newline."""
     result = Completion()
@@ -32,8 +40,18 @@ def stream_answer(address: str, prompt: str, chat: bool = True, as_json: bool = 
                 out.flush()
             raise
     if as_json:
-        out.write(json.dumps({"text": result.text, "token_ids": result.token_ids, "finish_reason": result.finish_reason,
-                              "usage": result.usage, "timings": result.timings}) + "\n")
+        out.write(
+            json.dumps(
+                {
+                    "text": result.text,
+                    "token_ids": result.token_ids,
+                    "finish_reason": result.finish_reason,
+                    "usage": result.usage,
+                    "timings": result.timings,
+                }
+            )
+            + "\n"
+        )
     else:
         out.write("\n")
     return result

@@ -73,11 +73,19 @@ def parse_args(args: dict) -> AppArgs:
             raise ValueError("args.kv_transport and args.decode.kv_transport differ: give one")
     pools = {name: _pool(name, sections[name], model) for name in POOLS}
     if pools["prefill"].engine.dtype != pools["decode"].engine.dtype:
-        raise ValueError(f"prefill dtype {pools['prefill'].engine.dtype!r} != decode dtype "
-                         f"{pools['decode'].engine.dtype!r}: the KV cannot move between them")
+        raise ValueError(
+            f"prefill dtype {pools['prefill'].engine.dtype!r} != decode dtype "
+            f"{pools['decode'].engine.dtype!r}: the KV cannot move between them"
+        )
     _check_transport(pools["decode"].node.kv_transport, pools["prefill"].kv_options)
-    return AppArgs(model, args.get("app_name", "pdserve"), from_mapping(RouterConfig, "args.router", sections["router"]),
-                   pools["prefill"], pools["decode"], from_mapping(SecurityConfig, "args.security", sections["security"]))
+    return AppArgs(
+        model,
+        args.get("app_name", "pdserve"),
+        from_mapping(RouterConfig, "args.router", sections["router"]),
+        pools["prefill"],
+        pools["decode"],
+        from_mapping(SecurityConfig, "args.security", sections["security"]),
+    )
 
 
 def _pool(name: str, section: dict, model: str) -> Pool:
@@ -87,10 +95,15 @@ def _pool(name: str, section: dict, model: str) -> Pool:
     engine = dict(section.get("engine", {}))
     check_keys(f"{where}.engine", engine, serve_keys(EngineConfig))
     if engine.setdefault("model", model) != model:
-        raise ValueError(f"{where}.engine.model {engine['model']!r} differs from args.model {model!r}: "
-                         "both pools must serve the same model")
-    return Pool(from_mapping(EngineConfig, f"{where}.engine", engine), from_mapping(node_cls, where, section),
-                tuple(from_mapping(cls, where, section) for cls in transport_options()))
+        raise ValueError(
+            f"{where}.engine.model {engine['model']!r} differs from args.model {model!r}: "
+            "both pools must serve the same model"
+        )
+    return Pool(
+        from_mapping(EngineConfig, f"{where}.engine", engine),
+        from_mapping(node_cls, where, section),
+        tuple(from_mapping(cls, where, section) for cls in transport_options()),
+    )
 
 
 def _check_transport(name: str, sender_options: tuple) -> None:
@@ -113,4 +126,3 @@ def build_app(args: dict):
     # Binding the pools into the router's arguments makes them part of the application; the
     # router reaches their replicas through the registry, one gRPC address per replica.
     return RouterDeployment.bind(a.app_name, a.model, a.router, a.security, pools=(prefill, decode))
-

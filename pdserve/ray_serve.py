@@ -115,18 +115,20 @@ def dashboard_lines(url: str, auth_mode: str) -> list[str]:
     lines = [f"pdserve serve: Ray dashboard at {url} (Serve tab: deployments and replica counts)"]
     api = f"{url}{SERVE_APPLICATIONS_API}"
     if auth_mode == "disabled":
-        return lines + ["  token authentication is off on this cluster: no sign-in; from a shell:",
-                        f"  curl {api}"]
+        return lines + ["  token authentication is off on this cluster: no sign-in; from a shell:", f"  curl {api}"]
     if auth_mode != "token":
-        return lines + [f"  authentication mode {auth_mode!r}: "
-                        "see https://docs.ray.io/en/latest/ray-security/token-auth.html"]
+        return lines + [
+            f"  authentication mode {auth_mode!r}: see https://docs.ray.io/en/latest/ray-security/token-auth.html"
+        ]
     where, expr, path = token_source()
     note = ""
     if path is not None and path.exists() and path.stat().st_mode & (stat.S_IRWXG | stat.S_IRWXO):
         note = f"; others can read it: chmod 600 {where}"
-    return lines + [f"  token authentication is on: the page asks for the token, in {where} "
-                    f"(`ray get-auth-token` prints it{note}); from a shell:",
-                    f"  curl -H \"Authorization: Bearer {expr}\" {api}"]
+    return lines + [
+        f"  token authentication is on: the page asks for the token, in {where} "
+        f"(`ray get-auth-token` prints it{note}); from a shell:",
+        f'  curl -H "Authorization: Bearer {expr}" {api}',
+    ]
 
 
 def connect_error(address: str, error: BaseException) -> str:
@@ -135,9 +137,11 @@ def connect_error(address: str, error: BaseException) -> str:
     cause: BaseException | None = error
     while cause is not None:
         if type(cause).__name__ == "AuthenticationError" or "InvalidAuthToken" in str(cause):
-            return (f"the Ray cluster at {address} uses token authentication and got no valid token from "
-                    "this process: set RAY_AUTH_MODE=token, and the cluster's token in ~/.ray/auth_token, "
-                    "the file RAY_AUTH_TOKEN_PATH names, or RAY_AUTH_TOKEN")
+            return (
+                f"the Ray cluster at {address} uses token authentication and got no valid token from "
+                "this process: set RAY_AUTH_MODE=token, and the cluster's token in ~/.ray/auth_token, "
+                "the file RAY_AUTH_TOKEN_PATH names, or RAY_AUTH_TOKEN"
+            )
         cause = cause.__cause__ or cause.__context__
     return f"cannot connect to the Ray cluster at {address}: {error}"
 
@@ -160,8 +164,9 @@ def serve(config_path: str | None, address: str | None, timeout_s: float = 600.0
         made = ensure_private_token()
         if made is not None:
             print(f"pdserve serve: created the Ray auth token in {_home_relative(made)} (owner-only)", flush=True)
-        context = ray.init(include_dashboard=True, dashboard_host="127.0.0.1", namespace="pdserve",
-                           resources=LOCAL_RESOURCES)
+        context = ray.init(
+            include_dashboard=True, dashboard_host="127.0.0.1", namespace="pdserve", resources=LOCAL_RESOURCES
+        )
     else:
         try:
             context = ray.init(address=address, namespace="pdserve")
@@ -174,11 +179,14 @@ def serve(config_path: str | None, address: str | None, timeout_s: float = 600.0
         grpc_port = schema.grpc_options.port
         for app in schema.applications:
             direct = (app.args.get("router") or {}).get("direct_port", 50051)
-            print(f"pdserve serve: application {app.name!r} is RUNNING\n"
-                  f"  gRPC through Ray Serve's proxy: <node>:{grpc_port} with metadata application={app.name}\n"
-                  f"    pdserve generate --addr 127.0.0.1:{grpc_port} --application {app.name} \"Hello\"\n"
-                  f"  gRPC on the router replica's own port (no per-message proxy cost): <node>:{direct}\n"
-                  f"    pdserve generate --addr 127.0.0.1:{direct} \"Hello\"", flush=True)
+            print(
+                f"pdserve serve: application {app.name!r} is RUNNING\n"
+                f"  gRPC through Ray Serve's proxy: <node>:{grpc_port} with metadata application={app.name}\n"
+                f'    pdserve generate --addr 127.0.0.1:{grpc_port} --application {app.name} "Hello"\n'
+                f"  gRPC on the router replica's own port (no per-message proxy cost): <node>:{direct}\n"
+                f'    pdserve generate --addr 127.0.0.1:{direct} "Hello"',
+                flush=True,
+            )
         url = _dashboard_url(context)
         if url is None:
             print("pdserve serve: no Ray dashboard on this cluster", flush=True)

@@ -88,10 +88,15 @@ def deploy(schema) -> None:
     from ray.serve._private.api import serve_start
 
     def start():
-        return serve_start(http_options=schema.http_options.model_dump(), proxy_location=schema.proxy_location,
-                           grpc_options=schema.grpc_options.model_dump(), global_logging_config=schema.logging_config,
-                           controller_options={"runtime_env": {"env_vars": {
-                               PROXY_READY_ENV: os.environ.get(PROXY_READY_ENV, PROXY_READY_S)}}})
+        return serve_start(
+            http_options=schema.http_options.model_dump(),
+            proxy_location=schema.proxy_location,
+            grpc_options=schema.grpc_options.model_dump(),
+            global_logging_config=schema.logging_config,
+            controller_options={
+                "runtime_env": {"env_vars": {PROXY_READY_ENV: os.environ.get(PROXY_READY_ENV, PROXY_READY_S)}}
+            },
+        )
 
     try:
         client = start()

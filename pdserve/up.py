@@ -52,8 +52,10 @@ CRASH_WINDOW_S = 300.0  # exits of one node counted towards --node-restarts
 # The last line of a Python traceback: "ValueError: ...", "torch.OutOfMemoryError: ...".
 ERROR_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\b")
 # Each node kind's options, forwarded to its processes (their own port and threads are up's to set).
-NODE_OPTIONS = {"prefill": (PrefillConfig, *transports.sender_options()),
-                "decode": (DecodeConfig, *transports.reader_options())}
+NODE_OPTIONS = {
+    "prefill": (PrefillConfig, *transports.sender_options()),
+    "decode": (DecodeConfig, *transports.reader_options()),
+}
 NOT_FORWARDED = ("port", "num_threads", "kv_tcp_port")  # per node: set by up (a fixed one would collide)
 
 
@@ -61,24 +63,42 @@ NOT_FORWARDED = ("port", "num_threads", "kv_tcp_port")  # per node: set by up (a
 class UpConfig:
     prefill: int = option(1, "prefill node processes")
     decode: int = option(1, "decode node processes")
-    ask: str | None = option(None, "ask this question once the cluster is up, stream the answer, then stop "
-                             "(default: serve until Ctrl-C)")
+    ask: str | None = option(
+        None, "ask this question once the cluster is up, stream the answer, then stop (default: serve until Ctrl-C)"
+    )
     max_tokens: int = option(256, "with --ask")
-    node_restarts: int = option(5, "a node that exits while serving is restarted, at most this many times in 5 "
-                                "minutes; one more exit stops everything (0: the first exit does)")
+    node_restarts: int = option(
+        5,
+        "a node that exits while serving is restarted, at most this many times in 5 "
+        "minutes; one more exit stops everything (0: the first exit does)",
+    )
     pin_cpus: bool = option(False, "give each node process its own core (round robin over --cpus, or all cores)")
-    log_dir: str | None = option(None, "each node's log (its stderr) goes to <role>-<index>.log here (default: a new "
-                                 "temporary directory, printed at start)")
+    log_dir: str | None = option(
+        None,
+        "each node's log (its stderr) goes to <role>-<index>.log here (default: a new "
+        "temporary directory, printed at start)",
+    )
 
 
 def add_args(p) -> None:
-    add_options(p, UpConfig, ProcessConfig, RouterConfig, *NODE_OPTIONS["prefill"], *NODE_OPTIONS["decode"],
-                EngineConfig, SecurityConfig, skip=("kv_tcp_port",), helps={
-                    "host": "the interface every process listens on",
-                    "metrics_port": "Prometheus /metrics: the router on this port, the nodes on the next ones",
-                    "num_threads": "torch threads per node (default: the cores divided among the node processes)",
-                    "max_model_len": "longest prompt + output in tokens, at the router and in every engine "
-                                     "(default: the model's context length)"})
+    add_options(
+        p,
+        UpConfig,
+        ProcessConfig,
+        RouterConfig,
+        *NODE_OPTIONS["prefill"],
+        *NODE_OPTIONS["decode"],
+        EngineConfig,
+        SecurityConfig,
+        skip=("kv_tcp_port",),
+        helps={
+            "host": "the interface every process listens on",
+            "metrics_port": "Prometheus /metrics: the router on this port, the nodes on the next ones",
+            "num_threads": "torch threads per node (default: the cores divided among the node processes)",
+            "max_model_len": "longest prompt + output in tokens, at the router and in every engine "
+            "(default: the model's context length)",
+        },
+    )
 
 
 class NodeFailed(RuntimeError):
@@ -104,8 +124,12 @@ class Node:
         except NotReady as e:
             raise NodeFailed(self.exit_message(e.returncode, "before it was ready")) from None
         self.process.forward_output(self._print)
-        print(f"pdserve up: {self.role} node {self.index} on {address}, pid {self.process.pid}, "
-              f"ready in {time.monotonic() - self.started:.1f} s, log {self.log}", file=sys.stderr, flush=True)
+        print(
+            f"pdserve up: {self.role} node {self.index} on {address}, pid {self.process.pid}, "
+            f"ready in {time.monotonic() - self.started:.1f} s, log {self.log}",
+            file=sys.stderr,
+            flush=True,
+        )
         return address
 
     def _print(self, line: str) -> None:
@@ -143,11 +167,16 @@ async def keep_running(nodes: list[Node], i: int, spawner: Spawner, restarts: in
         now = time.monotonic()
         exits = [t for t in exits if now - t < CRASH_WINDOW_S] + [now]
         if len(exits) > restarts:
-            return (f"{node.exit_message(code)}; {len(exits)} exit{'s' if len(exits) > 1 else ''} in "
-                    f"{CRASH_WINDOW_S:.0f} s (--node-restarts {restarts}): stopping the others")
+            return (
+                f"{node.exit_message(code)}; {len(exits)} exit{'s' if len(exits) > 1 else ''} in "
+                f"{CRASH_WINDOW_S:.0f} s (--node-restarts {restarts}): stopping the others"
+            )
         delay = RESTART_BACKOFF_S[min(len(exits), len(RESTART_BACKOFF_S)) - 1]
-        print(f"pdserve up: {node.exit_message(code)}; the other nodes keep serving, restarting it in {delay:.0f} s",
-              file=sys.stderr, flush=True)
+        print(
+            f"pdserve up: {node.exit_message(code)}; the other nodes keep serving, restarting it in {delay:.0f} s",
+            file=sys.stderr,
+            flush=True,
+        )
         await on_change()
         await asyncio.sleep(delay)
         spawner.num_restarts += 1
@@ -156,7 +185,7 @@ async def keep_running(nodes: list[Node], i: int, spawner: Spawner, restarts: in
             await asyncio.wait_for(nodes[i].wait_ready(), READY_TIMEOUT_S)
         except NodeFailed:
             continue  # it exited: counted above
-        except asyncio.TimeoutError:
+        except TimeoutError:
             nodes[i].process.kill()
             continue
         await on_change()
@@ -187,11 +216,13 @@ class Spawner:
     def __init__(self, args, log_dir: Path):
         self.args, self.log_dir = args, log_dir
         # The cores this process may use (--cpus pinned it to them; macOS has no affinity: all)
-        self.cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
-            else list(range(os.cpu_count() or 1))
+        self.cores = (
+            sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+        )
         self.threads = args.num_threads or max(1, len(self.cores) // (args.prefill + args.decode))
-        self.slots = [(role, i) for role, count in (("prefill", args.prefill), ("decode", args.decode))
-                      for i in range(count)]
+        self.slots = [
+            (role, i) for role, count in (("prefill", args.prefill), ("decode", args.decode)) for i in range(count)
+        ]
         self.num_restarts = 0  # a temporary log dir is kept when a node had to be restarted
 
     def argv(self, role: str, index: int) -> list[str]:
@@ -203,8 +234,12 @@ class Spawner:
             own += ["--metrics-port", str(args.metrics_port + 1 + slot)]
         if args.pin_cpus:
             own += ["--cpus", str(self.cores[slot % len(self.cores)])]
-        return ["-m", f"{role}_node", *own,
-                *to_argv(args, *NODE_OPTIONS[role], EngineConfig, SecurityConfig, skip=NOT_FORWARDED)]
+        return [
+            "-m",
+            f"{role}_node",
+            *own,
+            *to_argv(args, *NODE_OPTIONS[role], EngineConfig, SecurityConfig, skip=NOT_FORWARDED),
+        ]
 
     def spawn(self, role: str, index: int, restart: bool = False) -> Node:
         log = self.log_dir / f"{role}-{index}.log"
@@ -222,8 +257,7 @@ async def start_nodes(spawner: Spawner, stop: asyncio.Event) -> list[Node]:
     all_ready = asyncio.gather(*ready)
     stopped = asyncio.ensure_future(stop.wait())
     try:
-        done, _ = await asyncio.wait([all_ready, stopped], timeout=READY_TIMEOUT_S,
-                                     return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait([all_ready, stopped], timeout=READY_TIMEOUT_S, return_when=asyncio.FIRST_COMPLETED)
         if all_ready in done:
             all_ready.result()  # raises the first node's NodeFailed
             return nodes
@@ -247,9 +281,12 @@ async def up(args) -> int:
     temporary = not args.log_dir
     log_dir = Path(tempfile.mkdtemp(prefix="pdserve-up-")) if temporary else Path(args.log_dir)
     log_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-    print(f"pdserve up: model {args.model}: starting {args.prefill} prefill + {args.decode} decode node "
-          f"processes, logs in {log_dir}{' (removed at exit unless a node fails)' if temporary else ''}",
-          file=sys.stderr, flush=True)
+    print(
+        f"pdserve up: model {args.model}: starting {args.prefill} prefill + {args.decode} decode node "
+        f"processes, logs in {log_dir}{' (removed at exit unless a node fails)' if temporary else ''}",
+        file=sys.stderr,
+        flush=True,
+    )
     failed = True
     spawner = Spawner(args, log_dir)
     try:
@@ -277,27 +314,42 @@ async def serve(args, spawner: Spawner) -> int:
     supervisors: list[asyncio.Task] = []
     try:
         config = from_args(RouterConfig, args)
-        router = Router(args.model, [n.process.address for n in nodes if n.role == "prefill"],
-                        [n.process.address for n in nodes if n.role == "decode"], config, host=args.host,
-                        internal_security=from_args(SecurityConfig, args).security())
+        router = Router(
+            args.model,
+            [n.process.address for n in nodes if n.role == "prefill"],
+            [n.process.address for n in nodes if n.role == "decode"],
+            config,
+            host=args.host,
+            internal_security=from_args(SecurityConfig, args).security(),
+        )
         await router.start()
         if router.http_address:
             print(f"pdserve up: OpenAI-compatible HTTP API on http://{router.http_address}/v1", file=sys.stderr)
-        metrics = f"; metrics on ports {router.metrics.serve(args.metrics_port)}-{args.metrics_port + len(nodes)}" \
-            if args.metrics_port else ""
-        print(f"pdserve up: router on {router.address} serving {args.model}{metrics}, pid {os.getpid()}, "
-              f"up in {time.monotonic() - began:.1f} s", file=sys.stderr, flush=True)
+        metrics = (
+            f"; metrics on ports {router.metrics.serve(args.metrics_port)}-{args.metrics_port + len(nodes)}"
+            if args.metrics_port
+            else ""
+        )
+        print(
+            f"pdserve up: router on {router.address} serving {args.model}{metrics}, pid {os.getpid()}, "
+            f"up in {time.monotonic() - began:.1f} s",
+            file=sys.stderr,
+            flush=True,
+        )
         work = asyncio.ensure_future(ask(args, router) if args.ask else stop.wait())
         if not args.ask:
             print("Ctrl-C stops everything.", file=sys.stderr, flush=True)
 
         async def follow_nodes() -> None:  # the router's pools: the nodes alive and ready now
             for role, pool in (("prefill", router.prefill_pool), ("decode", router.decode_pool)):
-                await pool.update([n.process.address for n in nodes if n.role == role and n.process.address
-                                   and n.alive])
+                await pool.update(
+                    [n.process.address for n in nodes if n.role == role and n.process.address and n.alive]
+                )
 
-        supervisors = [asyncio.ensure_future(keep_running(nodes, i, spawner, args.node_restarts, follow_nodes))
-                       for i in range(len(nodes))]
+        supervisors = [
+            asyncio.ensure_future(keep_running(nodes, i, spawner, args.node_restarts, follow_nodes))
+            for i in range(len(nodes))
+        ]
         done, _ = await asyncio.wait([work, *supervisors], return_when=asyncio.FIRST_COMPLETED)
         if work not in done:
             work.cancel()

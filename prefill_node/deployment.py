@@ -20,16 +20,35 @@ from serving.replica import Replica
 
 @serve.deployment(name="Prefill", ray_actor_options={"num_cpus": 0})
 class PrefillDeployment:
-    async def __init__(self, app_name: str, engine: EngineConfig, config: PrefillConfig, kv_options: tuple = (),
-                       security: SecurityConfig = SecurityConfig()):
+    async def __init__(
+        self,
+        app_name: str,
+        engine: EngineConfig,
+        config: PrefillConfig,
+        kv_options: tuple = (),
+        security: SecurityConfig = SecurityConfig(),
+    ):
         host = ray.util.get_node_ip_address()
-        self.node = node = PrefillNode(engine, replace(config, port=preferred_port(host, config.port)), host=host,
-                                       metrics=Metrics("ray"), security=security.security(), kv_options=kv_options)
-        self.replica = Replica("prefill", app_name, node, config.drain_timeout_s, gauges={
-            "pdserve_prefill_pending_requests": ("Prefill calls waiting or running", lambda: node.num_pending),
-            "pdserve_prefill_pending_tokens": ("Prompt tokens of those calls", lambda: node.pending_tokens),
-            "pdserve_prefill_kv_leases": ("Prefilled KV waiting to be read", lambda: len(node.leases)),
-        }, counters={"pdserve_prefill_requests_total": ("Prefills answered", lambda: node.num_prefilled)})
+        self.node = node = PrefillNode(
+            engine,
+            replace(config, port=preferred_port(host, config.port)),
+            host=host,
+            metrics=Metrics("ray"),
+            security=security.security(),
+            kv_options=kv_options,
+        )
+        self.replica = Replica(
+            "prefill",
+            app_name,
+            node,
+            config.drain_timeout_s,
+            gauges={
+                "pdserve_prefill_pending_requests": ("Prefill calls waiting or running", lambda: node.num_pending),
+                "pdserve_prefill_pending_tokens": ("Prompt tokens of those calls", lambda: node.pending_tokens),
+                "pdserve_prefill_kv_leases": ("Prefilled KV waiting to be read", lambda: len(node.leases)),
+            },
+            counters={"pdserve_prefill_requests_total": ("Prefills answered", lambda: node.num_prefilled)},
+        )
         await self.replica.start()
 
     async def address(self) -> str:

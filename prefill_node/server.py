@@ -41,20 +41,29 @@ log = logging.getLogger(__name__)
 class PrefillNode(EngineServer, nodes_pb2_grpc.PrefillNodeServicer):
     role = "prefill"
 
-    def __init__(self, engine_config: EngineConfig, config: PrefillConfig = PrefillConfig(), *,
-                 host: str = "127.0.0.1", metrics: Metrics | None = None, security: Security = NONE,
-                 kv_options: tuple = ()):
+    def __init__(
+        self,
+        engine_config: EngineConfig,
+        config: PrefillConfig = PrefillConfig(),
+        *,
+        host: str = "127.0.0.1",
+        metrics: Metrics | None = None,
+        security: Security = NONE,
+        kv_options: tuple = (),
+    ):
         """kv_options: the KV transports' sender options (kvtransfer/transports.py)."""
         self.config = config
         self.senders = KVSenders(kv_options)  # 1. register: a transport may want the KV tensor in its memory
         llm = LLMEngine(engine_config, kv_allocator=self.senders.allocator(resolve_device(engine_config.device)))
         super().__init__(llm, host, config.port, security, metrics)
-        self.server.add(nodes_pb2_grpc.add_PrefillNodeServicer_to_server, self,
-                        nodes_pb2.DESCRIPTOR.services_by_name["PrefillNode"])
+        self.server.add(
+            nodes_pb2_grpc.add_PrefillNodeServicer_to_server, self, nodes_pb2.DESCRIPTOR.services_by_name["PrefillNode"]
+        )
         self.layout = KVLayout.of(llm.kv_cache, model_fingerprint(llm.model_dir))
         self.leases = LeaseTable(config.lease_ttl_s)
-        self.senders.attach(SenderContext(llm.kv_cache, self.layout, self.leases, host, security, self.server,
-                                          self.release))
+        self.senders.attach(
+            SenderContext(llm.kv_cache, self.layout, self.leases, host, security, self.server, self.release)
+        )
         self.num_pending = 0  # Prefill calls received and not yet answered
         self.pending_tokens = 0  # their prompt tokens: the prefill pool's autoscaling signal
         self.num_prefilled = 0
@@ -76,15 +85,15 @@ class PrefillNode(EngineServer, nodes_pb2_grpc.PrefillNodeServicer):
 
     # ---- PrefillNode service --------------------------------------------------------------
     async def Prefill(self, request: nodes_pb2.PrefillRequest, context) -> nodes_pb2.PrefillResponse:
-        response = None
-        async for response in self._admit(request, context, layerwise=False):  # one answer
-            pass
-        return response
+        answers = [response async for response in self._admit(request, context, layerwise=False)]
+        return answers[-1]  # the only one
 
     async def StreamPrefill(self, request: nodes_pb2.PrefillRequest, context):
         if not any(c.layerwise for c in self.senders.capabilities()):
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                "this prefill node cannot stream KV layer by layer (its KV is not in host memory)")
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "this prefill node cannot stream KV layer by layer (its KV is not in host memory)",
+            )
         async for response in self._admit(request, context, layerwise=True):
             yield response
 
@@ -92,9 +101,12 @@ class PrefillNode(EngineServer, nodes_pb2_grpc.PrefillNodeServicer):
         return nodes_pb2.ReleaseKVResponse(released=await self.release(request.lease_id))
 
     async def GetLoad(self, request, context) -> common_pb2.NodeLoad:
-        return common_pb2.NodeLoad(**self.llm.load(), **self.llm.cache_changes(request.cache_since),
-                                   host_id=self.senders.host_id,
-                                   kv_transports=[c.to_proto() for c in self.senders.capabilities()])
+        return common_pb2.NodeLoad(
+            **self.llm.load(),
+            **self.llm.cache_changes(request.cache_since),
+            host_id=self.senders.host_id,
+            kv_transports=[c.to_proto() for c in self.senders.capabilities()],
+        )
 
     # ---- a request's life -------------------------------------------------------------------
     async def _admit(self, request: nodes_pb2.PrefillRequest, context, layerwise: bool):
@@ -106,8 +118,9 @@ class PrefillNode(EngineServer, nodes_pb2_grpc.PrefillNodeServicer):
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         if self.num_pending >= self.config.max_pending:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"prefill node at capacity ({self.num_pending} prefills pending)")
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED, f"prefill node at capacity ({self.num_pending} prefills pending)"
+            )
         num_tokens = len(request.prompt_token_ids)
         self.num_pending += 1
         self.pending_tokens += num_tokens
@@ -146,8 +159,9 @@ class PrefillNode(EngineServer, nodes_pb2_grpc.PrefillNodeServicer):
                     progress.finish({"finished": True, "finish_reason": out.finish_reason})
             elif lease is not None:  # layer-wise: the decode node gets the token in the trailer
                 self.leases.start_clock(lease)
-                progress.finish({"finished": False, "token_id": response.first_token_id,
-                                 "text_chars": len(response.text)})
+                progress.finish(
+                    {"finished": False, "token_id": response.first_token_id, "text_chars": len(response.text)}
+                )
                 kept = True
             else:
                 lease = await self._lease(rid)
@@ -159,12 +173,19 @@ class PrefillNode(EngineServer, nodes_pb2_grpc.PrefillNodeServicer):
 
     async def _compute(self, rid: str, request: nodes_pb2.PrefillRequest, params, progress):
         prior = list(request.output_token_ids)  # a migrated request's tokens so far
-        out = None
-        async for out in self.engine.stream(rid, lambda: self.llm.add_prefill(
-                rid, list(request.prompt_token_ids), params, output_token_ids=prior,
-                num_emitted_chars=request.num_emitted_chars if prior else None, kv_progress=progress)):
-            pass
-        return out
+
+        def add():
+            self.llm.add_prefill(
+                rid,
+                list(request.prompt_token_ids),
+                params,
+                output_token_ids=prior,
+                num_emitted_chars=request.num_emitted_chars if prior else None,
+                kv_progress=progress,
+            )
+
+        outputs = [out async for out in self.engine.stream(rid, add)]
+        return outputs[-1]  # a prefill has one output
 
     async def _lease(self, rid: str) -> Lease:
         held = await self.engine.call(self.llm.kv_lease, rid)
@@ -198,8 +219,12 @@ class PrefillNode(EngineServer, nodes_pb2_grpc.PrefillNodeServicer):
         while True:
             await asyncio.sleep(min(1.0, self.leases.ttl_s / 4))
             for lease in self.leases.pop_expired():
-                log.warning("kv_lease %s of %s expired unread; freeing %d blocks", lease.lease_id,
-                            lease.request_id, len(lease.block_ids))
+                log.warning(
+                    "kv_lease %s of %s expired unread; freeing %d blocks",
+                    lease.lease_id,
+                    lease.request_id,
+                    len(lease.block_ids),
+                )
                 await self._end(lease)
 
     async def _end(self, lease: Lease) -> None:
@@ -208,9 +233,14 @@ class PrefillNode(EngineServer, nodes_pb2_grpc.PrefillNodeServicer):
 
 
 def _first_token(out, start: float) -> nodes_pb2.PrefillResponse:
-    response = nodes_pb2.PrefillResponse(first_token_id=out.token_ids[-1], text=out.new_text, finished=False,
-                                         prefill_start=start, prefill_end=time.time(),
-                                         cached_tokens=out.num_cached_tokens)
+    response = nodes_pb2.PrefillResponse(
+        first_token_id=out.token_ids[-1],
+        text=out.new_text,
+        finished=False,
+        prefill_start=start,
+        prefill_end=time.time(),
+        cached_tokens=out.num_cached_tokens,
+    )
     if out.logprobs:
         response.logprobs.CopyFrom(logprobs_to_proto(out.logprobs[-1]))
     return response

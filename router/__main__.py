@@ -16,12 +16,22 @@ def add_args(ap) -> None:
 
 
 def build(args) -> Router:
-    return Router(args.model, args.prefill.split(","), args.decode.split(","), from_args(RouterConfig, args),
-                  host=args.host, internal_security=from_args(SecurityConfig, args).security())
+    return Router(
+        args.model,
+        args.prefill.split(","),
+        args.decode.split(","),
+        from_args(RouterConfig, args),
+        host=args.host,
+        internal_security=from_args(SecurityConfig, args).security(),
+    )
 
 
-ENTRY = Entry("router", "The router: the public gRPC (and OpenAI HTTP) API in front of the prefill and decode pools.",
-              add_args, build)
+ENTRY = Entry(
+    "router",
+    "The router: the public gRPC (and OpenAI HTTP) API in front of the prefill and decode pools.",
+    add_args,
+    build,
+)
 
 if __name__ == "__main__":
     ENTRY.main()

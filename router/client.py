@@ -21,7 +21,6 @@ from kvtransfer.security import NONE, Security
 from pdserve_api import common_pb2, generate_pb2, generate_pb2_grpc
 
 
-
 @dataclass
 class Completion:
     text: str = ""
@@ -45,20 +44,32 @@ class Completion:
         sample.finish_reason = part.finish_reason or sample.finish_reason
         for s in part.samples:  # the unary form
             if s.index:
-                self.others[s.index] = Completion(s.text, list(s.token_ids), s.finish_reason, logprobs=[
-                    dict(zip(lp.token_ids, lp.logprobs)) for lp in s.logprobs])
+                self.others[s.index] = Completion(
+                    s.text,
+                    list(s.token_ids),
+                    s.finish_reason,
+                    logprobs=[dict(zip(lp.token_ids, lp.logprobs)) for lp in s.logprobs],
+                )
         if part.finished:
-            self.usage = MessageToDict(part.usage, preserving_proto_field_name=True,
-                                       always_print_fields_with_no_presence=True)
+            self.usage = MessageToDict(
+                part.usage, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+            )
             self.timings = MessageToDict(part.timings, preserving_proto_field_name=True)
 
 
-def build_request(prompt: str | list[int] | None = None, *, messages: list[dict] | None = None, model: str = "",
-                  request_id: str = "", **sampling) -> generate_pb2.GenerateRequest:
+def build_request(
+    prompt: str | list[int] | None = None,
+    *,
+    messages: list[dict] | None = None,
+    model: str = "",
+    request_id: str = "",
+    **sampling,
+) -> generate_pb2.GenerateRequest:
     """sampling: max_tokens, temperature, top_k, top_p, seed, stop, stop_token_ids, ignore_eos, logprobs,
     n, best_of."""
-    req = generate_pb2.GenerateRequest(request_id=request_id, model=model,
-                                       sampling=common_pb2.SamplingParams(**sampling))
+    req = generate_pb2.GenerateRequest(
+        request_id=request_id, model=model, sampling=common_pb2.SamplingParams(**sampling)
+    )
     if messages is not None:
         req.messages.CopyFrom(generate_pb2.ChatMessages(messages=[generate_pb2.ChatMessage(**m) for m in messages]))
     elif isinstance(prompt, str):
@@ -73,8 +84,14 @@ class Client:
     api_key: one of the router's --api-key-file keys (sent as `authorization: Bearer <key>`).
     security: TLS (the CA to trust) and/or the bearer token of a protected router."""
 
-    def __init__(self, address: str, timeout: float | None = None, metadata: list[tuple[str, str]] | None = None,
-                 security: Security = NONE, api_key: str | None = None):
+    def __init__(
+        self,
+        address: str,
+        timeout: float | None = None,
+        metadata: list[tuple[str, str]] | None = None,
+        security: Security = NONE,
+        api_key: str | None = None,
+    ):
         security = replace(security, token=api_key) if api_key else security
         self.channel = security.sync_channel(address)
         self.stub = generate_pb2_grpc.GenerationStub(self.channel)
@@ -97,14 +114,25 @@ class Client:
 
     def generate_unary(self, prompt=None, **kwargs) -> Completion:
         result = Completion()
-        result.add(self.stub.GenerateUnary(build_request(prompt, **kwargs), timeout=self.timeout, metadata=self.metadata))
+        result.add(
+            self.stub.GenerateUnary(build_request(prompt, **kwargs), timeout=self.timeout, metadata=self.metadata)
+        )
         return result
 
     def tokenize(self, prompt: str) -> list[int]:
-        return list(self.stub.Tokenize(generate_pb2.TokenizeRequest(prompt=prompt), timeout=self.timeout, metadata=self.metadata).token_ids)
+        return list(
+            self.stub.Tokenize(
+                generate_pb2.TokenizeRequest(prompt=prompt), timeout=self.timeout, metadata=self.metadata
+            ).token_ids
+        )
 
     def models(self) -> list[str]:
-        return [m.id for m in self.stub.ListModels(generate_pb2.ListModelsRequest(), timeout=self.timeout, metadata=self.metadata).models]
+        return [
+            m.id
+            for m in self.stub.ListModels(
+                generate_pb2.ListModelsRequest(), timeout=self.timeout, metadata=self.metadata
+            ).models
+        ]
 
     def close(self) -> None:
         self.channel.close()
@@ -119,8 +147,14 @@ class Client:
 class AsyncClient:
     """Client's calls as coroutines; the same arguments."""
 
-    def __init__(self, address: str, timeout: float | None = None, metadata: list[tuple[str, str]] | None = None,
-                 security: Security = NONE, api_key: str | None = None):
+    def __init__(
+        self,
+        address: str,
+        timeout: float | None = None,
+        metadata: list[tuple[str, str]] | None = None,
+        security: Security = NONE,
+        api_key: str | None = None,
+    ):
         security = replace(security, token=api_key) if api_key else security
         self.channel = security.channel(address)
         self.stub = generate_pb2_grpc.GenerationStub(self.channel)
@@ -143,15 +177,21 @@ class AsyncClient:
 
     async def generate_unary(self, prompt=None, **kwargs) -> Completion:
         result = Completion()
-        result.add(await self.stub.GenerateUnary(build_request(prompt, **kwargs), timeout=self.timeout, metadata=self.metadata))
+        result.add(
+            await self.stub.GenerateUnary(build_request(prompt, **kwargs), timeout=self.timeout, metadata=self.metadata)
+        )
         return result
 
     async def tokenize(self, prompt: str) -> list[int]:
-        reply = await self.stub.Tokenize(generate_pb2.TokenizeRequest(prompt=prompt), timeout=self.timeout, metadata=self.metadata)
+        reply = await self.stub.Tokenize(
+            generate_pb2.TokenizeRequest(prompt=prompt), timeout=self.timeout, metadata=self.metadata
+        )
         return list(reply.token_ids)
 
     async def models(self) -> list[str]:
-        reply = await self.stub.ListModels(generate_pb2.ListModelsRequest(), timeout=self.timeout, metadata=self.metadata)
+        reply = await self.stub.ListModels(
+            generate_pb2.ListModelsRequest(), timeout=self.timeout, metadata=self.metadata
+        )
         return [m.id for m in reply.models]
 
     async def close(self) -> None:

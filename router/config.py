@@ -17,30 +17,51 @@ KV_LAYERWISE = ("auto", "on", "off")
 class RouterConfig:
     cli_title: ClassVar[str] = "router"
 
-    port: int = option(50051, "the router's gRPC port (0: any); under Serve, the replica's own port beside Serve's "
-                       "proxies", serve_key="direct_port")
-    http_port: int | None = option(None, "also serve the OpenAI-compatible HTTP API on this port (0: any) (default: "
-                                   "gRPC only; under Serve, Serve's HTTP proxy serves it)", where=("cli",))
+    port: int = option(
+        50051,
+        "the router's gRPC port (0: any); under Serve, the replica's own port beside Serve's proxies",
+        serve_key="direct_port",
+    )
+    http_port: int | None = option(
+        None,
+        "also serve the OpenAI-compatible HTTP API on this port (0: any) (default: "
+        "gRPC only; under Serve, Serve's HTTP proxy serves it)",
+        where=("cli",),
+    )
     max_model_len: int | None = option(None, "longest prompt + output in tokens (default: the model's context length)")
-    kv_layerwise: str = option("auto", "stream the KV layer by layer while the prompt computes; auto: where the "
-                               "decode node's transport for that prefill node streams layers (across hosts, or "
-                               "--kv-transport tcp)", choices=KV_LAYERWISE)
-    cache_affinity_tokens: int = option(AFFINITY_TOKENS, "cache-aware routing: cached prompt tokens on a node worth "
-                                        "one more request in flight there; 0 ignores the nodes' prefix caches")
-    local_prefill: str = option("auto", "conditional disaggregation: auto prefills a request on its decode node when "
-                                "that is measured to be sooner than the prefill pool (a chat follow-up whose history "
-                                "the decode node caches); off: always the prefill pool; always: always the decode "
-                                "node", choices=MODES)
-    max_local_prefill_tokens: int = option(MAX_LOCAL_TOKENS, "auto: the most uncached tokens a decode node may "
-                                           "prefill itself")
+    kv_layerwise: str = option(
+        "auto",
+        "stream the KV layer by layer while the prompt computes; auto: where the "
+        "decode node's transport for that prefill node streams layers (across hosts, or "
+        "--kv-transport tcp)",
+        choices=KV_LAYERWISE,
+    )
+    cache_affinity_tokens: int = option(
+        AFFINITY_TOKENS,
+        "cache-aware routing: cached prompt tokens on a node worth "
+        "one more request in flight there; 0 ignores the nodes' prefix caches",
+    )
+    local_prefill: str = option(
+        "auto",
+        "conditional disaggregation: auto prefills a request on its decode node when "
+        "that is measured to be sooner than the prefill pool (a chat follow-up whose history "
+        "the decode node caches); off: always the prefill pool; always: always the decode "
+        "node",
+        choices=MODES,
+    )
+    max_local_prefill_tokens: int = option(
+        MAX_LOCAL_TOKENS, "auto: the most uncached tokens a decode node may prefill itself"
+    )
     max_outstanding: int = option(1024, "requests in flight at the router before RESOURCE_EXHAUSTED")
     rate_limit: float | None = option(None, "requests/s per client at the router (default: no limit)")
-    api_key_file: str | None = option(None, "API keys, one per line: clients of the public gRPC and HTTP APIs must "
-                                      "send one as authorization: Bearer <key> (default: none, the APIs are open)")
+    api_key_file: str | None = option(
+        None,
+        "API keys, one per line: clients of the public gRPC and HTTP APIs must "
+        "send one as authorization: Bearer <key> (default: none, the APIs are open)",
+    )
     public_tls_cert: str | None = option(None, "PEM certificate of the public (router) port")
     public_tls_key: str | None = option(None, "PEM private key of the public port")
-    discovery_interval_s: float = option(0.5, "how often the router replica reads the node registry",
-                                         where=("serve",))
+    discovery_interval_s: float = option(0.5, "how often the router replica reads the node registry", where=("serve",))
 
     def __post_init__(self):
         if self.kv_layerwise not in KV_LAYERWISE:

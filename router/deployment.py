@@ -9,7 +9,6 @@ Clients reach it two ways, both speaking the same Generation service:
 Node addresses come from the registry (through Ray), refreshed every `discovery_interval_s`.
 """
 
-
 import asyncio
 import logging
 import typing
@@ -30,7 +29,9 @@ from serving.registry import registry
 log = logging.getLogger(__name__)
 
 
-async def coalesce(stream: AsyncIterator[generate_pb2.GenerateResponse]) -> AsyncIterator[generate_pb2.GenerateResponse]:
+async def coalesce(
+    stream: AsyncIterator[generate_pb2.GenerateResponse],
+) -> AsyncIterator[generate_pb2.GenerateResponse]:
     """Yields the stream's messages, merging those that arrive while the previous one is being
     sent, so a slow consumer gets fewer, fuller messages and no token is dropped or reordered."""
     queue: asyncio.Queue = asyncio.Queue()
@@ -93,11 +94,25 @@ add_error_handlers(http_app)
 @serve.deployment(name="Router", ray_actor_options={"num_cpus": 0})
 @serve.ingress(http_app)
 class RouterDeployment:
-    async def __init__(self, app_name: str, model: str, config: RouterConfig = RouterConfig(),
-                       security: SecurityConfig = SecurityConfig(), pools=()):
+    async def __init__(
+        self,
+        app_name: str,
+        model: str,
+        config: RouterConfig = RouterConfig(),
+        security: SecurityConfig = SecurityConfig(),
+        pools=(),
+    ):
         # pools: the prefill and decode deployments' handles (bound so that they deploy with us).
-        self.router = Router(model, [], [], config, host="0.0.0.0", check_interval_s=1.0, metrics=Metrics("ray"),
-                             internal_security=security.security())
+        self.router = Router(
+            model,
+            [],
+            [],
+            config,
+            host="0.0.0.0",
+            check_interval_s=1.0,
+            metrics=Metrics("ray"),
+            internal_security=security.security(),
+        )
         await self.router.start()
         self.openai = OpenAIAPI(self.router, self.router.api_keys)
         self.accepted = tuple(f"Bearer {k}".encode() for k in self.router.api_keys)
@@ -145,8 +160,12 @@ class RouterDeployment:
         UNAUTHENTICATED where the router has keys and this is none of them (as on the direct port)."""
         given = dict(grpc_context.invocation_metadata() or ()).get("authorization", "") if grpc_context else ""
         if self.accepted and not authorized(given, self.accepted):
-            _set_error(grpc_context, RequestError(grpc.StatusCode.UNAUTHENTICATED,
-                                                  "invalid or missing API key (metadata authorization: Bearer <key>)"))
+            _set_error(
+                grpc_context,
+                RequestError(
+                    grpc.StatusCode.UNAUTHENTICATED, "invalid or missing API key (metadata authorization: Bearer <key>)"
+                ),
+            )
         return given
 
     async def Generate(self, request: generate_pb2.GenerateRequest, grpc_context=None):

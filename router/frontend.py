@@ -15,16 +15,21 @@ import grpc
 from engine.model_config import ModelConfig
 from engine.model_source import resolve_model
 from engine.tokenizer import apply_chat_template, check_prompt_length, load_tokenizer, prompt_token_ids
+from pdserve_api import common_pb2, generate_pb2, generate_pb2_grpc
 from serving.metrics import Metrics
 from serving.protocol import sampling_from_proto
-from pdserve_api import common_pb2, generate_pb2, generate_pb2_grpc
 
 log = logging.getLogger(__name__)
 SLOW_FIRST_TOKEN_S = 5.0  # a first token later than this is logged with its timeline (where it waited)
-OUTCOME_BY_CODE = {grpc.StatusCode.INVALID_ARGUMENT: "invalid", grpc.StatusCode.NOT_FOUND: "invalid",
-                   grpc.StatusCode.FAILED_PRECONDITION: "invalid", grpc.StatusCode.UNAVAILABLE: "unavailable",
-                   grpc.StatusCode.RESOURCE_EXHAUSTED: "unavailable", grpc.StatusCode.DEADLINE_EXCEEDED: "timeout",
-                   grpc.StatusCode.CANCELLED: "cancelled"}
+OUTCOME_BY_CODE = {
+    grpc.StatusCode.INVALID_ARGUMENT: "invalid",
+    grpc.StatusCode.NOT_FOUND: "invalid",
+    grpc.StatusCode.FAILED_PRECONDITION: "invalid",
+    grpc.StatusCode.UNAVAILABLE: "unavailable",
+    grpc.StatusCode.RESOURCE_EXHAUSTED: "unavailable",
+    grpc.StatusCode.DEADLINE_EXCEEDED: "timeout",
+    grpc.StatusCode.CANCELLED: "cancelled",
+}
 
 
 class RequestError(Exception):
@@ -63,8 +68,15 @@ class RateLimiter:
 class Frontend(generate_pb2_grpc.GenerationServicer):
     api_keys: tuple[str, ...] = ()  # the public API's keys, when it has any (a router sets them)
 
-    def __init__(self, model: str, max_model_len: int | None = None, metrics: Metrics | None = None,
-                 max_outstanding: int = 1024, rate_limit: float | None = None, rate_burst: float | None = None):
+    def __init__(
+        self,
+        model: str,
+        max_model_len: int | None = None,
+        metrics: Metrics | None = None,
+        max_outstanding: int = 1024,
+        rate_limit: float | None = None,
+        rate_burst: float | None = None,
+    ):
         """max_outstanding: requests in flight before new ones get RESOURCE_EXHAUSTED at once;
         rate_limit: requests/s per client (`x-client-id` metadata, else the peer address)."""
         self.max_outstanding = max_outstanding
@@ -87,8 +99,9 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
         return {"status": "ok"}
 
     # ---- a request's life ---------------------------------------------------------------
-    async def serve(self, request: generate_pb2.GenerateRequest, deadline: float = 0.0, client: str = "",
-                    authorization: str = "") -> AsyncIterator[generate_pb2.GenerateResponse]:
+    async def serve(
+        self, request: generate_pb2.GenerateRequest, deadline: float = 0.0, client: str = "", authorization: str = ""
+    ) -> AsyncIterator[generate_pb2.GenerateResponse]:
         """The request's path (`_serve`), behind admission control, and measured: TTFT, TPOT,
         end-to-end, outcome, tokens. authorization: the API key the request came with; under API
         keys it salts the request's prefix-cache blocks (tenants never share one)."""
@@ -96,13 +109,17 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
             request.sampling.cache_salt = tenant_salt(authorization, request.sampling.cache_salt)
         if self.num_outstanding >= self.max_outstanding:
             self.metrics.inc("pdserve_requests_total", outcome="unavailable")
-            raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                               f"at capacity: {self.num_outstanding} requests in flight (max_outstanding "
-                               f"{self.max_outstanding}); retry later")
+            raise RequestError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"at capacity: {self.num_outstanding} requests in flight (max_outstanding "
+                f"{self.max_outstanding}); retry later",
+            )
         if self.rate_limiter is not None and not self.rate_limiter.allow(client):
             self.metrics.inc("pdserve_requests_total", outcome="unavailable")
-            raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                               f"client {client!r} is over its rate limit of {self.rate_limiter.rate:g} requests/s")
+            raise RequestError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"client {client!r} is over its rate limit of {self.rate_limiter.rate:g} requests/s",
+            )
         outcome, last = "error", None
         self.num_outstanding += 1
         try:
@@ -124,8 +141,13 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
 
     def _observe(self, t: common_pb2.Timings, usage: common_pb2.Usage) -> None:
         if t.first_token and t.first_token - t.queued > SLOW_FIRST_TOKEN_S:  # where a slow one waited
-            log.warning("slow first token (%.1f s, %d prompt tokens, %d cached): %s", t.first_token - t.queued,
-                        usage.prompt_tokens, t.cached_tokens, timeline(t))
+            log.warning(
+                "slow first token (%.1f s, %d prompt tokens, %d cached): %s",
+                t.first_token - t.queued,
+                usage.prompt_tokens,
+                t.cached_tokens,
+                timeline(t),
+            )
         m = self.metrics
         m.observe("pdserve_request_ttft_seconds", t.first_token - t.queued)
         m.observe("pdserve_request_e2e_seconds", t.done - t.queued)
@@ -137,8 +159,9 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
 
     def _check(self, request: generate_pb2.GenerateRequest) -> tuple[list[int], object]:
         if request.model and request.model != self.model_id:
-            raise RequestError(grpc.StatusCode.NOT_FOUND,
-                               f"model {request.model!r} is not served here (serving {self.model_id!r})")
+            raise RequestError(
+                grpc.StatusCode.NOT_FOUND, f"model {request.model!r} is not served here (serving {self.model_id!r})"
+            )
         try:
             params = sampling_from_proto(request.sampling)
             ids = self._prompt_ids(request)
@@ -152,8 +175,9 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
         if kind == "prompt_token_ids":
             prompt = list(request.prompt_token_ids.ids)
         elif kind == "messages":
-            prompt = apply_chat_template(self.tokenizer, [{"role": m.role, "content": m.content}
-                                                          for m in request.messages.messages])
+            prompt = apply_chat_template(
+                self.tokenizer, [{"role": m.role, "content": m.content} for m in request.messages.messages]
+            )
         else:
             prompt = request.prompt
         return prompt_token_ids(self.tokenizer, prompt, self.model_config.vocab_size)
@@ -168,8 +192,7 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
 
     async def GenerateUnary(self, request, context) -> generate_pb2.GenerateResponse:
         try:
-            return await self.generate_unary(request, _deadline(context), _client(context),
-                                             _authorization(context))
+            return await self.generate_unary(request, _deadline(context), _client(context), _authorization(context))
         except RequestError as e:
             await context.abort(e.code, e.details)
 
@@ -183,8 +206,9 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
         return self.list_models()
 
     # ---- the same, transport-free (the Ray Serve ingress calls these) ---------------------------
-    async def generate_unary(self, request, deadline: float = 0.0, client: str = "",
-                             authorization: str = "") -> generate_pb2.GenerateResponse:
+    async def generate_unary(
+        self, request, deadline: float = 0.0, client: str = "", authorization: str = ""
+    ) -> generate_pb2.GenerateResponse:
         """The whole stream in one message: sample 0 in the top-level fields, and with n > 1 every
         sample in `samples`."""
         whole = generate_pb2.GenerateResponse()
@@ -211,8 +235,9 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
     def tokenize(self, request) -> generate_pb2.TokenizeResponse:
         try:
             if request.WhichOneof("input") == "messages":
-                text = apply_chat_template(self.tokenizer, [{"role": m.role, "content": m.content}
-                                                            for m in request.messages.messages])
+                text = apply_chat_template(
+                    self.tokenizer, [{"role": m.role, "content": m.content} for m in request.messages.messages]
+                )
             else:
                 text = request.prompt
             ids = prompt_token_ids(self.tokenizer, text, self.model_config.vocab_size)
@@ -221,8 +246,9 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
         return generate_pb2.TokenizeResponse(token_ids=ids, max_model_len=self.max_model_len)
 
     def list_models(self) -> generate_pb2.ListModelsResponse:
-        card = generate_pb2.ModelCard(id=self.model_id, max_model_len=self.max_model_len,
-                                      dtype=self.model_config.checkpoint_dtype)
+        card = generate_pb2.ModelCard(
+            id=self.model_id, max_model_len=self.max_model_len, dtype=self.model_config.checkpoint_dtype
+        )
         return generate_pb2.ListModelsResponse(models=[card])
 
 
@@ -256,8 +282,13 @@ def timeline(t: common_pb2.Timings) -> str:
     return steps + where
 
 
-def final_message(msg: generate_pb2.GenerateResponse, reason: str, prompt_tokens: int, completion_tokens: int,
-           timings: common_pb2.Timings) -> generate_pb2.GenerateResponse:
+def final_message(
+    msg: generate_pb2.GenerateResponse,
+    reason: str,
+    prompt_tokens: int,
+    completion_tokens: int,
+    timings: common_pb2.Timings,
+) -> generate_pb2.GenerateResponse:
     timings.done = time.time()
     msg.finished, msg.finish_reason = True, reason
     msg.usage.CopyFrom(common_pb2.Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens))

@@ -30,21 +30,64 @@ from kvtransfer.security import authorized
 from pdserve_api import common_pb2, generate_pb2
 from router.frontend import Frontend, RequestError
 
-HTTP_STATUS = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.FAILED_PRECONDITION: 400,
-               grpc.StatusCode.OUT_OF_RANGE: 400, grpc.StatusCode.UNAUTHENTICATED: 401,
-               grpc.StatusCode.PERMISSION_DENIED: 403, grpc.StatusCode.NOT_FOUND: 404,
-               grpc.StatusCode.RESOURCE_EXHAUSTED: 429, grpc.StatusCode.CANCELLED: 499,
-               grpc.StatusCode.UNAVAILABLE: 503, grpc.StatusCode.DEADLINE_EXCEEDED: 504}
-ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
-              405: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable", 504: "timeout"}
+HTTP_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.FAILED_PRECONDITION: 400,
+    grpc.StatusCode.OUT_OF_RANGE: 400,
+    grpc.StatusCode.UNAUTHENTICATED: 401,
+    grpc.StatusCode.PERMISSION_DENIED: 403,
+    grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.CANCELLED: 499,
+    grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+}
+ERROR_TYPE = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "service_unavailable",
+    504: "timeout",
+}
 # OpenAI parameters with no pdserve meaning: accepted at their neutral value, refused otherwise.
-NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0, "echo": False, "suffix": None,
-           "logit_bias": None, "tools": None, "tool_choice": None, "response_format": None}
+NEUTRAL = {
+    "presence_penalty": 0,
+    "frequency_penalty": 0,
+    "echo": False,
+    "suffix": None,
+    "logit_bias": None,
+    "tools": None,
+    "tool_choice": None,
+    "response_format": None,
+}
 # The request fields an error's `param` may name: pdserve's error messages start with the field at
 # fault ("max_tokens must be ...", "messages[2].content ..."), or with anything else when none is.
-PARAMS = {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
-          "seed", "stop", "stop_token_ids", "logprobs", "top_logprobs", "n", "best_of", "stream", "stream_options",
-          "ignore_eos", "use_beam_search", "length_penalty", "beam_width", *NEUTRAL}
+PARAMS = {
+    "model",
+    "prompt",
+    "messages",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "logprobs",
+    "top_logprobs",
+    "n",
+    "best_of",
+    "stream",
+    "stream_options",
+    "ignore_eos",
+    "use_beam_search",
+    "length_penalty",
+    "beam_width",
+    *NEUTRAL,
+}
 
 
 class APIError(Exception):
@@ -53,8 +96,14 @@ class APIError(Exception):
         self.status, self.message, self.param, self.code = status, message, param, code
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": ERROR_TYPE.get(self.status, "server_error"),
-                          "param": self.param, "code": self.code}}
+        return {
+            "error": {
+                "message": self.message,
+                "type": ERROR_TYPE.get(self.status, "server_error"),
+                "param": self.param,
+                "code": self.code,
+            }
+        }
 
 
 class OpenAIAPI:
@@ -74,9 +123,20 @@ class OpenAIAPI:
             self._authorize(request)
         except APIError as e:
             return JSONResponse(e.body(), status_code=e.status)
-        return JSONResponse({"object": "list", "data": [
-            {"id": self.frontend.model_id, "object": "model", "created": 0, "owned_by": "pdserve",
-             "max_model_len": self.frontend.max_model_len}]})
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": self.frontend.model_id,
+                        "object": "model",
+                        "created": 0,
+                        "owned_by": "pdserve",
+                        "max_model_len": self.frontend.max_model_len,
+                    }
+                ],
+            }
+        )
 
     async def health(self, request: Request):
         """200 when a request can be served now, else 503 naming the pool without a healthy node."""
@@ -99,8 +159,10 @@ class OpenAIAPI:
                 return JSONResponse(self._response(whole, chat, logprobs, body))
             parts = self.frontend.serve(req, _deadline(request), client, key)
             first = await anext(parts, None)  # errors before the first token get a proper status
-            return StreamingResponse(self._sse(first, parts, chat, include_usage, prompt_tokens, logprobs, body),
-                                     media_type="text/event-stream")
+            return StreamingResponse(
+                self._sse(first, parts, chat, include_usage, prompt_tokens, logprobs, body),
+                media_type="text/event-stream",
+            )
         except APIError as e:
             return JSONResponse(e.body(), status_code=e.status)
         except RequestError as e:
@@ -122,8 +184,9 @@ class OpenAIAPI:
         if body.get("use_beam_search"):  # vLLM's extension: best_of (else n) beams, the n best returned
             beam_width, best_of = best_of or n, None
         if best_of is not None and best_of != n and body.get("stream"):
-            raise APIError(400, "best_of must equal n when streaming (the best samples are known only at the end)",
-                           "best_of")
+            raise APIError(
+                400, "best_of must equal n when streaming (the best samples are known only at the end)", "best_of"
+            )
         req = generate_pb2.GenerateRequest(model=_model(body))
         if chat:
             req.messages.CopyFrom(generate_pb2.ChatMessages(messages=_messages(body.get("messages"))))
@@ -139,18 +202,24 @@ class OpenAIAPI:
             elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
                 req.prompt_token_ids.CopyFrom(common_pb2.TokenIds(ids=prompt))
             else:
-                raise APIError(400, "prompt must be a string or a list of token ids (one prompt per request)",
-                               "prompt")
+                raise APIError(400, "prompt must be a string or a list of token ids (one prompt per request)", "prompt")
             logprobs = body.get("logprobs")
             # OpenAI's documented default for the legacy completions endpoint is 16 tokens (vLLM
             # uses the rest of the context here too); clients written against OpenAI expect 16
             max_tokens = body.get("max_tokens")
             max_tokens = 16 if max_tokens is None else max_tokens
         sampling = req.sampling
-        for name, value, kind in (("max_tokens", max_tokens, int), ("temperature", body.get("temperature"), float),
-                                  ("top_p", body.get("top_p"), float), ("seed", body.get("seed"), int),
-                                  ("logprobs", logprobs, int), ("n", n, int), ("best_of", best_of, int),
-                                  ("beam_width", beam_width, int), ("length_penalty", body.get("length_penalty"), float)):
+        for name, value, kind in (
+            ("max_tokens", max_tokens, int),
+            ("temperature", body.get("temperature"), float),
+            ("top_p", body.get("top_p"), float),
+            ("seed", body.get("seed"), int),
+            ("logprobs", logprobs, int),
+            ("n", n, int),
+            ("best_of", best_of, int),
+            ("beam_width", beam_width, int),
+            ("length_penalty", body.get("length_penalty"), float),
+        ):
             if value is not None:
                 setattr(sampling, name, _typed(name, value, kind))
         sampling.top_k = _typed("top_k", body.get("top_k", 0) or 0, int)
@@ -188,19 +257,28 @@ class OpenAIAPI:
         choices = []
         n = int(body.get("n") or 1)
         for sample in (whole.samples or [whole])[:n]:  # n > 1: one choice per sample (beams: the n best)
-            choice: dict = {"index": sample.index, "finish_reason": sample.finish_reason or "stop",
-                            "logprobs": self._logprobs(sample, chat) if logprobs is not None else None}
+            choice: dict = {
+                "index": sample.index,
+                "finish_reason": sample.finish_reason or "stop",
+                "logprobs": self._logprobs(sample, chat) if logprobs is not None else None,
+            }
             if chat:
                 choice["message"] = {"role": "assistant", "content": sample.text}
             else:
                 choice["text"] = sample.text
             choices.append(choice)
-        return {"id": _id(chat), "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-                "model": body.get("model") or self.frontend.model_id, "choices": choices,
-                "usage": _usage(whole.usage, whole.timings)}
+        return {
+            "id": _id(chat),
+            "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()),
+            "model": body.get("model") or self.frontend.model_id,
+            "choices": choices,
+            "usage": _usage(whole.usage, whole.timings),
+        }
 
-    async def _sse(self, first, parts, chat: bool, include_usage: bool, prompt_tokens: int | None, logprobs,
-                   body: dict) -> AsyncIterator[str]:
+    async def _sse(
+        self, first, parts, chat: bool, include_usage: bool, prompt_tokens: int | None, logprobs, body: dict
+    ) -> AsyncIterator[str]:
         """include_usage: a usage chunk at the end, `usage: null` on the others (OpenAI's shape);
         prompt_tokens: set for continuous usage stats, every chunk then carries the usage so far."""
         rid, created = _id(chat), int(time.time())
@@ -219,8 +297,9 @@ class OpenAIAPI:
 
         usage, n = None, int(body.get("n") or 1)
         if chat:  # each choice's first chunk says who speaks
-            yield event([{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
-                         for i in range(n)])
+            yield event(
+                [{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None} for i in range(n)]
+            )
         try:
             msg = first
             while msg is not None:
@@ -233,11 +312,15 @@ class OpenAIAPI:
                     pass
                 elif chat:
                     delta = {"content": msg.text} if msg.text else {}
-                    yield event([{"index": msg.index, "delta": delta, "logprobs": lp, "finish_reason": reason}],
-                                usage if continuous else None)
+                    yield event(
+                        [{"index": msg.index, "delta": delta, "logprobs": lp, "finish_reason": reason}],
+                        usage if continuous else None,
+                    )
                 else:
-                    yield event([{"index": msg.index, "text": msg.text, "logprobs": lp, "finish_reason": reason}],
-                                usage if continuous else None)
+                    yield event(
+                        [{"index": msg.index, "text": msg.text, "logprobs": lp, "finish_reason": reason}],
+                        usage if continuous else None,
+                    )
                 msg = await anext(parts, None)
         except RequestError as e:
             yield f"data: {json.dumps(_api_error(e).body())}\n\n"
@@ -253,13 +336,26 @@ class OpenAIAPI:
 
         entries = [dict(zip(lp.token_ids, lp.logprobs)) for lp in msg.logprobs]
         if chat:
-            return {"content": [{"token": text(t), "logprob": e.get(t), "bytes": list(text(t).encode()),
-                                 "top_logprobs": [{"token": text(k), "logprob": v, "bytes": list(text(k).encode())}
-                                                  for k, v in sorted(e.items(), key=lambda kv: -kv[1])]}
-                                for t, e in zip(msg.token_ids, entries)]}
-        return {"tokens": [text(t) for t in msg.token_ids], "token_logprobs": [e.get(t) for t, e in
-                                                                              zip(msg.token_ids, entries)],
-                "top_logprobs": [{text(k): v for k, v in e.items()} for e in entries], "text_offset": []}
+            return {
+                "content": [
+                    {
+                        "token": text(t),
+                        "logprob": e.get(t),
+                        "bytes": list(text(t).encode()),
+                        "top_logprobs": [
+                            {"token": text(k), "logprob": v, "bytes": list(text(k).encode())}
+                            for k, v in sorted(e.items(), key=lambda kv: -kv[1])
+                        ],
+                    }
+                    for t, e in zip(msg.token_ids, entries)
+                ]
+            }
+        return {
+            "tokens": [text(t) for t in msg.token_ids],
+            "token_logprobs": [e.get(t) for t, e in zip(msg.token_ids, entries)],
+            "top_logprobs": [{text(k): v for k, v in e.items()} for e in entries],
+            "text_offset": [],
+        }
 
 
 def build_app(api: OpenAIAPI) -> FastAPI:
@@ -284,8 +380,7 @@ def add_error_handlers(app: FastAPI) -> None:
             message = f"Invalid method for URL ({where}): use {(exc.headers or {}).get('Allow', 'another method')}"
         else:
             message = str(exc.detail)
-        return JSONResponse(APIError(exc.status_code, message).body(), status_code=exc.status_code,
-                            headers=exc.headers)
+        return JSONResponse(APIError(exc.status_code, message).body(), status_code=exc.status_code, headers=exc.headers)
 
     app.add_exception_handler(HTTPException, http_error)
 
@@ -350,7 +445,11 @@ def _messages(messages) -> list[generate_pb2.ChatMessage]:
 
 
 def _typed(name: str, value, kind):
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not float(value).is_integer()):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or (kind is int and not float(value).is_integer())
+    ):
         raise APIError(400, f"{name} must be {'an integer' if kind is int else 'a number'}, got {value!r}", name)
     if kind is int and not -(2**31) <= value < 2**31:
         raise APIError(400, f"{name} is out of range: {value!r}", name)
@@ -360,12 +459,17 @@ def _typed(name: str, value, kind):
 def _content(content, param: str) -> str:
     if isinstance(content, str):
         return content
-    if isinstance(content, list) and all(isinstance(part, dict) and part.get("type") == "text"
-                                         and isinstance(part.get("text"), str) for part in content):
+    if isinstance(content, list) and all(
+        isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str) for part in content
+    ):
         return "".join(part["text"] for part in content)  # [{"type": "text", "text": ...}, ...]
     given = "it is missing or null" if content is None else f"got {json.dumps(content)[:200]}"
-    raise APIError(400, f"{param} must be a string (it may be empty) or a list of text parts "
-                        f"[{{\"type\": \"text\", \"text\": ...}}]; {given}", param)
+    raise APIError(
+        400,
+        f"{param} must be a string (it may be empty) or a list of text parts "
+        f'[{{"type": "text", "text": ...}}]; {given}',
+        param,
+    )
 
 
 def _api_error(e: RequestError) -> APIError:
@@ -396,8 +500,9 @@ def _stream_options(body: dict, stream: bool) -> tuple[bool, bool]:
     for name in ("include_usage", "continuous_usage_stats"):
         value = options.get(name)
         if value is not None and not isinstance(value, bool):
-            raise APIError(400, f"stream_options.{name} must be a boolean, got {json.dumps(value)[:200]}",
-                           f"stream_options.{name}")
+            raise APIError(
+                400, f"stream_options.{name} must be a boolean, got {json.dumps(value)[:200]}", f"stream_options.{name}"
+            )
         flags.append(bool(value))
     include_usage, continuous = flags
     return include_usage or continuous, continuous
@@ -408,13 +513,18 @@ def _usage(u: common_pb2.Usage, t: common_pb2.Timings) -> dict:
     the prefill held (a prefill node, or the decode node for a local prefill), i.e. not computed
     for this request. t.decode_cached_tokens is not added: those tokens only skipped the transfer
     to the decode node, the prefill node still computed (or itself cached) them."""
-    return {**_running_usage(u.prompt_tokens, u.completion_tokens),
-            "prompt_tokens_details": {"cached_tokens": t.cached_tokens}}
+    return {
+        **_running_usage(u.prompt_tokens, u.completion_tokens),
+        "prompt_tokens_details": {"cached_tokens": t.cached_tokens},
+    }
 
 
 def _running_usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 def _id(chat: bool) -> str:

@@ -71,9 +71,9 @@ class LinearFit:
 @dataclass
 class Decision:
     local: bool
-    local_tokens: int   # tokens a local prefill would compute
+    local_tokens: int  # tokens a local prefill would compute
     remote_tokens: int  # tokens a remote prefill would compute
-    local_s: float | None = None   # the estimates it was made on (None: not measured yet)
+    local_s: float | None = None  # the estimates it was made on (None: not measured yet)
     remote_s: float | None = None
 
 
@@ -92,8 +92,16 @@ class Placement:
         if self.max_local_tokens < 0:
             raise ValueError(f"max_local_prefill_tokens must be >= 0, got {self.max_local_tokens}")
 
-    def decide(self, num_tokens: int, decode_cached: int, prefill_cached: int, moved: int,
-               prefill_queued: int = 0, local_queued: int = 0, decode_running: int = 0) -> Decision:
+    def decide(
+        self,
+        num_tokens: int,
+        decode_cached: int,
+        prefill_cached: int,
+        moved: int,
+        prefill_queued: int = 0,
+        local_queued: int = 0,
+        decode_running: int = 0,
+    ) -> Decision:
         """num_tokens: the prompt (with a migrated request's tokens); *_cached: its leading tokens
         each side's cache holds; moved: tokens of KV a remote prefill would send the decode node;
         *_queued: uncached tokens of this router's prefills in flight on each node;
@@ -108,16 +116,20 @@ class Placement:
             return d
         if not self.remote:
             return d  # nothing measured yet: the prefill pool's way, which measures it
-        d.remote_s = (self.remote.seconds(prefill_queued + remote_n)
-                      + moved * (self.link_s_per_token or 0.0) + (self.handoff_s or 0.0))
+        d.remote_s = (
+            self.remote.seconds(prefill_queued + remote_n)
+            + moved * (self.link_s_per_token or 0.0)
+            + (self.handoff_s or 0.0)
+        )
         fixed, per_token = self.local.line(self.remote.line()[1]) if self.local else self.remote.line()
         d.local_s = fixed + per_token * (local_queued + local_n) + decode_running * per_token * local_n
         d.local = d.local_s <= d.remote_s
         return d
 
     # ---- what the router measured ------------------------------------------------------
-    def measured_remote(self, computed: int, prefill_s: float, transfer_s: float, moved: int,
-                        handoff_s: float, alone: bool) -> None:
+    def measured_remote(
+        self, computed: int, prefill_s: float, transfer_s: float, moved: int, handoff_s: float, alone: bool
+    ) -> None:
         """computed: tokens the prefill node computed in prefill_s; moved: tokens of KV the decode
         node read in transfer_s; handoff_s: the rest of the way to the decode batch."""
         if alone:

@@ -9,8 +9,8 @@ the prompt counts against its load: a conversation stays on the node holding its
 `failure_threshold` health checks in a row (or answers NOT_SERVING) gets no new requests until
 a check passes again. A check that only runs past its deadline is a failure once the node has
 answered none for `unresponsive_s` (a hung node): a busy node, or a router whose own event loop
-is busy, answers late, and a dead node refuses at once anyway. `on_change` is awaited after each round of checks and each update, so the
-router's own health can follow its pools.
+is busy, answers late, and a dead node refuses at once anyway. `on_change` is awaited after each
+round of checks and each update, so the router's own health can follow its pools.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ class Endpoint:
     load: common_pb2.NodeLoad = field(default_factory=common_pb2.NodeLoad)
     cached: set[int] = field(default_factory=set)  # names of the prefix blocks its cache holds
     cache_version: int = 0
-    prefilling: int = 0      # this router's prefills in flight there (on a decode node: local ones)
+    prefilling: int = 0  # this router's prefills in flight there (on a decode node: local ones)
     prefill_tokens: int = 0  # and the tokens they compute
     refreshing: asyncio.Task | None = None  # a GetLoad in flight (EndpointPool.refresh)
     retired_at: float | None = None  # when update() removed it from the pool
@@ -99,9 +99,17 @@ class Endpoint:
 
 
 class EndpointPool:
-    def __init__(self, role: str, addresses: list[str], check_interval_s: float = 1.0, failure_threshold: int = 2,
-                 security: Security = NONE, on_change: Callable[[], Awaitable[None]] | None = None,
-                 affinity_tokens: int = AFFINITY_TOKENS, unresponsive_s: float = UNRESPONSIVE_S):
+    def __init__(
+        self,
+        role: str,
+        addresses: list[str],
+        check_interval_s: float = 1.0,
+        failure_threshold: int = 2,
+        security: Security = NONE,
+        on_change: Callable[[], Awaitable[None]] | None = None,
+        affinity_tokens: int = AFFINITY_TOKENS,
+        unresponsive_s: float = UNRESPONSIVE_S,
+    ):
         self.unresponsive_s = unresponsive_s
         self.affinity_tokens = affinity_tokens
         self.security = security
@@ -139,8 +147,11 @@ class EndpointPool:
         """Closes the channels of removed nodes that have been idle a while (no request, no load
         refresh, removed grace_s ago: longer than any check's deadline)."""
         now = time.monotonic()
-        for e in [e for e in self.retired if e.outstanding == 0 and now - e.retired_at >= grace_s
-                  and (e.refreshing is None or e.refreshing.done())]:
+        for e in [
+            e
+            for e in self.retired
+            if e.outstanding == 0 and now - e.retired_at >= grace_s and (e.refreshing is None or e.refreshing.done())
+        ]:
             self.retired.remove(e)
             await e.channel.close()
 
@@ -148,11 +159,12 @@ class EndpointPool:
         return [e for e in self.endpoints if e.healthy and e.address not in exclude]
 
     def no_healthy_node(self) -> str:
-        return (f"no healthy {self.role} node (of {len(self.endpoints)}: "
-                f"{', '.join(e.address for e in self.endpoints) or 'none configured'})")
+        return (
+            f"no healthy {self.role} node (of {len(self.endpoints)}: "
+            f"{', '.join(e.address for e in self.endpoints) or 'none configured'})"
+        )
 
-    def pick(self, exclude: set[str] = frozenset(), prompt: list[int] | None = None,
-             cache_salt: str = "") -> Endpoint:
+    def pick(self, exclude: set[str] = frozenset(), prompt: list[int] | None = None, cache_salt: str = "") -> Endpoint:
         healthy = self.healthy(exclude)
         if not healthy:
             raise NoHealthyNode(self.no_healthy_node())
@@ -165,8 +177,14 @@ class EndpointPool:
         def cost(e: Endpoint) -> float:
             return e.outstanding - (e.cached_tokens(names) / self.affinity_tokens if names else 0.0)
 
-        return min(healthy, key=lambda e: (cost(e), e.load.num_waiting + e.load.num_running,
-                                           (self.endpoints.index(e) - turn) % len(self.endpoints)))
+        return min(
+            healthy,
+            key=lambda e: (
+                cost(e),
+                e.load.num_waiting + e.load.num_running,
+                (self.endpoints.index(e) - turn) % len(self.endpoints),
+            ),
+        )
 
     def cached_tokens(self, e: Endpoint, prompt: list[int], cache_salt: str = "") -> int:
         """How many leading tokens of the prompt a node's cache holds, as it last reported."""
@@ -247,8 +265,12 @@ class EndpointPool:
         except grpc.aio.AioRpcError as err:
             silent_s = time.monotonic() - e.last_answer
             if err.code() == grpc.StatusCode.DEADLINE_EXCEEDED and e.healthy and silent_s < self.unresponsive_s:
-                log.info("%s node %s is slow to answer its health check (%.1f s since its last answer)",
-                         self.role, e.address, silent_s)
+                log.info(
+                    "%s node %s is slow to answer its health check (%.1f s since its last answer)",
+                    self.role,
+                    e.address,
+                    silent_s,
+                )
                 return
             ok = False
         if ok:

@@ -40,9 +40,14 @@ class Request:
         """A decode node's (or a prefill's) message as the client's, counted as sent."""
         self.generated.extend(part.token_ids)
         self.emitted += len(part.text)
-        msg = generate_pb2.GenerateResponse(request_id=self.rid, token_ids=part.token_ids, text=part.text,
-                                            logprobs=part.logprobs, index=part.index,
-                                            finish_reason=part.finish_reason)
+        msg = generate_pb2.GenerateResponse(
+            request_id=self.rid,
+            token_ids=part.token_ids,
+            text=part.text,
+            logprobs=part.logprobs,
+            index=part.index,
+            finish_reason=part.finish_reason,
+        )
         if part.finished:
             return final_message(msg, part.finish_reason, len(self.prompt), len(self.generated), self.timings)
         return msg
@@ -91,8 +96,9 @@ async def next_reply(replies, node: Endpoint, raw: bool = False) -> nodes_pb2.Pr
 
 def as_part(reply: nodes_pb2.PrefillResponse) -> nodes_pb2.DecodeResponse:
     """A prefill's first token as a stream message."""
-    part = nodes_pb2.DecodeResponse(token_ids=[reply.first_token_id], text=reply.text, finished=reply.finished,
-                                    finish_reason=reply.finish_reason)
+    part = nodes_pb2.DecodeResponse(
+        token_ids=[reply.first_token_id], text=reply.text, finished=reply.finished, finish_reason=reply.finish_reason
+    )
     if reply.HasField("logprobs"):
         part.logprobs.append(reply.logprobs)
     return part

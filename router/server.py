@@ -21,7 +21,7 @@ from kvtransfer.base import Capabilities
 from kvtransfer.security import NONE, Security
 from pdserve_api import common_pb2, generate_pb2, generate_pb2_grpc, nodes_pb2
 from router.config import RouterConfig
-from router.frontend import Frontend, RequestError, final_message, remaining
+from router.frontend import Frontend, RequestError, remaining
 from router.placement import Placement
 from router.pool import Endpoint, EndpointPool, NoHealthyNode
 from router.request import PrefillFailed, Request, as_part, next_reply
@@ -35,14 +35,30 @@ PREFILL_ATTEMPTS = 3  # prefill nodes tried for one prefill, while they cannot b
 GENERATION = generate_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 # A decode call's failures that move the request elsewhere: a dead node, KV unreadable or corrupt;
 # CANCELLED: the node cancelled it (a node stopping at once; a cancel of ours never gets here).
-MIGRATE_ON = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DATA_LOSS, grpc.StatusCode.ABORTED,
-              grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.CANCELLED}
+MIGRATE_ON = {
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DATA_LOSS,
+    grpc.StatusCode.ABORTED,
+    grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.CANCELLED,
+}
 
 
 class Router(Frontend):
-    def __init__(self, model: str, prefill: list[str], decode: list[str], config: RouterConfig = RouterConfig(), *,
-                 host: str = "127.0.0.1", check_interval_s: float = 1.0, metrics: Metrics | None = None,
-                 internal_security: Security = NONE, public_security: Security | None = None):
+    def __init__(
+        self,
+        model: str,
+        prefill: list[str],
+        decode: list[str],
+        config: RouterConfig = RouterConfig(),
+        *,
+        host: str = "127.0.0.1",
+        check_interval_s: float = 1.0,
+        metrics: Metrics | None = None,
+        internal_security: Security = NONE,
+        public_security: Security | None = None,
+    ):
         """config: the router's options (router/config.py). public_security: the public port's
         TLS and API keys or token (default: config's files); API keys guard both public APIs,
         gRPC metadata and the HTTP header `authorization: Bearer <key>`."""
@@ -53,13 +69,23 @@ class Router(Frontend):
         self.api_keys, self._http = public.api_keys, None
         self._serving: bool | None = None  # what the gRPC health service last said
         self._tasks: set[asyncio.Task] = set()
-        self.prefill_pool = EndpointPool("prefill", prefill, check_interval_s, security=internal_security,
-                                         on_change=self._follow_pools, affinity_tokens=config.cache_affinity_tokens)
-        self.decode_pool = EndpointPool("decode", decode, check_interval_s, security=internal_security,
-                                        on_change=self._follow_pools)
+        self.prefill_pool = EndpointPool(
+            "prefill",
+            prefill,
+            check_interval_s,
+            security=internal_security,
+            on_change=self._follow_pools,
+            affinity_tokens=config.cache_affinity_tokens,
+        )
+        self.decode_pool = EndpointPool(
+            "decode", decode, check_interval_s, security=internal_security, on_change=self._follow_pools
+        )
         self.server = GrpcServer(host, config.port, public)
-        self.server.add(generate_pb2_grpc.add_GenerationServicer_to_server, self,
-                        generate_pb2.DESCRIPTOR.services_by_name["Generation"])
+        self.server.add(
+            generate_pb2_grpc.add_GenerationServicer_to_server,
+            self,
+            generate_pb2.DESCRIPTOR.services_by_name["Generation"],
+        )
 
     @property
     def address(self) -> str:
@@ -77,8 +103,9 @@ class Router(Frontend):
         if self.config.http_port is not None:
             from router.openai_api import OpenAIAPI, build_app, serve_http
 
-            self._http = await serve_http(build_app(OpenAIAPI(self, self.api_keys)), self.server.host,
-                                          self.config.http_port)
+            self._http = await serve_http(
+                build_app(OpenAIAPI(self, self.api_keys)), self.server.host, self.config.http_port
+            )
 
     async def stop(self, grace: float = 1.0) -> None:
         if self._http:
@@ -108,8 +135,9 @@ class Router(Frontend):
             await self.server.set_serving(serving, ["", GENERATION])
 
     # ---- a request's life ---------------------------------------------------------------
-    async def _serve(self, request: generate_pb2.GenerateRequest,
-                     deadline: float = 0.0) -> AsyncIterator[generate_pb2.GenerateResponse]:
+    async def _serve(
+        self, request: generate_pb2.GenerateRequest, deadline: float = 0.0
+    ) -> AsyncIterator[generate_pb2.GenerateResponse]:
         """1. check; then attempts until one ends the request: 2. pick a decode node and place the
         prefill, remote on a prefill node or, for a short uncached suffix, local on the decode node
         (router/placement.py), 3. prefill, 4. decode and stream, with usage and timings at the end.
@@ -123,8 +151,11 @@ class Router(Frontend):
         for attempt in range(MIGRATIONS + 1):
             decode = _pick(self.decode_pool, prompt=r.tokens, cache_salt=params.cache_salt)  # where the chat is
             plan, prefill = await self._place(decode, r.tokens, params.cache_salt)  # 2. place
-            run = self._local_attempt(r, attempt, decode, plan) if plan.local else \
-                self._remote_attempt(r, attempt, decode, prefill, plan)
+            run = (
+                self._local_attempt(r, attempt, decode, plan)
+                if plan.local
+                else self._remote_attempt(r, attempt, decode, prefill, plan)
+            )
             try:
                 async with contextlib.aclosing(run):  # its calls end, and its KV is freed, with it
                     async for msg in run:  # 3. prefill, 4. decode and stream
@@ -148,10 +179,17 @@ class Router(Frontend):
         began, num_tokens = time.time(), len(r.tokens)
         sampling = sampling_to_proto(r.params)
         if r.several:  # its KV only: one prefill, one transfer, every sample's first token on the decode node
-            sampling = sampling_to_proto(SamplingParams(max_tokens=2, temperature=0, ignore_eos=True,
-                                                        cache_salt=r.params.cache_salt))
-        ask = nodes_pb2.PrefillRequest(request_id=r.rid, prompt_token_ids=r.prompt, sampling=sampling,
-                                       deadline=r.deadline, output_token_ids=r.generated, num_emitted_chars=r.emitted)
+            sampling = sampling_to_proto(
+                SamplingParams(max_tokens=2, temperature=0, ignore_eos=True, cache_salt=r.params.cache_salt)
+            )
+        ask = nodes_pb2.PrefillRequest(
+            request_id=r.rid,
+            prompt_token_ids=r.prompt,
+            sampling=sampling,
+            deadline=r.deadline,
+            output_token_ids=r.generated,
+            num_emitted_chars=r.emitted,
+        )
         prefill, reply, replies, alone = await self._prefill(ask, decode, prefill, plan.remote_tokens)
         kv, call, read = reply.kv, None, False  # read: the decode node streams, so it read and released the KV
         try:
@@ -189,12 +227,14 @@ class Router(Frontend):
                     call = self._decode(decode, r, attempt, None)
                     first = await call.read()
                 if first is grpc.aio.EOF:
-                    raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, None, None,
-                                               "decode stream ended before the first token")
+                    raise grpc.aio.AioRpcError(
+                        grpc.StatusCode.UNAVAILABLE, None, None, "decode stream ended before the first token"
+                    )
                 streamed = True
                 r.prefilled(first, decode.address, local=True)
-                self.placement.measured_local(len(r.tokens) - first.cached_tokens,
-                                              first.prefill_end - first.prefill_start, alone)
+                self.placement.measured_local(
+                    len(r.tokens) - first.cached_tokens, first.prefill_end - first.prefill_start, alone
+                )
                 yield r.message(first)
                 while (part := await call.read()) is not grpc.aio.EOF:  # (read() once: never `async for`)
                     yield r.message(part)
@@ -204,19 +244,29 @@ class Router(Frontend):
     async def _migrate(self, r: Request, attempt: int, decode: Endpoint, e: grpc.aio.AioRpcError) -> None:
         """After a decode side failed: raises RequestError unless the request may move (returns)."""
         if r.several and r.generated and e.code() in MIGRATE_ON:  # n > 1, beams: forked on the node that died
-            raise RequestError(e.code(), f"decode node {decode.address} failed after the samples began "
-                               f"({e.details()}); requests with n, best_of or beam_width > 1 do not "
-                               "migrate (every sample forked there): retry the request") from None
+            raise RequestError(
+                e.code(),
+                f"decode node {decode.address} failed after the samples began "
+                f"({e.details()}); requests with n, best_of or beam_width > 1 do not "
+                "migrate (every sample forked there): retry the request",
+            ) from None
         if e.code() not in MIGRATE_ON or attempt == MIGRATIONS or (r.deadline and time.time() >= r.deadline):
             raise RequestError(e.code(), f"decode: {e.details()}") from None
-        log.warning("request %s: decode on %s failed (%s: %s) after %d tokens; migrating", r.rid, decode.address,
-                    e.code().name, e.details(), len(r.generated))
+        log.warning(
+            "request %s: decode on %s failed (%s: %s) after %d tokens; migrating",
+            r.rid,
+            decode.address,
+            e.code().name,
+            e.details(),
+            len(r.generated),
+        )
         self.metrics.inc("pdserve_migrations_total")
         await self.decode_pool.check(decode)  # a dead node leaves the pool now
 
     # ---- steps ------------------------------------------------------------------------------
-    async def _prefill(self, ask: nodes_pb2.PrefillRequest, decode: Endpoint, prefill: Endpoint | None,
-                       num_tokens: int):
+    async def _prefill(
+        self, ask: nodes_pb2.PrefillRequest, decode: Endpoint, prefill: Endpoint | None, num_tokens: int
+    ):
         """Returns (prefill node, its first answer, the rest of a layer-wise answer or None, whether
         it ran alone there). prefill: the node to try first (None: pick one, cache-aware);
         num_tokens: what it computes. Prefill has no effect but a lease that expires, so a node that
@@ -253,14 +303,24 @@ class Router(Frontend):
         # the decode node reads only the blocks it lacks where its transport can, with one block size
         read = self.kv_read(prefill, decode) if prefill else None
         partial = read is not None and read.partial and prefill.load.block_size == decode.load.block_size
-        plan = self.placement.decide(len(tokens), decode_cached, prefill_cached,
-                                     moved=len(tokens) - (decode_cached if partial else 0),
-                                     prefill_queued=prefill.prefill_tokens if prefill else 0,
-                                     local_queued=decode.prefill_tokens, decode_running=decode.outstanding)
+        plan = self.placement.decide(
+            len(tokens),
+            decode_cached,
+            prefill_cached,
+            moved=len(tokens) - (decode_cached if partial else 0),
+            prefill_queued=prefill.prefill_tokens if prefill else 0,
+            local_queued=decode.prefill_tokens,
+            decode_running=decode.outstanding,
+        )
         if prefill is None and self.placement.mode != "off":
             plan.local = True
-        log.debug("placement: %s (decode node caches %d of %d tokens, %d decoding there)", plan, decode_cached,
-                  len(tokens), decode.outstanding)
+        log.debug(
+            "placement: %s (decode node caches %d of %d tokens, %d decoding there)",
+            plan,
+            decode_cached,
+            len(tokens),
+            decode.outstanding,
+        )
         return plan, prefill
 
     @staticmethod
@@ -285,8 +345,14 @@ class Router(Frontend):
         prefill_s = reply.prefill_end - reply.prefill_start
         transfer_s = part.transfer_end - part.transfer_start
         handoff_s = part.decode_admitted - began - prefill_s - transfer_s  # hops, queues, admission
-        self.placement.measured_remote(num_tokens - reply.cached_tokens, prefill_s, transfer_s,
-                                       moved=num_tokens - part.cached_tokens, handoff_s=handoff_s, alone=alone)
+        self.placement.measured_remote(
+            num_tokens - reply.cached_tokens,
+            prefill_s,
+            transfer_s,
+            moved=num_tokens - part.cached_tokens,
+            handoff_s=handoff_s,
+            alone=alone,
+        )
 
     def _end_calls(self, refresh: Endpoint | None, *calls) -> None:
         if refresh is not None:
@@ -304,10 +370,19 @@ class Router(Frontend):
         """The Decode call; kv None: the decode node prefills locally. n > 1 and beams: every
         sample's first token is drawn there, so it gets no token of the prefill's."""
         generated, emitted = ([], 0) if r.several else (r.generated, r.emitted)
-        return decode.stub.Decode(nodes_pb2.DecodeRequest(
-            request_id=f"{r.rid}#{attempt}", prompt_token_ids=r.prompt, output_token_ids=generated,
-            sampling=sampling_to_proto(r.params), kv=kv, deadline=r.deadline, num_emitted_chars=emitted,
-            prefill_locally=kv is None), timeout=remaining(r.deadline))
+        return decode.stub.Decode(
+            nodes_pb2.DecodeRequest(
+                request_id=f"{r.rid}#{attempt}",
+                prompt_token_ids=r.prompt,
+                output_token_ids=generated,
+                sampling=sampling_to_proto(r.params),
+                kv=kv,
+                deadline=r.deadline,
+                num_emitted_chars=emitted,
+                prefill_locally=kv is None,
+            ),
+            timeout=remaining(r.deadline),
+        )
 
     @contextlib.contextmanager
     def _outstanding(self, endpoint: Endpoint):
@@ -316,8 +391,9 @@ class Router(Frontend):
         try:
             yield
         finally:
-            self.metrics.set("pdserve_node_outstanding_requests", endpoint.outstanding - 1, role=role,
-                             node=endpoint.address)
+            self.metrics.set(
+                "pdserve_node_outstanding_requests", endpoint.outstanding - 1, role=role, node=endpoint.address
+            )
 
     @staticmethod
     async def _release_kv(prefill: Endpoint, lease_id: str) -> None:
@@ -327,8 +403,9 @@ class Router(Frontend):
             log.warning("ReleaseKV %s on %s failed: %s", lease_id, prefill.address, e.code().name)
 
 
-def _pick(pool: EndpointPool, exclude: set[str] = frozenset(), prompt: list[int] | None = None,
-          cache_salt: str = "") -> Endpoint:
+def _pick(
+    pool: EndpointPool, exclude: set[str] = frozenset(), prompt: list[int] | None = None, cache_salt: str = ""
+) -> Endpoint:
     try:
         return pool.pick(exclude, prompt, cache_salt)
     except NoHealthyNode as e:

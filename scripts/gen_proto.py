@@ -1,7 +1,7 @@
 """Regenerates pdserve_api/ from proto/pdserve_api/*.proto (run after editing a .proto).
 
-    python scripts/gen_proto.py            # write into pdserve_api/
-    python scripts/gen_proto.py --out DIR  # write elsewhere (the staleness test compares)
+python scripts/gen_proto.py            # write into pdserve_api/
+python scripts/gen_proto.py --out DIR  # write elsewhere (the staleness test compares)
 """
 
 from __future__ import annotations
@@ -19,8 +19,15 @@ def generate(out: Path) -> list[Path]:
 
     protos = sorted(PROTO_ROOT.glob("pdserve_api/*.proto"))
     include = Path(protoc.__file__).parent / "_proto"
-    args = ["protoc", f"-I{PROTO_ROOT}", f"-I{include}", f"--python_out={out}", f"--pyi_out={out}",
-            f"--grpc_python_out={out}", *map(str, protos)]
+    args = [
+        "protoc",
+        f"-I{PROTO_ROOT}",
+        f"-I{include}",
+        f"--python_out={out}",
+        f"--pyi_out={out}",
+        f"--grpc_python_out={out}",
+        *map(str, protos),
+    ]
     if protoc.main(args) != 0:
         raise RuntimeError("protoc failed")
     return sorted((out / "pdserve_api").glob("*_pb2*.py*"))

@@ -1,7 +1,7 @@
 """Writes deploy/serve_config.yaml, verbatim, into the RayService's serveConfigV2.
 
-    python scripts/sync_k8s.py          # rewrite deploy/k8s/base/rayservice.yaml
-    python scripts/sync_k8s.py --check  # exit 1 if they differ (tests/test_k8s.py does the same)
+python scripts/sync_k8s.py          # rewrite deploy/k8s/base/rayservice.yaml
+python scripts/sync_k8s.py --check  # exit 1 if they differ (tests/test_k8s.py does the same)
 """
 
 from __future__ import annotations

@@ -23,8 +23,7 @@ class GrpcServer:
         self.server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=security.interceptors())
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        self.service_names = [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-                              reflection.SERVICE_NAME]
+        self.service_names = [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME]
         self.host = host
         creds = security.server_credentials()
         target = f"{host}:{port}"

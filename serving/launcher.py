@@ -25,13 +25,17 @@ class NotReady(RuntimeError):
 
 
 class ServerProcess:
-    def __init__(self, args: list[str], *, prefix: list[str] = (), stderr=subprocess.DEVNULL,
-                 env: dict | None = None):
+    def __init__(self, args: list[str], *, prefix: list[str] = (), stderr=subprocess.DEVNULL, env: dict | None = None):
         """args: what follows `python`, e.g. ["-m", "prefill_node", "--port", "0"]; prefix: a
         command to run it under (e.g. `ip netns exec NS ...`); stderr: a file, DEVNULL or PIPE;
         env: variables added to this process's."""
-        self.proc = subprocess.Popen([*prefix, sys.executable, *args], stdout=subprocess.PIPE, stderr=stderr,
-                                     text=True, env={**os.environ, **(env or {})})
+        self.proc = subprocess.Popen(
+            [*prefix, sys.executable, *args],
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+            env={**os.environ, **(env or {})},
+        )
         self.address = ""
         self.metrics_port = ""
 

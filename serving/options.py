@@ -60,10 +60,22 @@ def options(cls, where: str | None = None) -> list[Option]:
             continue
         kind = _base_type(hints[f.name])
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        flag = meta.get("flag") or (f"--no-{f.name.replace('_', '-')}" if kind is bool and default
-                                    else f"--{f.name.replace('_', '-')}")
-        found.append(Option(f.name, kind, default, meta["help"], flag, meta.get("choices"), meta.get("unit"),
-                            tuple(meta.get("where", ENTRY_POINTS)), meta.get("serve_key", f.name)))
+        flag = meta.get("flag") or (
+            f"--no-{f.name.replace('_', '-')}" if kind is bool and default else f"--{f.name.replace('_', '-')}"
+        )
+        found.append(
+            Option(
+                f.name,
+                kind,
+                default,
+                meta["help"],
+                flag,
+                meta.get("choices"),
+                meta.get("unit"),
+                tuple(meta.get("where", ENTRY_POINTS)),
+                meta.get("serve_key", f.name),
+            )
+        )
     return found
 
 
@@ -105,8 +117,9 @@ def json_object(text: str) -> dict:
     return value
 
 
-def add_options(parser: argparse.ArgumentParser, *classes, title: str | None = None, skip=(), only=None,
-                helps: dict | None = None) -> None:
+def add_options(
+    parser: argparse.ArgumentParser, *classes, title: str | None = None, skip=(), only=None, helps: dict | None = None
+) -> None:
     """Adds the command-line options of these config classes (an option whose name a class before
     it, or the parser, already has is added once: one flag sets both). skip, only: option names
     left out, or the only ones added; helps: a command's own help for an option (e.g. the default
@@ -121,13 +134,21 @@ def add_options(parser: argparse.ArgumentParser, *classes, title: str | None = N
             known.add(opt.name)
             default, text = opt.to_cli(opt.default), (helps or {}).get(opt.name, opt.help)
             if opt.kind is bool:
-                group.add_argument(opt.flag, dest=opt.name, action="store_false" if opt.default else "store_true",
-                                   help=text)
+                group.add_argument(
+                    opt.flag, dest=opt.name, action="store_false" if opt.default else "store_true", help=text
+                )
                 continue
             kind = {dict: json_object}.get(opt.kind, float if opt.unit else opt.kind)
             metavar = "JSON" if opt.kind is dict else opt.flag.lstrip("-").upper().replace("-", "_")
-            group.add_argument(opt.flag, dest=opt.name, type=kind, default=default, choices=opt.choices,
-                               help=text, metavar=None if opt.choices else metavar)
+            group.add_argument(
+                opt.flag,
+                dest=opt.name,
+                type=kind,
+                default=default,
+                choices=opt.choices,
+                help=text,
+                metavar=None if opt.choices else metavar,
+            )
 
 
 def from_args(cls, args: argparse.Namespace, **given):

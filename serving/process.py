@@ -26,10 +26,14 @@ class ProcessConfig:
     """A server process's own options."""
 
     host: str = option("127.0.0.1", "the interface to listen on", where=("cli",))
-    metrics_port: int | None = option(None, "serve Prometheus /metrics here (0: any port) (default: no metrics "
-                                      "server)", where=("cli",))
-    cpus: str | None = option(None, "pin the process, and the processes it starts, to these cores, e.g. 0 or 0-1 "
-                              "(default: not pinned)", where=("cli",))
+    metrics_port: int | None = option(
+        None, "serve Prometheus /metrics here (0: any port) (default: no metrics server)", where=("cli",)
+    )
+    cpus: str | None = option(
+        None,
+        "pin the process, and the processes it starts, to these cores, e.g. 0 or 0-1 (default: not pinned)",
+        where=("cli",),
+    )
 
 
 @dataclass(frozen=True)
@@ -64,16 +68,23 @@ class Entry:
 def node_entry(prog: str, describe: str, config_cls: type, kv_option_classes: list[type], node_cls: type) -> Entry:
     """A node's entry point: its own options (config_cls), its KV transports' (kvtransfer/), the
     engine's and the internal ports' security; its server is node_cls(**node_configs(...))."""
-    return Entry(prog, describe,
-                 lambda ap: add_options(ap, config_cls, *kv_option_classes, EngineConfig, SecurityConfig),
-                 lambda args: node_cls(**node_configs(args, config_cls, kv_option_classes)))
+    return Entry(
+        prog,
+        describe,
+        lambda ap: add_options(ap, config_cls, *kv_option_classes, EngineConfig, SecurityConfig),
+        lambda args: node_cls(**node_configs(args, config_cls, kv_option_classes)),
+    )
 
 
 def node_configs(args: argparse.Namespace, config_cls: type, kv_option_classes: list[type]) -> dict:
     """A node's constructor arguments, from its parsed command line."""
-    return {"engine_config": from_args(EngineConfig, args), "config": from_args(config_cls, args), "host": args.host,
-            "security": from_args(SecurityConfig, args).security(),
-            "kv_options": tuple(from_args(cls, args) for cls in kv_option_classes)}
+    return {
+        "engine_config": from_args(EngineConfig, args),
+        "config": from_args(config_cls, args),
+        "host": args.host,
+        "security": from_args(SecurityConfig, args).security(),
+        "kv_options": tuple(from_args(cls, args) for cls in kv_option_classes),
+    }
 
 
 async def run_until_signalled(make_node, grace_s: float = 30.0, metrics_port: int | None = None) -> None:
@@ -126,5 +137,6 @@ def pin_cpus(spec: str | None) -> None:
             cores.update(range(int(lo), int(hi or lo) + 1))
         os.sched_setaffinity(0, cores)
     except (ValueError, OSError):
-        raise ValueError(f"--cpus {spec!r}: not cores of this machine (e.g. 0 or 0-1; it has "
-                         f"{os.cpu_count()})") from None
+        raise ValueError(
+            f"--cpus {spec!r}: not cores of this machine (e.g. 0 or 0-1; it has {os.cpu_count()})"
+        ) from None

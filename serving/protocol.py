@@ -10,18 +10,40 @@ from pdserve_api import common_pb2
 def sampling_from_proto(m: common_pb2.SamplingParams) -> SamplingParams:
     """Raises ValueError naming the bad field (the caller answers INVALID_ARGUMENT)."""
     kwargs = {}
-    for name in ("max_tokens", "temperature", "top_p", "seed", "logprobs", "n", "best_of", "beam_width",
-                 "length_penalty"):
+    for name in (
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "seed",
+        "logprobs",
+        "n",
+        "best_of",
+        "beam_width",
+        "length_penalty",
+    ):
         if m.HasField(name):
             kwargs[name] = getattr(m, name)
-    return SamplingParams(top_k=m.top_k, stop=tuple(m.stop), stop_token_ids=tuple(m.stop_token_ids),
-                          ignore_eos=m.ignore_eos, cache_salt=m.cache_salt, **kwargs)
+    return SamplingParams(
+        top_k=m.top_k,
+        stop=tuple(m.stop),
+        stop_token_ids=tuple(m.stop_token_ids),
+        ignore_eos=m.ignore_eos,
+        cache_salt=m.cache_salt,
+        **kwargs,
+    )
 
 
 def sampling_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
-    m = common_pb2.SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature, top_k=p.top_k,
-                                  top_p=p.top_p, stop=list(p.stop), stop_token_ids=list(p.stop_token_ids),
-                                  ignore_eos=p.ignore_eos, cache_salt=p.cache_salt)
+    m = common_pb2.SamplingParams(
+        max_tokens=p.max_tokens,
+        temperature=p.temperature,
+        top_k=p.top_k,
+        top_p=p.top_p,
+        stop=list(p.stop),
+        stop_token_ids=list(p.stop_token_ids),
+        ignore_eos=p.ignore_eos,
+        cache_salt=p.cache_salt,
+    )
     if p.seed is not None:
         m.seed = p.seed
     if p.logprobs is not None:

@@ -29,8 +29,9 @@ class Registry:
 
 def registry(app_name: str):
     """The application's registry actor, created on first use (detached: it outlives replicas)."""
-    return Registry.options(name=f"pdserve-registry-{app_name}", namespace="pdserve", get_if_exists=True,
-                            lifetime="detached").remote()
+    return Registry.options(
+        name=f"pdserve-registry-{app_name}", namespace="pdserve", get_if_exists=True, lifetime="detached"
+    ).remote()
 
 
 def preferred_port(host: str, port: int) -> int:

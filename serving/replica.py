@@ -18,17 +18,28 @@ Reading = Callable[[], float]
 
 
 class Replica:
-    def __init__(self, role: str, app_name: str, node, drain_timeout_s: float,
-                 gauges: dict[str, tuple[str, Reading]], counters: dict[str, tuple[str, Reading]] | None = None):
+    def __init__(
+        self,
+        role: str,
+        app_name: str,
+        node,
+        drain_timeout_s: float,
+        gauges: dict[str, tuple[str, Reading]],
+        counters: dict[str, tuple[str, Reading]] | None = None,
+    ):
         """gauges, counters: metric name -> (description, read its value now; a counter's total)."""
         self.role, self.node, self.drain_timeout_s = role, node, drain_timeout_s
         self.registry = registry(app_name)
         self.replica = serve.get_replica_context().replica_id.unique_id
         tags = {"replica": self.replica}
-        self.gauges = [(metrics.Gauge(name, description, tag_keys=("replica",)), read)
-                       for name, (description, read) in gauges.items()]
-        self.counters = [(metrics.Counter(name, description, tag_keys=("replica",)), read, [0.0])
-                         for name, (description, read) in (counters or {}).items()]
+        self.gauges = [
+            (metrics.Gauge(name, description, tag_keys=("replica",)), read)
+            for name, (description, read) in gauges.items()
+        ]
+        self.counters = [
+            (metrics.Counter(name, description, tag_keys=("replica",)), read, [0.0])
+            for name, (description, read) in (counters or {}).items()
+        ]
         for metric, *_ in self.gauges + self.counters:
             metric.set_default_tags(tags)
         self._export: asyncio.Task | None = None

@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import random
-import sys
 import time
 from dataclasses import dataclass, field
 
@@ -16,8 +14,8 @@ import grpc
 
 from pdserve_api import common_pb2, nodes_pb2_grpc
 from router.client import AsyncClient
-from router.frontend import timeline
 from router.config import RouterConfig
+from router.frontend import timeline
 from router.server import Router
 from serving.launcher import ServerProcess
 
@@ -41,13 +39,14 @@ class Outcome:
 
 class NodeProcess(ServerProcess):
     def __init__(self, role: str, model, env: dict | None = None, extra: list[str] | None = None):
-        super().__init__(["-m", f"{role}_node", "--port", "0", "--model", str(model), *NODE_FLAGS, *(extra or [])],
-                         env=env)
+        super().__init__(
+            ["-m", f"{role}_node", "--port", "0", "--model", str(model), *NODE_FLAGS, *(extra or [])], env=env
+        )
         self.role = role
         self.wait_ready()
 
 
-async def used_blocks(node: "NodeProcess") -> int:
+async def used_blocks(node: NodeProcess) -> int:
     async with grpc.aio.insecure_channel(node.address) as channel:
         stub = (nodes_pb2_grpc.PrefillNodeStub if node.role == "prefill" else nodes_pb2_grpc.DecodeNodeStub)(channel)
         load = await stub.GetLoad(common_pb2.LoadRequest(), timeout=5)
@@ -66,10 +65,16 @@ async def wait_blocks_freed(nodes: list[NodeProcess], timeout_s: float = 45.0) -
 
 @contextlib.asynccontextmanager
 async def cluster(model, prefill: int, decode: int, decode_env: dict | None = None, decode_extra=None):
-    nodes = ([NodeProcess("prefill", model, extra=["--lease-ttl-s", "5"]) for _ in range(prefill)]
-             + [NodeProcess("decode", model, decode_env, decode_extra) for _ in range(decode)])
-    router = Router(str(model), [n.address for n in nodes if n.role == "prefill"],
-                    [n.address for n in nodes if n.role == "decode"], RouterConfig(port=0), check_interval_s=0.3)
+    nodes = [NodeProcess("prefill", model, extra=["--lease-ttl-s", "5"]) for _ in range(prefill)] + [
+        NodeProcess("decode", model, decode_env, decode_extra) for _ in range(decode)
+    ]
+    router = Router(
+        str(model),
+        [n.address for n in nodes if n.role == "prefill"],
+        [n.address for n in nodes if n.role == "decode"],
+        RouterConfig(port=0),
+        check_interval_s=0.3,
+    )
     await router.start()
     try:
         yield router, nodes
@@ -79,8 +84,15 @@ async def cluster(model, prefill: int, decode: int, decode_env: dict | None = No
             n.stop()
 
 
-async def run_requests(router: Router, prompts: list[list[int]], expected: list[list[int]], max_tokens: int,
-                       outcome: Outcome, on_progress=None, timeout_s: float = 90.0) -> None:
+async def run_requests(
+    router: Router,
+    prompts: list[list[int]],
+    expected: list[list[int]],
+    max_tokens: int,
+    outcome: Outcome,
+    on_progress=None,
+    timeout_s: float = 90.0,
+) -> None:
     """Sends every prompt at once; records completed / failed / lost; on_progress(tokens_per_stream)."""
     progress = [0] * len(prompts)
     gaps = [0.0] * len(prompts)
@@ -134,6 +146,7 @@ async def prefill_dies(model, prompts, expected, max_tokens, transport: str = "a
                 await asyncio.sleep(0)
             out.details["prefills_in_flight_at_kill"] = victim.prefilling
             nodes[0].kill()
+
         await asyncio.gather(killer(), run_requests(router, prompts, expected, max_tokens, out))
         out.leaked_blocks = await wait_blocks_freed(nodes)
     return out
@@ -154,8 +167,9 @@ async def transfer_fails(model, prompts, expected, max_tokens, transport: str = 
     """The prefill node holding the leased KV dies before the decode node reads it (pulls over
     `transport`, delayed by the fault-injection pause)."""
     out = Outcome(f"prefill node killed during the KV transfer ({transport})")
-    async with cluster(model, 2, 1, decode_env={"PDSERVE_FAULT_DELAY_TRANSFER_S": "1.0"},
-                       decode_extra=["--kv-transport", transport]) as (router, nodes):
+    async with cluster(
+        model, 2, 1, decode_env={"PDSERVE_FAULT_DELAY_TRANSFER_S": "1.0"}, decode_extra=["--kv-transport", transport]
+    ) as (router, nodes):
         killed = {}
 
         def on_progress(progress):
@@ -195,16 +209,24 @@ async def decode_dies(model, prompts, expected, max_tokens, transport: str = "au
 
 
 STALL_S = 60.0  # no request in the soak got a message for this long: the ones in flight are stuck
-async def soak(router: Router, nodes, num_requests: int, concurrency: int, cancel_fraction: float,
-               seed: int = 0, stall_s: float = STALL_S) -> Outcome:
+
+
+async def soak(
+    router: Router,
+    nodes,
+    num_requests: int,
+    concurrency: int,
+    cancel_fraction: float,
+    seed: int = 0,
+    stall_s: float = STALL_S,
+) -> Outcome:
     """num_requests at `concurrency` in flight, a fraction cancelled at a random moment.
 
     A request is lost when it is stuck, not when it is slow: the soak only gives up on the requests
     in flight once none of them has received a message for stall_s (so a busy machine slows it down
     without failing it, and a hung request is caught at the latest stall_s after the others ended).
     The slowest request's time and timeline are recorded in details["slowest"]."""
-    out = Outcome(f"soak: {num_requests} requests, {concurrency} concurrent, "
-                  f"{cancel_fraction:.0%} cancelled at random")
+    out = Outcome(f"soak: {num_requests} requests, {concurrency} concurrent, {cancel_fraction:.0%} cancelled at random")
     rng = random.Random(seed)
     limit = asyncio.Semaphore(concurrency)
     in_flight: set[asyncio.Task] = set()

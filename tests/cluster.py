@@ -26,20 +26,47 @@ def engine_config(model, **kwargs) -> EngineConfig:
 
 
 @contextlib.asynccontextmanager
-async def local_cluster(model, num_prefill=1, num_decode=1, prefill_engine=None, decode_engine=None,
-                        lease_ttl_s=30.0, shm=True, kv_transport="auto", check_interval_s=0.2, security=NONE,
-                        kv_layerwise="auto", **router_args):
+async def local_cluster(
+    model,
+    num_prefill=1,
+    num_decode=1,
+    prefill_engine=None,
+    decode_engine=None,
+    lease_ttl_s=30.0,
+    shm=True,
+    kv_transport="auto",
+    check_interval_s=0.2,
+    security=NONE,
+    kv_layerwise="auto",
+    **router_args,
+):
     """router_args: RouterConfig fields."""
-    prefills = [PrefillNode(engine_config(model, **(prefill_engine or {})), PrefillConfig(lease_ttl_s=lease_ttl_s),
-                            security=security, kv_options=(ShmOptions(shm),)) for _ in range(num_prefill)]
-    decodes = [DecodeNode(engine_config(model, **(decode_engine or {})), DecodeConfig(kv_transport=kv_transport),
-                          security=security) for _ in range(num_decode)]
+    prefills = [
+        PrefillNode(
+            engine_config(model, **(prefill_engine or {})),
+            PrefillConfig(lease_ttl_s=lease_ttl_s),
+            security=security,
+            kv_options=(ShmOptions(shm),),
+        )
+        for _ in range(num_prefill)
+    ]
+    decodes = [
+        DecodeNode(
+            engine_config(model, **(decode_engine or {})), DecodeConfig(kv_transport=kv_transport), security=security
+        )
+        for _ in range(num_decode)
+    ]
     for node in prefills + decodes:
         await node.start()
     router_args.setdefault("local_prefill", "off")  # these tests follow the KV; test_placement.py the rest
-    router = Router(str(model), [p.address for p in prefills], [d.address for d in decodes],
-                    RouterConfig(port=0, kv_layerwise=kv_layerwise, **router_args), check_interval_s=check_interval_s,
-                    internal_security=security)
+    router = Router(
+        str(model),
+        [p.address for p in prefills],
+        [d.address for d in decodes],
+        RouterConfig(port=0, kv_layerwise=kv_layerwise, **router_args),
+        check_interval_s=check_interval_s,
+        internal_security=security,
+    )
     await router.start()
     try:
         yield router, prefills, decodes

@@ -32,7 +32,9 @@ from engine import LLMEngine, SamplingParams  # noqa: E402
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3}
 VOCAB = range(10, 250)
-HANG_S = float(os.environ.get("PDSERVE_HANG_S", 600))  # guards against a hang, never a timing  # ids the tiny test models know (their vocabulary is 256 + specials)
+HANG_S = float(
+    os.environ.get("PDSERVE_HANG_S", 600)
+)  # guards against a hang, never a timing  # ids the tiny test models know (their vocabulary is 256 + specials)
 
 
 @dataclass
@@ -49,25 +51,44 @@ class Req:
     def kinds(self) -> set[str]:
         p = self.params
         kinds = {"beam" if p.beam_width > 1 else "n>1" if p.num_samples > 1 else "greedy" if p.greedy else "seeded"}
-        kinds |= {k for k, on in (("stop", p.stop), ("stop_ids", p.stop_token_ids), ("logprobs", p.logprobs),
-                                  ("follow-up", self.parent), ("cancel", self.cancel_after is not None)) if on}
+        kinds |= {
+            k
+            for k, on in (
+                ("stop", p.stop),
+                ("stop_ids", p.stop_token_ids),
+                ("logprobs", p.logprobs),
+                ("follow-up", self.parent),
+                ("cancel", self.cancel_after is not None),
+            )
+            if on
+        }
         return kinds
 
 
 def random_params(rng: random.Random) -> SamplingParams:
     kind = rng.choice(["greedy", "greedy", "seeded", "seeded", "n", "beam"])
     max_tokens = rng.randint(1, 20)
-    common = {"max_tokens": max_tokens, "ignore_eos": rng.random() < 0.7,
-              "stop_token_ids": tuple(rng.sample(VOCAB, 2)) if rng.random() < 0.2 else ()}
+    common = {
+        "max_tokens": max_tokens,
+        "ignore_eos": rng.random() < 0.7,
+        "stop_token_ids": tuple(rng.sample(VOCAB, 2)) if rng.random() < 0.2 else (),
+    }
     if rng.random() < 0.3:
         common["logprobs"] = rng.randint(0, 3)
     stop = tuple(rng.sample("abcdefghijklmnopqrstuvwxyz ", 2)) if rng.random() < 0.25 else ()
     if kind == "beam":
         width = rng.randint(2, 3)
         return SamplingParams(beam_width=width, n=rng.randint(1, width), temperature=0, **common)
-    sampling = {"temperature": 0} if kind == "greedy" else {
-        "temperature": rng.choice([0.5, 1.0]), "top_k": rng.choice([0, 5, 50]), "top_p": rng.choice([1.0, 0.9]),
-        "seed": rng.randrange(1 << 30)}
+    sampling = (
+        {"temperature": 0}
+        if kind == "greedy"
+        else {
+            "temperature": rng.choice([0.5, 1.0]),
+            "top_k": rng.choice([0, 5, 50]),
+            "top_p": rng.choice([1.0, 0.9]),
+            "seed": rng.randrange(1 << 30),
+        }
+    )
     if kind == "n":
         n = rng.randint(2, 3)
         best_of = rng.choice([None, n + 1])
@@ -85,8 +106,16 @@ def random_workload(rng: random.Random, num_requests: int) -> list[Req]:
         params = random_params(rng)
         if reqs and rng.random() < 0.25:  # a next turn of an earlier request
             parent = rng.choice(reqs)
-            reqs.append(Req(f"r{i}", [], params, parent=parent.rid, arrive=rng.randint(0, 3),
-                            turn=[rng.choice(VOCAB) for _ in range(rng.randint(1, 6))]))
+            reqs.append(
+                Req(
+                    f"r{i}",
+                    [],
+                    params,
+                    parent=parent.rid,
+                    arrive=rng.randint(0, 3),
+                    turn=[rng.choice(VOCAB) for _ in range(rng.randint(1, 6))],
+                )
+            )
             continue
         prompt = rng.choice(prefixes + [[]]) + [rng.choice(VOCAB) for _ in range(rng.randint(1, 12))]
         cancel = rng.randint(0, 6) if rng.random() < 0.12 else None
@@ -97,9 +126,13 @@ def random_workload(rng: random.Random, num_requests: int) -> list[Req]:
 def random_engine(rng: random.Random) -> dict:
     """Engine settings for a mix: a small pool (preemption, eviction), small steps (chunked
     prefill), speculation or not, prefix caching mostly on."""
-    return {"num_kv_blocks": rng.choice([32, 48, 64]),
-            "max_num_batched_tokens": rng.choice([16, 32, 512]), "max_num_seqs": rng.choice([4, 8, 64]),
-            "speculative": rng.choice([None, NGRAM]), "enable_prefix_caching": rng.random() < 0.85}
+    return {
+        "num_kv_blocks": rng.choice([32, 48, 64]),
+        "max_num_batched_tokens": rng.choice([16, 32, 512]),
+        "max_num_seqs": rng.choice([4, 8, 64]),
+        "speculative": rng.choice([None, NGRAM]),
+        "enable_prefix_caching": rng.random() < 0.85,
+    }
 
 
 def make_engine(model, **kwargs) -> LLMEngine:
@@ -118,8 +151,11 @@ def step_outputs(engine: LLMEngine, outs: dict) -> list[str]:
 
 def result(outs: dict, rid: str) -> list[tuple]:
     """What a request returned, comparable: per sample (index, tokens, text, finish reason, logprobs)."""
-    return [(i, o.token_ids, o.text, o.finish_reason, o.logprobs)
-            for (r, i), o in sorted(outs.items(), key=lambda kv: kv[0][1]) if r == rid]
+    return [
+        (i, o.token_ids, o.text, o.finish_reason, o.logprobs)
+        for (r, i), o in sorted(outs.items(), key=lambda kv: kv[0][1])
+        if r == rid
+    ]
 
 
 def run_alone(model, prompt: list[int], params: SamplingParams) -> list[tuple]:
@@ -227,11 +263,24 @@ def engine_mix(model, seed: int, num_requests: int, report: Report, reference: d
         report.finished += 1
         got, want = result(outs, r.rid), reference[tuple(r.prompt), r.params]
         if not same(got, want, r.params.logprobs is not None):
-            report.wrong.append({"seed": seed, "request": r.rid, "kinds": sorted(r.kinds), "settings": str(settings),
-                                 "got": [g[1:5] for g in got], "want": [w[1:5] for w in want]})
+            report.wrong.append(
+                {
+                    "seed": seed,
+                    "request": r.rid,
+                    "kinds": sorted(r.kinds),
+                    "settings": str(settings),
+                    "got": [g[1:5] for g in got],
+                    "want": [w[1:5] for w in want],
+                }
+            )
     bm = engine.block_manager
-    left = {"blocks": bm.num_used_blocks, "requests": len(engine.requests), "groups": len(engine.groups),
-            "beams": len(engine.beams), "leases": len(engine.kv_leases)}
+    left = {
+        "blocks": bm.num_used_blocks,
+        "requests": len(engine.requests),
+        "groups": len(engine.groups),
+        "beams": len(engine.beams),
+        "leases": len(engine.kv_leases),
+    }
     if any(left.values()):
         report.leaked.append({"seed": seed, **left})
     count_work(report, engine)
@@ -249,9 +298,13 @@ def count_work(report: Report, engine: LLMEngine) -> None:
 def random_cluster(rng: random.Random) -> dict:
     """Cluster settings for a mix: the KV's way across (shm, tcp), where prefills run, speculation
     on the decode nodes, a small decode pool, and whether a decode node is killed mid-run."""
-    return {"kv_transport": rng.choice(["shm", "tcp"]), "local_prefill": rng.choice(["off", "auto"]),
-            "speculative": rng.choice([None, NGRAM]), "num_kv_blocks": rng.choice([32, 48]),
-            "kill": rng.random() < 0.5}
+    return {
+        "kv_transport": rng.choice(["shm", "tcp"]),
+        "local_prefill": rng.choice(["off", "auto"]),
+        "speculative": rng.choice([None, NGRAM]),
+        "num_kv_blocks": rng.choice([32, 48]),
+        "kill": rng.random() < 0.5,
+    }
 
 
 def nodes_state(nodes) -> list[dict]:
@@ -260,13 +313,22 @@ def nodes_state(nodes) -> list[dict]:
     for node in nodes:
         engine = node.llm
         sched, bm = engine.scheduler, engine.block_manager
-        states.append({"address": node.address, "running": [(s.request_id, s.index, s.num_tokens, len(s.block_table))
-                                                            for s in sched.running],
-                       "waiting": [(s.request_id, s.index, s.num_tokens, s.num_computed_tokens, len(s.block_table))
-                                   for s in sched.waiting],
-                       "free_blocks": bm.num_free_blocks, "used_blocks": bm.num_used_blocks,
-                       "kv_leases": len(engine.kv_leases), "groups": list(engine.groups), "beams": list(engine.beams),
-                       "engine_alive": not getattr(node.engine, "dead", False)})
+        states.append(
+            {
+                "address": node.address,
+                "running": [(s.request_id, s.index, s.num_tokens, len(s.block_table)) for s in sched.running],
+                "waiting": [
+                    (s.request_id, s.index, s.num_tokens, s.num_computed_tokens, len(s.block_table))
+                    for s in sched.waiting
+                ],
+                "free_blocks": bm.num_free_blocks,
+                "used_blocks": bm.num_used_blocks,
+                "kv_leases": len(engine.kv_leases),
+                "groups": list(engine.groups),
+                "beams": list(engine.beams),
+                "engine_alive": not getattr(node.engine, "dead", False),
+            }
+        )
     return states
 
 
@@ -284,11 +346,11 @@ async def cluster_mix(model, seed: int, num_requests: int, report: Report, refer
 
     from cluster import local_cluster, wait_for_no_blocks
 
-    from kvtransfer.shm import PREFIX as SHM_PREFIX, SHM_DIR
-
-    from serving.protocol import sampling_to_proto
+    from kvtransfer.shm import PREFIX as SHM_PREFIX
+    from kvtransfer.shm import SHM_DIR
     from pdserve_api import common_pb2, generate_pb2
     from router.client import AsyncClient, Completion
+    from serving.protocol import sampling_to_proto
 
     rng = random.Random(seed)
     reqs, settings = random_workload(rng, num_requests), random_cluster(rng)
@@ -296,8 +358,13 @@ async def cluster_mix(model, seed: int, num_requests: int, report: Report, refer
     decode_engine = {"num_kv_blocks": settings["num_kv_blocks"], "speculative": settings["speculative"]}
     done: dict[str, asyncio.Event] = {r.rid: asyncio.Event() for r in reqs}
     answers: dict[str, object] = {}
-    async with local_cluster(model, num_decode=2, decode_engine=decode_engine, kv_transport=settings["kv_transport"],
-                             local_prefill=settings["local_prefill"]) as (router, prefills, decodes):
+    async with local_cluster(
+        model,
+        num_decode=2,
+        decode_engine=decode_engine,
+        kv_transport=settings["kv_transport"],
+        local_prefill=settings["local_prefill"],
+    ) as (router, prefills, decodes):
         killed = asyncio.Event()
 
         async def one(r: Req, client: AsyncClient) -> None:
@@ -305,8 +372,9 @@ async def cluster_mix(model, seed: int, num_requests: int, report: Report, refer
                 await asyncio.sleep(r.arrive * 0.01)
                 if r.parent:
                     await done[r.parent].wait()
-                request = generate_pb2.GenerateRequest(prompt_token_ids=common_pb2.TokenIds(ids=r.prompt),
-                                                       sampling=sampling_to_proto(r.params))
+                request = generate_pb2.GenerateRequest(
+                    prompt_token_ids=common_pb2.TokenIds(ids=r.prompt), sampling=sampling_to_proto(r.params)
+                )
                 result, parts = Completion(), 0
                 call = client.stub.Generate(request)
                 async for part in call:
@@ -335,8 +403,14 @@ async def cluster_mix(model, seed: int, num_requests: int, report: Report, refer
                 report.kills += 1
             finished, pending = await asyncio.wait(tasks, timeout=HANG_S)
             if pending:  # a hang: say where every node stands, then give up on the mix
-                report.wrong.append({"seed": seed, "hung": [r.rid for r in reqs if not done[r.rid].is_set()],
-                                     "settings": str(settings), "nodes": nodes_state(prefills + decodes)})
+                report.wrong.append(
+                    {
+                        "seed": seed,
+                        "hung": [r.rid for r in reqs if not done[r.rid].is_set()],
+                        "settings": str(settings),
+                        "nodes": nodes_state(prefills + decodes),
+                    }
+                )
                 for t in pending:
                     t.cancel()
                 await asyncio.gather(*pending, return_exceptions=True)
@@ -369,14 +443,29 @@ async def cluster_mix(model, seed: int, num_requests: int, report: Report, refer
             if forked_on_dead:
                 report.failed_on_kill += 1
                 continue
-            report.wrong.append({"seed": seed, "request": r.rid, "kinds": sorted(r.kinds), "settings": str(settings),
-                                 "error": repr(answer)[:300]})
+            report.wrong.append(
+                {
+                    "seed": seed,
+                    "request": r.rid,
+                    "kinds": sorted(r.kinds),
+                    "settings": str(settings),
+                    "error": repr(answer)[:300],
+                }
+            )
             continue
         report.finished += 1
         got, want = completion_result(answer), reference[tuple(r.prompt), r.params]
         if not same(got, want, r.params.logprobs is not None):
-            report.wrong.append({"seed": seed, "request": r.rid, "kinds": sorted(r.kinds), "settings": str(settings),
-                                 "got": [g[1:5] for g in got], "want": [w[1:5] for w in want]})
+            report.wrong.append(
+                {
+                    "seed": seed,
+                    "request": r.rid,
+                    "kinds": sorted(r.kinds),
+                    "settings": str(settings),
+                    "got": [g[1:5] for g in got],
+                    "want": [w[1:5] for w in want],
+                }
+            )
 
 
 def main() -> int:
@@ -402,8 +491,13 @@ def main() -> int:
     for seed in range(args.first_seed, args.first_seed + args.cluster_seeds):
         print(f"cluster seed {seed}", file=sys.stderr, flush=True)
         asyncio.run(cluster_mix(model, seed, args.requests, report, reference))
-    out = {"command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d"), "seconds": round(time.monotonic() - began),
-           "engine": dataclasses.asdict(engine_report), "cluster": dataclasses.asdict(report)}
+    out = {
+        "command": " ".join(sys.argv),
+        "date": time.strftime("%Y-%m-%d"),
+        "seconds": round(time.monotonic() - began),
+        "engine": dataclasses.asdict(engine_report),
+        "cluster": dataclasses.asdict(report),
+    }
     print(json.dumps(out, indent=1))
     if args.json:
         args.json.write_text(json.dumps(out, indent=1) + "\n")

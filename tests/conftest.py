@@ -10,7 +10,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from tiny_models import make_tiny_model  # noqa: E402
 
-from engine import LLMEngine, EngineConfig  # noqa: E402
+from engine import EngineConfig, LLMEngine  # noqa: E402
 
 
 @pytest.fixture(scope="session")

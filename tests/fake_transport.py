@@ -52,14 +52,21 @@ class FakeReader:
     def can_skip(self, source: nodes_pb2.KVSource) -> bool:
         return False
 
-    async def read(self, source: nodes_pb2.KVSource, kv_cache: KVCache, layout: KVLayout,
-                   block_ids: list[int], skip_blocks: int = 0) -> None:
+    async def read(
+        self,
+        source: nodes_pb2.KVSource,
+        kv_cache: KVCache,
+        layout: KVLayout,
+        block_ids: list[int],
+        skip_blocks: int = 0,
+    ) -> None:
         layout.check(KVLayout.from_proto(source.layout), same_block_size=True)
         src = REGISTRY.get(source.transport_params.get(NAME, b"").decode())
         if src is None:
             raise KVTransferError(f"no fake KV source for lease {source.lease_id}")
-        digest = copy_blocks(src.kv, list(source.block_ids), kv_cache.kv, block_ids[:len(source.block_ids)],
-                             source.num_tokens)
+        digest = copy_blocks(
+            src.kv, list(source.block_ids), kv_cache.kv, block_ids[: len(source.block_ids)], source.num_tokens
+        )
         if digest != source.digest:
             raise KVCorrupt(f"KV digest mismatch (lease {source.lease_id})")
 

@@ -48,8 +48,29 @@ def two_hosts(rate: str | None = None):
             _ip("-n", ns, "link", "set", dev, "up")
             _ip("-n", ns, "link", "set", "lo", "up")
             if rate:
-                subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate",
-                                rate, "burst", "4mb", "latency", "50ms"], check=True, capture_output=True)
+                subprocess.run(
+                    [
+                        "ip",
+                        "netns",
+                        "exec",
+                        ns,
+                        "tc",
+                        "qdisc",
+                        "add",
+                        "dev",
+                        dev,
+                        "root",
+                        "tbf",
+                        "rate",
+                        rate,
+                        "burst",
+                        "4mb",
+                        "latency",
+                        "50ms",
+                    ],
+                    check=True,
+                    capture_output=True,
+                )
         yield a, b, f"{net}.1", f"{net}.2"
     finally:
         _ip("netns", "del", a)  # takes the veth pair with it
@@ -60,5 +81,8 @@ def in_namespace(ns: str, *args: str) -> ServerProcess:
     """A server process (`python *args`) in namespace ns, with a private /dev/shm; stopped by its
     PID (serving/launcher.py)."""
     script = 'mount -t tmpfs tmpfs /dev/shm && exec "$@"'
-    return ServerProcess(list(args), prefix=["ip", "netns", "exec", ns, "unshare", "--mount", "sh", "-c", script, "sh"],
-                         stderr=subprocess.PIPE)
+    return ServerProcess(
+        list(args),
+        prefix=["ip", "netns", "exec", ns, "unshare", "--mount", "sh", "-c", script, "sh"],
+        stderr=subprocess.PIPE,
+    )

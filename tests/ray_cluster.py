@@ -33,15 +33,22 @@ def tiny_config(model, **autoscaling) -> dict:
             # Down only after 30 s below target: on two busy cores a replica takes minutes to start,
             # and a 2 s dip in the signal stopped each STARTING replica before it ran (seen: eight
             # up/down flaps in five minutes, no second replica).
-            dep["autoscaling_config"].update(min_replicas=1, max_replicas=2, metrics_interval_s=0.5,
-                                             look_back_period_s=2, upscale_delay_s=1, downscale_delay_s=30,
-                                             **autoscaling)
+            dep["autoscaling_config"].update(
+                min_replicas=1,
+                max_replicas=2,
+                metrics_interval_s=0.5,
+                look_back_period_s=2,
+                upscale_delay_s=1,
+                downscale_delay_s=30,
+                **autoscaling,
+            )
             dep["graceful_shutdown_timeout_s"] = 60
             # Thresholds a 12-client test load crosses: prefill at 4 pending requests per
             # replica, decode at 4 running sequences per replica.
             kwargs = dep["autoscaling_config"]["policy"]["policy_kwargs"]
-            kwargs.update({"Prefill": {"target_pending_requests": 4}, "Decode": {"target_running_sequences": 4}}
-                          [dep["name"]])
+            kwargs.update(
+                {"Prefill": {"target_pending_requests": 4}, "Decode": {"target_running_sequences": 4}}[dep["name"]]
+            )
     return config
 
 
@@ -61,8 +68,14 @@ def start_ray(tmp_path, attempts: int = 3) -> None:
         # A short socket path: the default temp dir under pytest's tmp_path can exceed AF_UNIX limits.
         temp_dir = f"/tmp/ray-{os.getpid()}-{attempt}"
         try:
-            ray.init(num_cpus=2, include_dashboard=False, _temp_dir=temp_dir, namespace="pdserve",
-                     log_to_driver=False, resources=LOCAL_RESOURCES)
+            ray.init(
+                num_cpus=2,
+                include_dashboard=False,
+                _temp_dir=temp_dir,
+                namespace="pdserve",
+                log_to_driver=False,
+                resources=LOCAL_RESOURCES,
+            )
             return
         except Exception as e:
             ray.shutdown()
@@ -116,5 +129,6 @@ def wait_until(predicate, timeout_s: float, what: str, interval_s: float = 0.5, 
             print(f"waited {time.time() - began:.1f} s for {what}")
             return result
         time.sleep(interval_s)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}"
-                         + (f"; last seen: {last()}" if last is not None else ""))
+    raise AssertionError(
+        f"timed out after {timeout_s} s waiting for {what}" + (f"; last seen: {last()}" if last is not None else "")
+    )

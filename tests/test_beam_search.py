@@ -18,11 +18,19 @@ SETTINGS = [(4, 12, 1.0), (3, 20, 0.5), (2, 8, 2.0)]  # beam width, max tokens, 
 def hf_beams(hf, ids: list[int], width: int, max_tokens: int, length_penalty: float):
     """transformers' hypotheses (generated tokens, through EOS) and their scores, best first."""
     eos = hf.config.eos_token_id
-    out = hf.generate(torch.tensor([ids]), num_beams=width, num_return_sequences=width, do_sample=False,
-                      max_new_tokens=max_tokens, length_penalty=length_penalty, pad_token_id=eos,
-                      output_scores=True, return_dict_in_generate=True)
-    beams = [s[len(ids):].tolist() for s in out.sequences]
-    return [b[:b.index(eos) + 1] if eos in b else b for b in beams], out.sequences_scores.tolist()
+    out = hf.generate(
+        torch.tensor([ids]),
+        num_beams=width,
+        num_return_sequences=width,
+        do_sample=False,
+        max_new_tokens=max_tokens,
+        length_penalty=length_penalty,
+        pad_token_id=eos,
+        output_scores=True,
+        return_dict_in_generate=True,
+    )
+    beams = [s[len(ids) :].tolist() for s in out.sequences]
+    return [b[: b.index(eos) + 1] if eos in b else b for b in beams], out.sequences_scores.tolist()
 
 
 def beam_outputs(engine, rid, prompt, params) -> list:
@@ -45,8 +53,12 @@ def test_hypotheses_equal_transformers(model, request):
         ids = engine.tokenize(prompt)
         for width, max_tokens, penalty in SETTINGS:
             want, scores = hf_beams(hf, ids, width, max_tokens, penalty)
-            got = beam_outputs(engine, f"{prompt}{width}", ids, SamplingParams(
-                max_tokens=max_tokens, beam_width=width, length_penalty=penalty))
+            got = beam_outputs(
+                engine,
+                f"{prompt}{width}",
+                ids,
+                SamplingParams(max_tokens=max_tokens, beam_width=width, length_penalty=penalty),
+            )
             assert [o.token_ids for o in got] == want, (prompt, width)
             for o, score in zip(got, scores):
                 assert o.cumulative_logprob / len(o.token_ids) ** penalty == pytest.approx(score, abs=1e-4)

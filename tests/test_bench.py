@@ -45,26 +45,74 @@ def test_report_on_a_known_trace():
 
 
 def test_max_concurrency():
-    recs = [RequestRecord(sent=0, first_token=0.1, done=1.0, num_tokens=2),
-            RequestRecord(sent=0.5, first_token=0.6, done=2.0, num_tokens=2),
-            RequestRecord(sent=0.9, first_token=1.0, done=1.5, num_tokens=2),
-            RequestRecord(sent=1.0, first_token=1.1, done=1.2, num_tokens=2)]  # starts as the first ends
+    recs = [
+        RequestRecord(sent=0, first_token=0.1, done=1.0, num_tokens=2),
+        RequestRecord(sent=0.5, first_token=0.6, done=2.0, num_tokens=2),
+        RequestRecord(sent=0.9, first_token=1.0, done=1.5, num_tokens=2),
+        RequestRecord(sent=1.0, first_token=1.1, done=1.2, num_tokens=2),
+    ]  # starts as the first ends
     assert max_concurrency(recs) == 3
 
 
 def test_bench_end_to_end_against_pdserve_up(tiny_llama, tmp_path):
-    up = subprocess.Popen([sys.executable, "-m", "pdserve", "up", "--model", str(tiny_llama), "--port", "0",
-                           "--dtype", "float32", "--kv-cache-gb", "0.01", "--block-size", "4", "--num-threads", "1",
-                           "--log-dir", str(tmp_path / "logs")],
-                          stderr=subprocess.PIPE, text=True)
+    up = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "pdserve",
+            "up",
+            "--model",
+            str(tiny_llama),
+            "--port",
+            "0",
+            "--dtype",
+            "float32",
+            "--kv-cache-gb",
+            "0.01",
+            "--block-size",
+            "4",
+            "--num-threads",
+            "1",
+            "--log-dir",
+            str(tmp_path / "logs"),
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         address = next(line.split()[4] for line in up.stderr if line.startswith("pdserve up: router on "))
         threading.Thread(target=up.stderr.read, daemon=True).start()
         out = tmp_path / "bench.json"
-        r = subprocess.run([sys.executable, "-m", "pdserve", "bench", "--addr", address, "--num-requests", "12",
-                            "--rate", "20,60", "--prompt-len", "uniform:5:40", "--output-len", "16",
-                            "--slo-ttft", "1", "--slo-tpot", "0.1", "--json", str(out), "--plot", str(tmp_path / "png"),
-                            "--quiet"], capture_output=True, text=True, timeout=300)
+        r = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pdserve",
+                "bench",
+                "--addr",
+                address,
+                "--num-requests",
+                "12",
+                "--rate",
+                "20,60",
+                "--prompt-len",
+                "uniform:5:40",
+                "--output-len",
+                "16",
+                "--slo-ttft",
+                "1",
+                "--slo-tpot",
+                "0.1",
+                "--json",
+                str(out),
+                "--plot",
+                str(tmp_path / "png"),
+                "--quiet",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert r.returncode == 0, r.stderr
         assert "TTFT" in r.stdout and "goodput" in r.stdout
         data = json.loads(out.read_text())
@@ -79,9 +127,27 @@ def test_bench_end_to_end_against_pdserve_up(tiny_llama, tmp_path):
         for png in ("latency_cdf.png", "rate_sweep.png"):
             assert (tmp_path / "png" / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         # A closed loop, with errors counted: max_tokens past the model's context is refused.
-        r = subprocess.run([sys.executable, "-m", "pdserve", "bench", "--addr", address, "--num-requests", "4",
-                            "--concurrency", "2", "--prompt-len", "8", "--output-len", "5000"],
-                           capture_output=True, text=True, timeout=300)
+        r = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pdserve",
+                "bench",
+                "--addr",
+                address,
+                "--num-requests",
+                "4",
+                "--concurrency",
+                "2",
+                "--prompt-len",
+                "8",
+                "--output-len",
+                "5000",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert "4/4 requests completed" in r.stdout  # generation stops at max_model_len, not an error
         assert "goodput: no SLO given" in r.stdout  # not "goodput (none)"
         assert "| 4/4 [" in r.stderr  # the progress bar ends at its final count, not cleared at 3/4
@@ -89,15 +155,40 @@ def test_bench_end_to_end_against_pdserve_up(tiny_llama, tmp_path):
         # Multi-turn: each turn after the previous answer, with the history; the prefix cache hits.
         system = list(range(10, 30))
         dataset = tmp_path / "chats.jsonl"
-        dataset.write_text("\n".join([
-            json.dumps([system + [5, 6, 7], [8, 9], [10, 11, 12]]),
-            json.dumps({"turns": [system + [40, 41], {"prompt_token_ids": [42, 43]}, [44]], "max_tokens": 4}),
-            json.dumps({"conversation_id": "c", "turn": 1, "prompt_token_ids": [60, 61]}),
-            json.dumps({"conversation_id": "c", "turn": 0, "prompt_token_ids": system + [50]}),
-        ]))
-        r = subprocess.run([sys.executable, "-m", "pdserve", "bench", "--addr", address, "--dataset", str(dataset),
-                            "--num-requests", "3", "--concurrency", "1", "--output-len", "4", "--json", str(out),
-                            "--quiet"], capture_output=True, text=True, timeout=300)
+        dataset.write_text(
+            "\n".join(
+                [
+                    json.dumps([system + [5, 6, 7], [8, 9], [10, 11, 12]]),
+                    json.dumps({"turns": [system + [40, 41], {"prompt_token_ids": [42, 43]}, [44]], "max_tokens": 4}),
+                    json.dumps({"conversation_id": "c", "turn": 1, "prompt_token_ids": [60, 61]}),
+                    json.dumps({"conversation_id": "c", "turn": 0, "prompt_token_ids": system + [50]}),
+                ]
+            )
+        )
+        r = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pdserve",
+                "bench",
+                "--addr",
+                address,
+                "--dataset",
+                str(dataset),
+                "--num-requests",
+                "3",
+                "--concurrency",
+                "1",
+                "--output-len",
+                "4",
+                "--json",
+                str(out),
+                "--quiet",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert r.returncode == 0, r.stderr
         assert "8/8 requests completed" in r.stdout and "prefix cache hit rate" in r.stdout
         seeds.append(json.loads(out.read_text())["args"]["seed"])  # the one drawn, recorded
@@ -110,8 +201,12 @@ def test_bench_end_to_end_against_pdserve_up(tiny_llama, tmp_path):
         assert run["report"]["prefix_cache_hit_rate"] > 0.5
         bad = tmp_path / "bad.jsonl"
         bad.write_text(json.dumps({"turns": [[1, 2], ""]}))
-        r = subprocess.run([sys.executable, "-m", "pdserve", "bench", "--addr", address, "--dataset", str(bad),
-                            "--quiet"], capture_output=True, text=True, timeout=300)
+        r = subprocess.run(
+            [sys.executable, "-m", "pdserve", "bench", "--addr", address, "--dataset", str(bad), "--quiet"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert r.returncode != 0 and "bad.jsonl:1: each prompt or turn must be non-empty" in r.stderr
     finally:
         up.terminate()

@@ -13,8 +13,22 @@ from pathlib import Path
 import pytest
 
 HANG_S = 120  # guards against a hang, never a timing
-UP = [sys.executable, "-m", "pdserve", "up", "--port", "0", "--dtype", "float32", "--kv-cache-gb", "0.01",
-      "--block-size", "4", "--num-threads", "1"]
+UP = [
+    sys.executable,
+    "-m",
+    "pdserve",
+    "up",
+    "--port",
+    "0",
+    "--dtype",
+    "float32",
+    "--kv-cache-gb",
+    "0.01",
+    "--block-size",
+    "4",
+    "--num-threads",
+    "1",
+]
 
 
 def run(*args):
@@ -38,11 +52,30 @@ def test_generate_offline_reports_bad_input():
 def test_generate_offline_runs_on_the_cores_it_is_given(tiny_llama):
     """--cpus pins the engine's process (it was accepted and ignored)."""
     core = max(os.sched_getaffinity(0))
-    script = ("import os, sys; from pdserve.cli import main; code = main(sys.argv[1:]); "
-              "print('cores', sorted(os.sched_getaffinity(0))); sys.exit(code)")
-    r = subprocess.run([sys.executable, "-c", script, "generate-offline", "Hello", "--model", str(tiny_llama),
-                        "--max-tokens", "2", "--dtype", "float32", "--cpus", str(core)],
-                       capture_output=True, text=True, timeout=300)
+    script = (
+        "import os, sys; from pdserve.cli import main; code = main(sys.argv[1:]); "
+        "print('cores', sorted(os.sched_getaffinity(0))); sys.exit(code)"
+    )
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            script,
+            "generate-offline",
+            "Hello",
+            "--model",
+            str(tiny_llama),
+            "--max-tokens",
+            "2",
+            "--dtype",
+            "float32",
+            "--cpus",
+            str(core),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     assert f"cores [{core}]" in r.stdout
 
@@ -53,19 +86,34 @@ def test_up_then_generate_streams_and_stops_cleanly(tiny_llama, tmp_path):
     import threading
 
     import psutil
-
     from conftest import make_engine, run_to_completion
+
     from engine import SamplingParams
 
     speculative = '{"method": "ngram", "num_speculative_tokens": 4}'
     core = max(os.sched_getaffinity(0))  # --cpus: the router and every node on this core only
-    up = subprocess.Popen([*UP, "--model", str(tiny_llama), "--log-dir", str(tmp_path), "--cpus", str(core),
-                           "--pin-cpus", "--speculative-config", speculative], stderr=subprocess.PIPE, text=True)
+    up = subprocess.Popen(
+        [
+            *UP,
+            "--model",
+            str(tiny_llama),
+            "--log-dir",
+            str(tmp_path),
+            "--cpus",
+            str(core),
+            "--pin-cpus",
+            "--speculative-config",
+            speculative,
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         address, node_lines = None, []
         for line in up.stderr:
-            node_lines += re.findall(r"^pdserve up: (\w+) node 0 on (\S+), pid (\d+), ready in [\d.]+ s, log (\S+)$",
-                                     line)
+            node_lines += re.findall(
+                r"^pdserve up: (\w+) node 0 on (\S+), pid (\d+), ready in [\d.]+ s, log (\S+)$", line
+            )
             if line.startswith("pdserve up: router on "):
                 address = line.split()[4]
                 break
@@ -80,8 +128,9 @@ def test_up_then_generate_streams_and_stops_cleanly(tiny_llama, tmp_path):
             cmd = child.cmdline()
             assert json.loads(cmd[cmd.index("--speculative-config") + 1]) == json.loads(speculative)
         assert [os.sched_getaffinity(p.pid) for p in [psutil.Process(up.pid), *children]] == [{core}] * 3
-        r = run("generate", "--addr", address, "--json", "--raw", "--max-tokens", "8", "--temperature", "0",
-                "Hello world")
+        r = run(
+            "generate", "--addr", address, "--json", "--raw", "--max-tokens", "8", "--temperature", "0", "Hello world"
+        )
         assert r.returncode == 0, r.stderr
         result = json.loads(r.stdout.strip().splitlines()[-1])
         engine = make_engine(tiny_llama)
@@ -99,16 +148,29 @@ def test_up_then_generate_streams_and_stops_cleanly(tiny_llama, tmp_path):
     assert not [p for p in Path("/dev/shm").glob("pdserve-kv-*") if p.name.split("-")[2] in pids]
 
 
-COMMANDS = [["-m", "pdserve", "up"], ["-m", "pdserve", "serve"], ["-m", "pdserve", "bench"],
-            ["-m", "pdserve", "generate"], ["-m", "pdserve", "generate-offline"], ["-m", "prefill_node"],
-            ["-m", "decode_node"], ["-m", "router"], ["-m", "pdserve", "colocated"],
-            [str(Path(__file__).resolve().parents[1] / "benchmarks" / "kv_transfer.py")]]
+COMMANDS = [
+    ["-m", "pdserve", "up"],
+    ["-m", "pdserve", "serve"],
+    ["-m", "pdserve", "bench"],
+    ["-m", "pdserve", "generate"],
+    ["-m", "pdserve", "generate-offline"],
+    ["-m", "prefill_node"],
+    ["-m", "decode_node"],
+    ["-m", "router"],
+    ["-m", "pdserve", "colocated"],
+    [str(Path(__file__).resolve().parents[1] / "benchmarks" / "kv_transfer.py")],
+]
 
 
 @pytest.mark.parametrize("command", COMMANDS, ids=lambda c: " ".join(c).rsplit("/", 1)[-1])
 def test_help_shows_every_default(command):
-    r = subprocess.run([sys.executable, *command, "--help"], capture_output=True, text=True, timeout=120,
-                       env={**os.environ, "COLUMNS": "200"})
+    r = subprocess.run(
+        [sys.executable, *command, "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "COLUMNS": "200"},
+    )
     assert r.returncode == 0, r.stderr
     options, block = [], None
     for line in r.stdout.splitlines():  # an option's block: its "  --flag" line and the indented lines after it
@@ -120,14 +182,19 @@ def test_help_shows_every_default(command):
         else:
             block = None
     assert len(options) > 3
-    undocumented = [b[0].split()[0] for b in options
-                    if not b[0].startswith("  -h,") and not re.search(r"\((default: .+|required)\)", " ".join(b))]
+    undocumented = [
+        b[0].split()[0]
+        for b in options
+        if not b[0].startswith("  -h,") and not re.search(r"\((default: .+|required)\)", " ".join(b))
+    ]
     assert not undocumented, r.stdout
     if command[-1].startswith("generate"):
         assert "greedy (temperature 0) unless --temperature is given" in " ".join(r.stdout.split())
     if "--dtype" in r.stdout:
-        assert ("auto: bfloat16 on CUDA and on CPUs with native bf16 (AMX or AVX512_BF16), float32 on other CPUs"
-                in " ".join(r.stdout.split()))
+        assert (
+            "auto: bfloat16 on CUDA and on CPUs with native bf16 (AMX or AVX512_BF16), float32 on other CPUs"
+            in " ".join(r.stdout.split())
+        )
 
 
 def test_generate_puts_an_error_after_streamed_text_on_its_own_line(tiny_llama):
@@ -141,8 +208,21 @@ def test_generate_puts_an_error_after_streamed_text_on_its_own_line(tiny_llama):
         async with local_cluster(tiny_llama) as (router, prefills, decodes):
             slow_layers(decodes[0], 0.05)  # 0.1 s a token
             proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "pdserve", "generate", "--addr", router.address, "--raw", "--max-tokens", "500",
-                "--timeout", "3", "Hello world", stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                sys.executable,
+                "-m",
+                "pdserve",
+                "generate",
+                "--addr",
+                router.address,
+                "--raw",
+                "--max-tokens",
+                "500",
+                "--timeout",
+                "3",
+                "Hello world",
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+            )
             out, err = await asyncio.wait_for(proc.communicate(), 120)
             return proc.returncode, out.decode(), err.decode()
 
@@ -164,8 +244,19 @@ def test_generate_without_a_healthy_decode_node_fails_before_any_prefill(tiny_ll
             while router.decode_pool.healthy():
                 await asyncio.sleep(0.05)
             proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "pdserve", "generate", "--addr", router.address, "--raw", "--max-tokens", "8",
-                "Hello world", stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                sys.executable,
+                "-m",
+                "pdserve",
+                "generate",
+                "--addr",
+                router.address,
+                "--raw",
+                "--max-tokens",
+                "8",
+                "Hello world",
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+            )
             out, err = await asyncio.wait_for(proc.communicate(), 120)
             return proc.returncode, out.decode(), err.decode(), prefills[0].num_prefilled
 
@@ -175,32 +266,45 @@ def test_generate_without_a_healthy_decode_node_fails_before_any_prefill(tiny_ll
 
 
 def test_up_says_in_one_line_why_a_node_did_not_start(tiny_llama, tmp_path):
-    r = subprocess.run([*UP, "--model", str(tiny_llama), "--max-num-seqs", "0", "--log-dir", str(tmp_path)],
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [*UP, "--model", str(tiny_llama), "--max-num-seqs", "0", "--log-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 1
     assert "Traceback" not in r.stderr  # that stays in the node's log
     first, line = r.stderr.splitlines()  # what starts, then why it stopped
     assert first.startswith(f"pdserve up: model {tiny_llama}: starting 1 prefill + 1 decode node processes")
-    assert re.fullmatch(r"pdserve up: error: (prefill|decode) node 0 \(pid \d+\) exited with code 1 before it was "
-                        r"ready: ValueError: max_num_seqs must be >= 1, got 0 \(log: \S+\.log\)", line), line
+    assert re.fullmatch(
+        r"pdserve up: error: (prefill|decode) node 0 \(pid \d+\) exited with code 1 before it was "
+        r"ready: ValueError: max_num_seqs must be >= 1, got 0 \(log: \S+\.log\)",
+        line,
+    ), line
     log = Path(line.rsplit("(log: ", 1)[1].rstrip(")"))
     assert log.parent == tmp_path and "Traceback" in log.read_text()
 
 
-@pytest.mark.parametrize("flag, host", [("--port", "127.0.0.1"), ("--http-port", "127.0.0.1"),
-                                        ("--metrics-port", "0.0.0.0")])
+@pytest.mark.parametrize(
+    "flag, host", [("--port", "127.0.0.1"), ("--http-port", "127.0.0.1"), ("--metrics-port", "0.0.0.0")]
+)
 def test_up_says_in_one_line_that_a_port_is_taken_before_starting_a_node(tiny_llama, tmp_path, flag, host):
     import socket
 
     with socket.create_server((host, 0)) as taken:
         port = str(taken.getsockname()[1])
-        r = subprocess.run([*UP, "--model", str(tiny_llama), "--log-dir", str(tmp_path / "logs"), flag, port],
-                           capture_output=True, text=True, timeout=300)
+        r = subprocess.run(
+            [*UP, "--model", str(tiny_llama), "--log-dir", str(tmp_path / "logs"), flag, port],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
     assert r.returncode == 1
     assert r.stderr == f"pdserve up: error: could not bind {host}:{port} ({flag}): Address already in use\n"
     assert not (tmp_path / "logs").exists()  # no node was started
-    both = subprocess.run([*UP[:4], "--port", "8123", "--http-port", "8123"], capture_output=True, text=True,
-                          timeout=300)
+    both = subprocess.run(
+        [*UP[:4], "--port", "8123", "--http-port", "8123"], capture_output=True, text=True, timeout=300
+    )
     assert both.returncode == 1 and both.stderr == "pdserve up: error: --port and --http-port both need port 8123\n"
 
 
@@ -209,7 +313,9 @@ def start_up(model, *flags) -> tuple[subprocess.Popen, dict, str]:
     up = subprocess.Popen([*UP, "--model", str(model), "--decode", "2", *flags], stderr=subprocess.PIPE, text=True)
     pids, address = {}, None
     for line in up.stderr:
-        pids.update({role: int(pid) for role, pid in re.findall(r"^pdserve up: (\w+ node \d+) on \S+, pid (\d+)", line)})
+        pids.update(
+            {role: int(pid) for role, pid in re.findall(r"^pdserve up: (\w+ node \d+) on \S+, pid (\d+)", line)}
+        )
         if line.startswith("pdserve up: router on "):
             address = line.split()[4]
             break
@@ -271,9 +377,9 @@ def test_up_restarts_a_node_that_exits_and_keeps_serving(tiny_llama, tmp_path):
     """kill -9 of one of two decode nodes: the stream on it migrates and finishes, the others keep
     serving, the node comes back (a new process, its log appended) and serves again; SIGTERM then
     stops everything. (pdserve up used to stop the whole cluster.)"""
-    import psutil
-
     import threading
+
+    import psutil
 
     from router.client import Client
 
@@ -298,8 +404,11 @@ def test_up_restarts_a_node_that_exits_and_keeps_serving(tiny_llama, tmp_path):
             time.sleep(0.005)
         os.kill(pids["decode node 1"], signal.SIGKILL)
         line = lines.next("pdserve up: decode node 1 ")
-        assert re.fullmatch(rf"pdserve up: decode node 1 \(pid {pids['decode node 1']}, \S+\) exited with code -9 "
-                            r"\(SIGKILL\) \(log: \S+\); the other nodes keep serving, restarting it in 1 s\n", line), line
+        assert re.fullmatch(
+            rf"pdserve up: decode node 1 \(pid {pids['decode node 1']}, \S+\) exited with code -9 "
+            r"\(SIGKILL\) \(log: \S+\); the other nodes keep serving, restarting it in 1 s\n",
+            line,
+        ), line
         for t in streams:
             t.join(timeout=300)
         print(lines.tail())
@@ -342,9 +451,11 @@ def test_up_stops_everything_and_exits_1_when_a_node_exits_past_its_restarts(tin
         os.kill(pids["decode node 1"], signal.SIGKILL)
         assert up.wait(timeout=60) == 1
         last = up.stderr.read().strip().splitlines()[-1]
-        assert re.fullmatch(rf"pdserve up: decode node 1 \(pid {pids['decode node 1']}, \S+\) exited with code -9 "
-                            r"\(SIGKILL\) \(log: \S+\); 1 exit in 300 s \(--node-restarts 0\): stopping the others",
-                            last), last
+        assert re.fullmatch(
+            rf"pdserve up: decode node 1 \(pid {pids['decode node 1']}, \S+\) exited with code -9 "
+            r"\(SIGKILL\) \(log: \S+\); 1 exit in 300 s \(--node-restarts 0\): stopping the others",
+            last,
+        ), last
         assert_gone(pids.values())
     finally:
         stop_all(up, pids)
@@ -374,13 +485,19 @@ def test_up_removes_its_temporary_log_dir_and_keeps_it_when_a_node_fails(tiny_ll
     """Without --log-dir the logs go to a new owner-only temporary directory: gone after a clean
     stop, kept (and named) when a node failed."""
     env = {**os.environ, "TMPDIR": str(tmp_path)}
-    ok = subprocess.run([*UP, "--model", str(tiny_llama), "--ask", "Hi", "--max-tokens", "2"], capture_output=True,
-                        text=True, timeout=300, env=env)
+    ok = subprocess.run(
+        [*UP, "--model", str(tiny_llama), "--ask", "Hi", "--max-tokens", "2"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert ok.returncode == 0, ok.stderr
     made = re.search(r"logs in (\S+) \(removed at exit unless a node fails\)", ok.stderr).group(1)
     assert Path(made).parent == tmp_path and not Path(made).exists()
-    bad = subprocess.run([*UP, "--model", str(tiny_llama), "--max-num-seqs", "0"], capture_output=True, text=True,
-                         timeout=300, env=env)
+    bad = subprocess.run(
+        [*UP, "--model", str(tiny_llama), "--max-num-seqs", "0"], capture_output=True, text=True, timeout=300, env=env
+    )
     assert bad.returncode == 1
     kept = Path(re.search(r"\(log: (\S+)\)$", bad.stderr.splitlines()[-1]).group(1)).parent
     assert kept.parent == tmp_path and (kept.stat().st_mode & 0o777) == 0o700

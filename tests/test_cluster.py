@@ -21,8 +21,12 @@ from router.client import AsyncClient
 PROMPTS = [[5, 17, 33, 8, 90, 41, 7, 99, 100, 3, 4], [200, 3], list(range(11, 40)), [64, 65, 66]]
 GREEDY = dict(max_tokens=16, temperature=0, ignore_eos=True)
 # Told to read over tcp, a decode node gets the KV layer by layer (router kv_layerwise auto).
-TRANSPORTS = {"shm": dict(kv_transport="shm"), "tcp-layerwise": dict(kv_transport="tcp"),
-              "tcp": dict(kv_transport="tcp", kv_layerwise="off"), "grpc": dict(kv_transport="grpc")}
+TRANSPORTS = {
+    "shm": dict(kv_transport="shm"),
+    "tcp-layerwise": dict(kv_transport="tcp"),
+    "tcp": dict(kv_transport="tcp", kv_layerwise="off"),
+    "grpc": dict(kv_transport="grpc"),
+}
 
 
 def engine_alone(model, prompts, **params) -> list[list[int]]:
@@ -42,9 +46,10 @@ def reference(tiny_llama):
 def test_disaggregated_equals_engine_alone_equals_transformers(tiny_llama, reference, transport):
     hf = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
     for p, ref in zip(PROMPTS, reference):
-        out = hf.generate(torch.tensor([p]), max_new_tokens=16, do_sample=False, eos_token_id=hf.config.vocab_size,
-                          pad_token_id=0)
-        assert out[0, len(p):].tolist() == ref
+        out = hf.generate(
+            torch.tensor([p]), max_new_tokens=16, do_sample=False, eos_token_id=hf.config.vocab_size, pad_token_id=0
+        )
+        assert out[0, len(p) :].tolist() == ref
 
     async def scenario():
         async with local_cluster(tiny_llama, **TRANSPORTS[transport]) as (router, prefills, decodes):
@@ -61,8 +66,9 @@ def test_disaggregated_equals_engine_alone_equals_transformers(tiny_llama, refer
 
 def test_prefill_and_decode_with_different_block_sizes(tiny_llama, reference):
     async def scenario():
-        async with local_cluster(tiny_llama, prefill_engine={"block_size": 8}, decode_engine={"block_size": 4},
-                                 kv_transport="auto") as (router, prefills, decodes):
+        async with local_cluster(
+            tiny_llama, prefill_engine={"block_size": 8}, decode_engine={"block_size": 4}, kv_transport="auto"
+        ) as (router, prefills, decodes):
             async with AsyncClient(router.address) as client:
                 result = await client.generate(PROMPTS[2], **GREEDY)
                 assert result.token_ids == reference[2]
@@ -76,10 +82,15 @@ def test_streaming_is_in_order_and_equals_unary(tiny_llama):
     async def scenario():
         async with local_cluster(tiny_llama) as (router, prefills, decodes):
             async with AsyncClient(router.address) as client:
-                parts = [part async for part in client.stream("Hello world", max_tokens=12, temperature=0,
-                                                               ignore_eos=True, logprobs=2)]
-                unary = await client.generate_unary("Hello world", max_tokens=12, temperature=0, ignore_eos=True,
-                                                    logprobs=2)
+                parts = [
+                    part
+                    async for part in client.stream(
+                        "Hello world", max_tokens=12, temperature=0, ignore_eos=True, logprobs=2
+                    )
+                ]
+                unary = await client.generate_unary(
+                    "Hello world", max_tokens=12, temperature=0, ignore_eos=True, logprobs=2
+                )
         assert len(parts) >= 2 and all(not p.finished for p in parts[:-1]) and parts[-1].finished
         assert [t for p in parts for t in p.token_ids] == unary.token_ids
         assert "".join(p.text for p in parts) == unary.text
@@ -108,8 +119,10 @@ def test_a_one_token_answer_has_the_text_of_the_engine_alone(tiny_llama, kv_tran
         async with local_cluster(tiny_llama, kv_transport=kv_transport) as (router, prefills, decodes):
             async with AsyncClient(router.address) as client:
                 prompt = [start, start + 1, start + 2]
-                return (await client.generate(prompt, max_tokens=1, temperature=0),
-                        await client.generate(prompt, max_tokens=5, temperature=0, stop_token_ids=out.token_ids))
+                return (
+                    await client.generate(prompt, max_tokens=1, temperature=0),
+                    await client.generate(prompt, max_tokens=5, temperature=0, stop_token_ids=out.token_ids),
+                )
 
     at_max, stopped = asyncio.run(scenario())
     assert (at_max.text, at_max.finish_reason) == ("\ufffd", "length")
@@ -123,8 +136,11 @@ def test_32_concurrent_requests_over_1_prefill_and_2_decodes(tiny_llama, local_p
     expected = engine_alone(tiny_llama, prompts, **GREEDY)
 
     async def scenario():
-        async with local_cluster(tiny_llama, num_prefill=1, num_decode=2,
-                                 local_prefill=local_prefill) as (router, prefills, decodes):
+        async with local_cluster(tiny_llama, num_prefill=1, num_decode=2, local_prefill=local_prefill) as (
+            router,
+            prefills,
+            decodes,
+        ):
             async with AsyncClient(router.address) as client:
                 results = await asyncio.gather(*(client.generate(p, **GREEDY) for p in prompts))
             assert [r.token_ids for r in results] == expected
@@ -149,8 +165,7 @@ def test_least_outstanding_spreads_decodes(tiny_llama):
 
             router.decode_pool.pick = counting_pick
             async with AsyncClient(router.address) as client:
-                await asyncio.gather(*(client.generate(PROMPTS[0], max_tokens=30, ignore_eos=True)
-                                       for _ in range(8)))
+                await asyncio.gather(*(client.generate(PROMPTS[0], max_tokens=30, ignore_eos=True) for _ in range(8)))
             assert all(c >= 2 for c in counts.values()), counts
 
     asyncio.run(scenario())
@@ -243,12 +258,16 @@ def test_unread_kv_lease_expires(tiny_llama):
     async def scenario():
         async with local_cluster(tiny_llama, lease_ttl_s=0.3) as (router, prefills, decodes):
             channel = grpc.aio.insecure_channel(prefills[0].address)
-            reply = await nodes_pb2_grpc.PrefillNodeStub(channel).Prefill(nodes_pb2.PrefillRequest(
-                request_id="orphan", prompt_token_ids=PROMPTS[2], sampling=common_pb2.SamplingParams(max_tokens=5)))
+            reply = await nodes_pb2_grpc.PrefillNodeStub(channel).Prefill(
+                nodes_pb2.PrefillRequest(
+                    request_id="orphan", prompt_token_ids=PROMPTS[2], sampling=common_pb2.SamplingParams(max_tokens=5)
+                )
+            )
             assert reply.kv.lease_id and used_blocks(prefills[0]) > 0
             await wait_for_no_blocks(prefills, timeout=3)  # nobody read it: the lease expired
             released = await nodes_pb2_grpc.PrefillNodeStub(channel).ReleaseKV(
-                nodes_pb2.ReleaseKVRequest(lease_id=reply.kv.lease_id))
+                nodes_pb2.ReleaseKVRequest(lease_id=reply.kv.lease_id)
+            )
             assert not released.released
             await channel.close()
 
@@ -274,14 +293,21 @@ def test_every_server_has_health_and_reflection(tiny_llama):
 
     async def scenario():
         async with local_cluster(tiny_llama) as (router, prefills, decodes):
-            for server, service in [(router, "pdserve.v1.Generation"), (prefills[0], "pdserve.v1.PrefillNode"),
-                                    (prefills[0], "pdserve.v1.KVPlane"), (decodes[0], "pdserve.v1.DecodeNode")]:
+            for server, service in [
+                (router, "pdserve.v1.Generation"),
+                (prefills[0], "pdserve.v1.PrefillNode"),
+                (prefills[0], "pdserve.v1.KVPlane"),
+                (decodes[0], "pdserve.v1.DecodeNode"),
+            ]:
                 async with grpc.aio.insecure_channel(server.address) as channel:
                     reply = await health_pb2_grpc.HealthStub(channel).Check(
-                        health_pb2.HealthCheckRequest(service=service))
+                        health_pb2.HealthCheckRequest(service=service)
+                    )
                     assert reply.status == health_pb2.HealthCheckResponse.SERVING
                     stub = reflection_pb2_grpc.ServerReflectionStub(channel)
-                    responses = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+                    responses = stub.ServerReflectionInfo(
+                        iter([reflection_pb2.ServerReflectionRequest(list_services="")])
+                    )
                     names = [s.name async for r in responses for s in r.list_services_response.service]
                     assert service in names and "grpc.health.v1.Health" in names
 
@@ -333,6 +359,7 @@ def slow_layers(node, seconds: float) -> None:
             time.sleep(seconds)
             if layer_done is not None:
                 layer_done(layer)
+
         return forward(ids, positions, meta, kv_cache, done)
 
     model.forward = slowed
@@ -385,6 +412,7 @@ def test_layerwise_prefill_cancelled_or_finished_at_once_frees_both_sides(tiny_l
 
 def test_a_long_step_does_not_make_a_node_look_dead(tiny_llama):
     """GetLoad (part of the router's health check) answers during a step, however long the step."""
+
     async def scenario():
         async with local_cluster(tiny_llama) as (router, prefills, decodes):
             slow_layers(prefills[0], 1.0)  # a 2-second prefill step

@@ -17,7 +17,9 @@ def test_random_mixes_in_one_engine_equal_each_request_alone(tiny_llama):
     assert not report.wrong, report.wrong[:3]
     assert not report.leaked, report.leaked
     # the set exercised what it claims: every kind of request, and the engine under pressure
-    assert {"greedy", "seeded", "n>1", "beam", "stop", "stop_ids", "logprobs", "follow-up", "cancel"} <= set(report.kinds)
+    assert {"greedy", "seeded", "n>1", "beam", "stop", "stop_ids", "logprobs", "follow-up", "cancel"} <= set(
+        report.kinds
+    )
     assert report.preemptions and report.cache_hit_tokens and report.evicted_blocks and report.spec_accepted
     assert report.cancelled and report.finished > report.requests // 2
 

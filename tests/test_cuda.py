@@ -22,9 +22,14 @@ def test_greedy_on_cuda_equals_transformers(tiny_llama):
         engine.add_request(str(i), p, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
     outs = run_to_completion(engine)
     for i, p in enumerate(PROMPTS):
-        ref = hf.generate(torch.tensor([p], device="cuda"), max_new_tokens=16, do_sample=False,
-                          eos_token_id=hf.config.vocab_size, pad_token_id=0)
-        assert outs[str(i)].token_ids == ref[0, len(p):].tolist()
+        ref = hf.generate(
+            torch.tensor([p], device="cuda"),
+            max_new_tokens=16,
+            do_sample=False,
+            eos_token_id=hf.config.vocab_size,
+            pad_token_id=0,
+        )
+        assert outs[str(i)].token_ids == ref[0, len(p) :].tolist()
 
 
 def test_seeded_sampling_on_cuda_is_reproducible(tiny_llama):

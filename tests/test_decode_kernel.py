@@ -21,7 +21,7 @@ def reference(q, k_cache, v_cache, block_tables, context_lens, block_size, windo
         pos = torch.arange(ctx)
         slots = block_tables[b][pos // block_size] * block_size + pos % block_size
         if window:
-            slots = slots[max(0, ctx - window):]
+            slots = slots[max(0, ctx - window) :]
         k = k_cache[slots].float().transpose(0, 1)  # [Hkv, Lk, D]
         v = v_cache[slots].float().transpose(0, 1)
         group = q.shape[1] // k.shape[0]
@@ -54,7 +54,7 @@ def test_decode_kernel_matches_torch(dtype, head_dim, heads, kv_heads, block_siz
     perm = torch.randperm(num_blocks, generator=g)  # scattered blocks, not in order
     tables, used = [], 0
     for w in widths:
-        tables.append(perm[used:used + w].tolist() + [0] * (max(widths) - w))
+        tables.append(perm[used : used + w].tolist() + [0] * (max(widths) - w))
         used += w
     block_tables = torch.tensor(tables, dtype=torch.long)
     context_lens = torch.tensor(lens, dtype=torch.long)
@@ -62,13 +62,14 @@ def test_decode_kernel_matches_torch(dtype, head_dim, heads, kv_heads, block_siz
     v_cache = torch.randn(num_blocks * block_size, kv_heads, head_dim, generator=g).to(dtype)
     # q as the model passes it: a strided view of the fused qkv rows
     qkv = torch.randn(len(lens), (heads + 2 * kv_heads) * head_dim, generator=g).to(dtype)
-    q = qkv[:, :heads * head_dim].view(len(lens), heads, head_dim)
+    q = qkv[:, : heads * head_dim].view(len(lens), heads, head_dim)
     out = torch.empty(len(lens), heads, head_dim, dtype=dtype)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        torch.ops.pdserve.paged_decode_attention(out, q, k_cache, v_cache, block_tables, context_lens,
-                                                 block_size, head_dim ** -0.5, window)
+        torch.ops.pdserve.paged_decode_attention(
+            out, q, k_cache, v_cache, block_tables, context_lens, block_size, head_dim**-0.5, window
+        )
     finally:
         torch.set_num_threads(before)
     expected = reference(q, k_cache, v_cache, block_tables, context_lens, block_size, window)
@@ -82,5 +83,14 @@ def test_head_sizes_outside_the_kernel_are_refused_by_name():
     q = torch.zeros(1, 2, 12)
     cache = torch.zeros(4, 2, 12)
     with pytest.raises(RuntimeError, match="head_dim must be a multiple of"):
-        torch.ops.pdserve.paged_decode_attention(torch.empty_like(q), q, cache, cache, torch.zeros(1, 1, dtype=torch.long),
-                                                 torch.ones(1, dtype=torch.long), 4, 1.0, 0)
+        torch.ops.pdserve.paged_decode_attention(
+            torch.empty_like(q),
+            q,
+            cache,
+            cache,
+            torch.zeros(1, 1, dtype=torch.long),
+            torch.ones(1, dtype=torch.long),
+            4,
+            1.0,
+            0,
+        )

@@ -27,11 +27,27 @@ def expected(tiny_llama):
     return [outs[str(i)].token_ids for i in range(len(PROMPTS))]
 
 
-@pytest.mark.parametrize("scenario, transport", [
-    (prefill_gone_before, None), (prefill_dies, None), (prefill_dies, "tcp"), (transfer_fails, "grpc"),
-    (transfer_fails, "tcp"), (decode_dies, "auto"), (decode_dies, "tcp")],
-    ids=["before-prefill", "during-prefill", "during-layerwise-prefill-tcp", "during-transfer-grpc",
-         "during-transfer-tcp", "during-decode", "during-decode-tcp"])
+@pytest.mark.parametrize(
+    "scenario, transport",
+    [
+        (prefill_gone_before, None),
+        (prefill_dies, None),
+        (prefill_dies, "tcp"),
+        (transfer_fails, "grpc"),
+        (transfer_fails, "tcp"),
+        (decode_dies, "auto"),
+        (decode_dies, "tcp"),
+    ],
+    ids=[
+        "before-prefill",
+        "during-prefill",
+        "during-layerwise-prefill-tcp",
+        "during-transfer-grpc",
+        "during-transfer-tcp",
+        "during-decode",
+        "during-decode-tcp",
+    ],
+)
 def test_a_killed_node_loses_no_request_and_leaks_no_block(tiny_llama, expected, scenario, transport):
     extra = {"transport": transport} if transport else {}
     out = asyncio.run(scenario(tiny_llama, PROMPTS, expected, MAX_TOKENS, **extra))
@@ -49,8 +65,9 @@ def test_soak_with_random_cancellations(tiny_llama):
     async def scenario():
         # A short lease TTL: a request cancelled between its prefill's answer and the router
         # reading it leaves a lease nobody knows; it must expire.
-        async with local_cluster(tiny_llama, num_prefill=1, num_decode=2, lease_ttl_s=2.0,
-                                 decode_engine={"max_num_seqs": 32}) as (router, prefills, decodes):
+        async with local_cluster(
+            tiny_llama, num_prefill=1, num_decode=2, lease_ttl_s=2.0, decode_engine={"max_num_seqs": 32}
+        ) as (router, prefills, decodes):
             out = await soak(router, prefills + decodes, num_requests=1000, concurrency=64, cancel_fraction=0.2)
             await wait_for_no_blocks(prefills + decodes, timeout=60)  # returns as soon as they are back
             for node in decodes:
@@ -67,11 +84,13 @@ def test_soak_with_random_cancellations(tiny_llama):
 def test_the_soak_catches_a_stuck_request(tiny_llama):
     """The soak's hang detection (no message for stall_s) catches requests that never answer:
     here, transfers into one decode node that never start."""
+
     async def scenario():
         async with local_cluster(tiny_llama, num_decode=2) as (router, prefills, decodes):
             decodes[1].fault_delay_transfer_s = 3600.0
-            return await soak(router, prefills + decodes, num_requests=40, concurrency=8, cancel_fraction=0,
-                              stall_s=3.0)
+            return await soak(
+                router, prefills + decodes, num_requests=40, concurrency=8, cancel_fraction=0, stall_s=3.0
+            )
 
     out = asyncio.run(scenario())
     assert out.lost > 0 and out.completed + out.lost == 40 and not out.failed, out
@@ -84,8 +103,10 @@ def test_overload_is_refused_quickly(tiny_llama):
             from router.client import AsyncClient
 
             async with AsyncClient(router.address) as client:
-                results = await asyncio.gather(*(client.generate([5, 6, 7], max_tokens=200, ignore_eos=True)
-                                                 for _ in range(12)), return_exceptions=True)
+                results = await asyncio.gather(
+                    *(client.generate([5, 6, 7], max_tokens=200, ignore_eos=True) for _ in range(12)),
+                    return_exceptions=True,
+                )
             refused = [r for r in results if isinstance(r, grpc.aio.AioRpcError)]
             assert len(refused) >= 1 and all(r.code() == grpc.StatusCode.RESOURCE_EXHAUSTED for r in refused)
             assert "at capacity" in refused[0].details()
@@ -103,9 +124,17 @@ def test_rate_limit_per_client(tiny_llama):
     assert limiter.allow("b")
 
 
-FUZZ_ALLOWED = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION,
-                grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DATA_LOSS,
-                grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.OK}
+FUZZ_ALLOWED = {
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.NOT_FOUND,
+    grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DATA_LOSS,
+    grpc.StatusCode.OUT_OF_RANGE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.OK,
+}
 
 
 def test_fuzzed_messages_get_clear_statuses_and_servers_stay_up(tiny_llama):
@@ -116,17 +145,33 @@ def test_fuzzed_messages_get_clear_statuses_and_servers_stay_up(tiny_llama):
     rng = random.Random(7)
 
     def rand_int():
-        return rng.choice([0, -1, 1, 7, 2**31 - 1, -(2**31), rng.randrange(-10**6, 10**6)])
+        return rng.choice([0, -1, 1, 7, 2**31 - 1, -(2**31), rng.randrange(-(10**6), 10**6)])
 
     def rand_str():
-        return rng.choice(["", "x" * rng.randint(1, 5000), "../../etc/passwd", "pdserve-kv-1-deadbeef", "\x00\xff",
-                           "127.0.0.1:1", "é" * 10])
+        return rng.choice(
+            [
+                "",
+                "x" * rng.randint(1, 5000),
+                "../../etc/passwd",
+                "pdserve-kv-1-deadbeef",
+                "\x00\xff",
+                "127.0.0.1:1",
+                "é" * 10,
+            ]
+        )
 
     def sampling():
-        m = common_pb2.SamplingParams(top_k=rand_int(), stop=[rand_str() for _ in range(rng.randint(0, 20))],
-                                      stop_token_ids=[rand_int() for _ in range(rng.randint(0, 3))])
-        for name, value in (("max_tokens", rand_int()), ("temperature", rng.choice([0.0, -1.0, 1e30, float("nan")])),
-                            ("top_p", rng.choice([0.0, 0.5, 2.0, float("inf")])), ("logprobs", rand_int())):
+        m = common_pb2.SamplingParams(
+            top_k=rand_int(),
+            stop=[rand_str() for _ in range(rng.randint(0, 20))],
+            stop_token_ids=[rand_int() for _ in range(rng.randint(0, 3))],
+        )
+        for name, value in (
+            ("max_tokens", rand_int()),
+            ("temperature", rng.choice([0.0, -1.0, 1e30, float("nan")])),
+            ("top_p", rng.choice([0.0, 0.5, 2.0, float("inf")])),
+            ("logprobs", rand_int()),
+        ):
             if rng.random() < 0.7:
                 setattr(m, name, value)
         return m
@@ -135,28 +180,58 @@ def test_fuzzed_messages_get_clear_statuses_and_servers_stay_up(tiny_llama):
         return [rand_int() for _ in range(rng.choice([0, 1, 5, 3000]))]
 
     def kv_source():
-        return nodes_pb2.KVSource(lease_id=rand_str(), kv_address=rand_str(), host_id=rand_str(),
-                                  shm_region=rand_str(), block_ids=[abs(rand_int()) for _ in range(rng.randint(0, 5))],
-                                  num_tokens=abs(rand_int()), region_bytes=abs(rand_int()),
-                                  layout=nodes_pb2.KVLayout(num_layers=abs(rand_int()), dtype=rand_str()))
+        return nodes_pb2.KVSource(
+            lease_id=rand_str(),
+            kv_address=rand_str(),
+            host_id=rand_str(),
+            shm_region=rand_str(),
+            block_ids=[abs(rand_int()) for _ in range(rng.randint(0, 5))],
+            num_tokens=abs(rand_int()),
+            region_bytes=abs(rand_int()),
+            layout=nodes_pb2.KVLayout(num_layers=abs(rand_int()), dtype=rand_str()),
+        )
 
     async def scenario():
         async with local_cluster(tiny_llama) as (router, prefills, decodes):
             targets = {
                 router.address: [
-                    ("/pdserve.v1.Generation/GenerateUnary", lambda: generate_pb2.GenerateRequest(
-                        prompt_token_ids=common_pb2.TokenIds(ids=ids()), sampling=sampling(), model=rand_str()), False),
-                    ("/pdserve.v1.Generation/GenerateUnary", lambda: generate_pb2.GenerateRequest(
-                        prompt=rand_str(), sampling=sampling()), False),
-                    ("/pdserve.v1.Generation/Tokenize", lambda: generate_pb2.TokenizeRequest(prompt=rand_str()), False)],
+                    (
+                        "/pdserve.v1.Generation/GenerateUnary",
+                        lambda: generate_pb2.GenerateRequest(
+                            prompt_token_ids=common_pb2.TokenIds(ids=ids()), sampling=sampling(), model=rand_str()
+                        ),
+                        False,
+                    ),
+                    (
+                        "/pdserve.v1.Generation/GenerateUnary",
+                        lambda: generate_pb2.GenerateRequest(prompt=rand_str(), sampling=sampling()),
+                        False,
+                    ),
+                    ("/pdserve.v1.Generation/Tokenize", lambda: generate_pb2.TokenizeRequest(prompt=rand_str()), False),
+                ],
                 prefills[0].address: [
-                    ("/pdserve.v1.PrefillNode/Prefill", lambda: nodes_pb2.PrefillRequest(
-                        prompt_token_ids=ids(), sampling=sampling(), output_token_ids=ids()), False),
-                    ("/pdserve.v1.KVPlane/PullKV", lambda: nodes_pb2.PullKVRequest(
-                        lease_id=rand_str(), chunk_bytes=abs(rand_int())), True)],
+                    (
+                        "/pdserve.v1.PrefillNode/Prefill",
+                        lambda: nodes_pb2.PrefillRequest(
+                            prompt_token_ids=ids(), sampling=sampling(), output_token_ids=ids()
+                        ),
+                        False,
+                    ),
+                    (
+                        "/pdserve.v1.KVPlane/PullKV",
+                        lambda: nodes_pb2.PullKVRequest(lease_id=rand_str(), chunk_bytes=abs(rand_int())),
+                        True,
+                    ),
+                ],
                 decodes[0].address: [
-                    ("/pdserve.v1.DecodeNode/Decode", lambda: nodes_pb2.DecodeRequest(
-                        prompt_token_ids=ids(), output_token_ids=ids(), sampling=sampling(), kv=kv_source()), True)],
+                    (
+                        "/pdserve.v1.DecodeNode/Decode",
+                        lambda: nodes_pb2.DecodeRequest(
+                            prompt_token_ids=ids(), output_token_ids=ids(), sampling=sampling(), kv=kv_source()
+                        ),
+                        True,
+                    )
+                ],
             }
             for address, calls in targets.items():
                 async with grpc.aio.insecure_channel(address) as channel:
@@ -175,8 +250,9 @@ def test_fuzzed_messages_get_clear_statuses_and_servers_stay_up(tiny_llama):
                                 await result
                         except grpc.aio.AioRpcError as e:
                             # grpc answers undecodable bytes itself (INTERNAL or UNKNOWN, naming the parse error)
-                            undecodable = (e.code() in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN)
-                                           and ("deserializ" in e.details().lower() or "parsing" in e.details()))
+                            undecodable = e.code() in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN) and (
+                                "deserializ" in e.details().lower() or "parsing" in e.details()
+                            )
                             assert e.code() in FUZZ_ALLOWED or undecodable, (method, e.code(), e.details())
                     reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
                     assert reply.status == health_pb2.HealthCheckResponse.SERVING

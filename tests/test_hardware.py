@@ -40,8 +40,9 @@ print(json.dumps(out))
 
 def probe(env: dict, *args: str) -> dict:
     full = {k: v for k, v in os.environ.items() if k not in AS_IS} | env
-    r = subprocess.run([sys.executable, "-c", PROBE, *args], capture_output=True, text=True, env=full,
-                       cwd=ROOT, timeout=600)
+    r = subprocess.run(
+        [sys.executable, "-c", PROBE, *args], capture_output=True, text=True, env=full, cwd=ROOT, timeout=600
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(r.stdout.strip().splitlines()[-1]) | {"stderr": r.stderr}
 
@@ -97,17 +98,25 @@ def test_the_override_lowers_the_class_never_raises_it():
 
 def test_a_bad_override_names_the_variable():
     full = os.environ | {"PDSERVE_CPU_ISA": "avx9000"}
-    r = subprocess.run([sys.executable, "-c", "from engine.hardware import cpu_features; cpu_features()"],
-                       capture_output=True, text=True, env=full, cwd=ROOT, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-c", "from engine.hardware import cpu_features; cpu_features()"],
+        capture_output=True,
+        text=True,
+        env=full,
+        cwd=ROOT,
+        timeout=120,
+    )
     assert r.returncode != 0 and "PDSERVE_CPU_ISA must be one of" in r.stderr and "avx9000" in r.stderr
 
 
 def test_auto_is_logged_once_with_its_reason():
     """In a fresh process (an earlier test's engine may have logged it already in this one)."""
-    script = ("import logging, torch; logging.basicConfig(level=logging.INFO)\n"
-              "from engine.hardware import cpu_features, resolve_dtype\n"
-              "for _ in range(3): resolve_dtype('auto', torch.device('cpu'))\n"
-              "print(cpu_features().isa)")
+    script = (
+        "import logging, torch; logging.basicConfig(level=logging.INFO)\n"
+        "from engine.hardware import cpu_features, resolve_dtype\n"
+        "for _ in range(3): resolve_dtype('auto', torch.device('cpu'))\n"
+        "print(cpu_features().isa)"
+    )
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert r.returncode == 0, r.stderr
     lines = [line for line in r.stderr.splitlines() if "dtype auto" in line]

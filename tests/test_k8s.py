@@ -48,8 +48,11 @@ def strict(schema: dict) -> dict:
 
     def walk(node):
         if isinstance(node, dict):
-            if ("properties" in node and "additionalProperties" not in node
-                    and not node.get("x-kubernetes-preserve-unknown-fields")):
+            if (
+                "properties" in node
+                and "additionalProperties" not in node
+                and not node.get("x-kubernetes-preserve-unknown-fields")
+            ):
                 node["additionalProperties"] = False
             for value in node.values():
                 walk(value)
@@ -137,8 +140,11 @@ def test_pools_pinned_to_their_worker_groups_with_probes_and_drain(rendered):
     head_container = head["template"]["spec"]["containers"][0]
     assert head_container["readinessProbe"]["grpc"]["port"] == app["args"]["router"]["direct_port"]
     # The router's overall health follows its pools; the head pod's probes only ask whether it runs.
-    assert head_container["readinessProbe"]["grpc"]["service"] == head_container["livenessProbe"]["grpc"]["service"] \
+    assert (
+        head_container["readinessProbe"]["grpc"]["service"]
+        == head_container["livenessProbe"]["grpc"]["service"]
         == LIVENESS
+    )
     # The decode pods outlive Serve's drain of their streams.
     grace = groups["decode"]["template"]["spec"]["terminationGracePeriodSeconds"]
     assert grace >= deployments["Decode"]["graceful_shutdown_timeout_s"]
@@ -146,17 +152,23 @@ def test_pools_pinned_to_their_worker_groups_with_probes_and_drain(rendered):
     assert {p["port"] for p in service["spec"]["ports"]} == {50051, 9000, 8265}
     monitor = by_kind(rendered["base"], "PodMonitor")
     assert monitor["spec"]["podMetricsEndpoints"][0]["port"] == "metrics"
-    assert all(any(p.get("name") == "metrics" for p in g["template"]["spec"]["containers"][0]["ports"])
-               for g in [head, *groups.values()])
+    assert all(
+        any(p.get("name") == "metrics" for p in g["template"]["spec"]["containers"][0]["ports"])
+        for g in [head, *groups.values()]
+    )
 
 
 def test_overlays_set_image_model_bounds_and_resources(rendered):
     gpu = by_kind(rendered["overlays/gpu"], "RayService")["spec"]["rayClusterConfig"]
     assert all(g["template"]["spec"]["containers"][0]["image"] == "pdserve:gpu" for g in gpu["workerGroupSpecs"])
-    assert all(g["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "1"
-               for g in gpu["workerGroupSpecs"])
-    for overlay, model in (("overlays/hf-model-pvc", "/models/Qwen2.5-0.5B-Instruct"),
-                           ("overlays/gguf-file", "/models/model.Q4_K_M.gguf")):
+    assert all(
+        g["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "1"
+        for g in gpu["workerGroupSpecs"]
+    )
+    for overlay, model in (
+        ("overlays/hf-model-pvc", "/models/Qwen2.5-0.5B-Instruct"),
+        ("overlays/gguf-file", "/models/model.Q4_K_M.gguf"),
+    ):
         cluster = by_kind(rendered[overlay], "RayService")["spec"]["rayClusterConfig"]
         pods = [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]
         for pod in pods:
@@ -164,8 +176,12 @@ def test_overlays_set_image_model_bounds_and_resources(rendered):
             assert {"name": "PDSERVE_MODEL", "value": model} in container["env"]
             assert any(m["mountPath"] == "/models" for m in container["volumeMounts"])
         assert by_kind(rendered[overlay], "PersistentVolumeClaim")["metadata"]["name"] == "pdserve-models"
-    assert by_kind(rendered["overlays/hf-model-pvc"], "RayService")["spec"]["rayClusterConfig"][
-        "workerGroupSpecs"][1]["maxReplicas"] == 8
+    assert (
+        by_kind(rendered["overlays/hf-model-pvc"], "RayService")["spec"]["rayClusterConfig"]["workerGroupSpecs"][1][
+            "maxReplicas"
+        ]
+        == 8
+    )
 
 
 def test_model_env_overrides_the_config(monkeypatch):
@@ -176,11 +192,16 @@ def test_model_env_overrides_the_config(monkeypatch):
     assert parse_args(args).prefill.engine.model == "/models/x"
 
 
-@pytest.mark.parametrize("dockerfile, base", [("Dockerfile", "rayproject/ray:2.60.0-py311-cpu"),
-                                              ("Dockerfile.gpu", "rayproject/ray:2.60.0-py311-gpu")])
+@pytest.mark.parametrize(
+    "dockerfile, base",
+    [("Dockerfile", "rayproject/ray:2.60.0-py311-cpu"), ("Dockerfile.gpu", "rayproject/ray:2.60.0-py311-gpu")],
+)
 def test_images_run_as_non_root_with_the_project_and_the_model(dockerfile, base):
-    lines = [ln.strip() for ln in (ROOT / "deploy" / dockerfile).read_text().splitlines()
-             if ln.strip() and not ln.strip().startswith("#")]
+    lines = [
+        ln.strip()
+        for ln in (ROOT / "deploy" / dockerfile).read_text().splitlines()
+        if ln.strip() and not ln.strip().startswith("#")
+    ]
     assert lines[0] == f"FROM {base}"
     users = [ln.split()[1] for ln in lines if ln.startswith("USER ")]
     assert users and users[-1] not in ("root", "0")

@@ -11,17 +11,17 @@ import time
 
 import pytest
 import torch
+from test_kvtransfer import cache, filled, tokens
 
 from engine.kv_progress import LayerProgress
 from kvtransfer.base import KVCorrupt, KVTransferError
 from kvtransfer.grpc_stream import GrpcStreamReader
 from kvtransfer.layout import KVLayout, KVLayoutMismatch, kv_digest
 from kvtransfer.lease import LeaseTable
+from kvtransfer.security import Security
 from kvtransfer.shm import ShmReader
 from kvtransfer.tcp import TcpKVServer, TcpReader, layer_ranges
-from kvtransfer.security import Security
 from pdserve_api import nodes_pb2
-from test_kvtransfer import cache, filled, tokens
 
 
 @pytest.fixture
@@ -39,9 +39,16 @@ def lease_source(src, leases, server, block_ids, num_tokens, **overrides) -> nod
     digest = kv_digest(src.kv, block_ids, num_tokens)
     lease = leases.add("r1", block_ids, num_tokens, digest)
     layout = KVLayout.of(src, "fp")
-    fields = dict(lease_id=lease.lease_id, access_key=lease.access_key, tcp_address=server.address,
-                  layout=layout.to_proto(), block_ids=block_ids, num_tokens=num_tokens, digest=digest,
-                  num_bytes=layout.num_bytes(num_tokens))
+    fields = dict(
+        lease_id=lease.lease_id,
+        access_key=lease.access_key,
+        tcp_address=server.address,
+        layout=layout.to_proto(),
+        block_ids=block_ids,
+        num_tokens=num_tokens,
+        digest=digest,
+        num_bytes=layout.num_bytes(num_tokens),
+    )
     return nodes_pb2.KVSource(**(fields | overrides))
 
 
@@ -165,8 +172,15 @@ def test_a_peer_that_stalls_or_vanishes_fails_the_read_without_hanging():
     listener.bind(("127.0.0.1", 0))
     listener.listen()
     src = filled(16, 4)
-    source = nodes_pb2.KVSource(lease_id="x", access_key="k", tcp_address=f"127.0.0.1:{listener.getsockname()[1]}",
-                                layout=KVLayout.of(src, "fp").to_proto(), block_ids=[1], num_tokens=4, digest=1)
+    source = nodes_pb2.KVSource(
+        lease_id="x",
+        access_key="k",
+        tcp_address=f"127.0.0.1:{listener.getsockname()[1]}",
+        layout=KVLayout.of(src, "fp").to_proto(),
+        block_ids=[1],
+        num_tokens=4,
+        digest=1,
+    )
     dst = cache(4, 4)
     try:
         with pytest.raises(KVTransferError, match="timed out"):  # accepts, never answers
@@ -180,7 +194,7 @@ def test_a_peer_that_stalls_or_vanishes_fails_the_read_without_hanging():
 def test_garbage_on_the_port_does_not_hurt_the_server(plane):
     src, leases, server = plane
     host, port = server.address.rsplit(":", 1)
-    for junk in (b"", b"GET / HTTP/1.1\r\n\r\n", b"PDK1" + (10 ** 9).to_bytes(4, "little"), b"PDK1\x05\x00\x00\x00{bad"):
+    for junk in (b"", b"GET / HTTP/1.1\r\n\r\n", b"PDK1" + (10**9).to_bytes(4, "little"), b"PDK1\x05\x00\x00\x00{bad"):
         with socket.create_connection((host, int(port)), timeout=2) as s:
             try:
                 s.sendall(junk)
@@ -202,8 +216,15 @@ def layerwise_source(src, leases, server, block_ids, num_tokens):
     lease = leases.add("r1", block_ids, num_tokens, 0, progress)
     layout = KVLayout.of(src, "fp")
     return progress, nodes_pb2.KVSource(
-        lease_id=lease.lease_id, access_key=lease.access_key, tcp_address=server.address, layout=layout.to_proto(),
-        block_ids=block_ids, num_tokens=num_tokens, num_bytes=layout.num_bytes(num_tokens), layerwise=True)
+        lease_id=lease.lease_id,
+        access_key=lease.access_key,
+        tcp_address=server.address,
+        layout=layout.to_proto(),
+        block_ids=block_ids,
+        num_tokens=num_tokens,
+        num_bytes=layout.num_bytes(num_tokens),
+        layerwise=True,
+    )
 
 
 def layer_bytes(c, block_ids, num_tokens, layer):
@@ -218,8 +239,9 @@ def test_layerwise_reads_each_layer_as_it_is_written_then_the_trailer(plane, con
     dst = cache(8, 8)
 
     async def scenario():
-        read = asyncio.ensure_future(TcpReader(connections=connections).read(source, dst, KVLayout.of(dst, "fp"),
-                                                                             dst_ids))
+        read = asyncio.ensure_future(
+            TcpReader(connections=connections).read(source, dst, KVLayout.of(dst, "fp"), dst_ids)
+        )
         for layer in range(src.kv.shape[0]):
             progress.layer_done(layer)
             # the reader has this layer while the later ones are still "computing"

@@ -9,12 +9,12 @@ import stat
 import subprocess
 import time
 
+import fake_transport
 import pytest
 import torch
 import xxhash
 
 from engine.kv_cache import KVCache
-import fake_transport
 from kvtransfer import transports
 from kvtransfer.base import KVCorrupt, KVTransferError, TransferStatus, host_id
 from kvtransfer.grpc_stream import GrpcStreamReader
@@ -22,8 +22,8 @@ from kvtransfer.layout import KVLayout, KVLayoutMismatch, StreamWriter, block_ru
 from kvtransfer.lease import LeaseTable
 from kvtransfer.receiver import KVReceiver
 from kvtransfer.shm import GENERATION_CHECK, SHM_DIR, SharedKVRegion, ShmReader, sweep_stale_regions
-from serving.grpc_server import GrpcServer
 from pdserve_api import common_pb2, nodes_pb2, nodes_pb2_grpc
+from serving.grpc_server import GrpcServer
 
 LAYERS, HEADS, DIM = 3, 2, 8
 
@@ -40,9 +40,15 @@ def filled(num_blocks=16, block_size=4) -> KVCache:
 
 def source(c: KVCache, block_ids: list[int], num_tokens: int, **kw) -> nodes_pb2.KVSource:
     layout = KVLayout.of(c, "fp")
-    return nodes_pb2.KVSource(lease_id="L1", layout=layout.to_proto(), block_ids=block_ids, num_tokens=num_tokens,
-                              digest=kv_digest(c.kv, block_ids, num_tokens), num_bytes=layout.num_bytes(num_tokens),
-                              **kw)
+    return nodes_pb2.KVSource(
+        lease_id="L1",
+        layout=layout.to_proto(),
+        block_ids=block_ids,
+        num_tokens=num_tokens,
+        digest=kv_digest(c.kv, block_ids, num_tokens),
+        num_bytes=layout.num_bytes(num_tokens),
+        **kw,
+    )
 
 
 def tokens(c: KVCache, block_ids: list[int], num_tokens: int) -> torch.Tensor:
@@ -61,7 +67,7 @@ def test_stream_roundtrip_between_block_sizes():
     assert data.numel() == KVLayout.of(src, "x").num_bytes(n)
     writer = StreamWriter(dst.kv, dst_ids, n)
     for start in range(0, data.numel(), 1000):  # chunks that straddle pieces
-        writer.write(data[start:start + 1000])
+        writer.write(data[start : start + 1000])
     assert writer.offset == data.numel()
     assert torch.equal(tokens(dst, dst_ids, n), tokens(src, src_ids, n))
     assert kv_digest(dst.kv, dst_ids, n) == kv_digest(src.kv, src_ids, n)
@@ -179,8 +185,10 @@ def test_shm_one_sided_read():
             assert reader.can_read(desc, KVLayout.of(dst, "fp"))
             await reader.read(desc, dst, KVLayout.of(dst, "fp"), [2, 3, 4])
             assert torch.equal(tokens(dst, [2, 3, 4], 11), tokens(src, [6, 7, 1], 11))
-            assert not reader.can_read(nodes_pb2.KVSource(host_id="elsewhere", shm_region=region.name,
-                                                          layout=desc.layout), KVLayout.of(dst, "fp"))
+            assert not reader.can_read(
+                nodes_pb2.KVSource(host_id="elsewhere", shm_region=region.name, layout=desc.layout),
+                KVLayout.of(dst, "fp"),
+            )
         finally:
             region.close()
 
@@ -242,8 +250,15 @@ def test_shm_read_checks_block_generations_instead_of_hashing():
             gens = region.generations[[6, 7, 1]].tolist()
             assert gens == [1, 0, 0]
             # A wrong digest on purpose: with generations the reader hashes nothing.
-            desc = source(src, [6, 7, 1], 11, host_id=host_id(), shm_region=region.name, region_bytes=region.nbytes,
-                          block_generations=gens)
+            desc = source(
+                src,
+                [6, 7, 1],
+                11,
+                host_id=host_id(),
+                shm_region=region.name,
+                region_bytes=region.nbytes,
+                block_generations=gens,
+            )
             desc.digest ^= 1
             reader = ShmReader()
             await reader.read(desc, dst, KVLayout.of(dst, "fp"), [2, 3, 4])
@@ -276,13 +291,21 @@ def test_grpc_stream_refuses_a_corrupt_chunk():
         dst = cache(16, 4)
         layout = KVLayout.of(dst, "fp")
         server = GrpcServer()
-        server.add(nodes_pb2_grpc.add_KVPlaneServicer_to_server, CorruptingKVPlane(layout, 6),
-                   nodes_pb2.DESCRIPTOR.services_by_name["KVPlane"])
+        server.add(
+            nodes_pb2_grpc.add_KVPlaneServicer_to_server,
+            CorruptingKVPlane(layout, 6),
+            nodes_pb2.DESCRIPTOR.services_by_name["KVPlane"],
+        )
         await server.start()
         reader = GrpcStreamReader()
         try:
-            desc = nodes_pb2.KVSource(lease_id="x", kv_address=server.address, layout=layout.to_proto(), num_tokens=6,
-                                      num_bytes=layout.num_bytes(6))
+            desc = nodes_pb2.KVSource(
+                lease_id="x",
+                kv_address=server.address,
+                layout=layout.to_proto(),
+                num_tokens=6,
+                num_bytes=layout.num_bytes(6),
+            )
             with pytest.raises(KVCorrupt, match="offset 0 failed its digest"):
                 await reader.read(desc, dst, layout, [0, 1])
             assert dst.kv.abs().sum() == 0  # nothing was written into the blocks
@@ -300,9 +323,13 @@ def test_grpc_stream_reports_a_missing_lease(tiny_llama):
         async with local_cluster(tiny_llama) as (router, prefills, decodes):
             dst = decodes[0].llm.kv_cache
             reader = GrpcStreamReader()
-            desc = nodes_pb2.KVSource(lease_id="nope", kv_address=prefills[0].address,
-                                      layout=decodes[0].layout.to_proto(), num_tokens=3,
-                                      num_bytes=decodes[0].layout.num_bytes(3))
+            desc = nodes_pb2.KVSource(
+                lease_id="nope",
+                kv_address=prefills[0].address,
+                layout=decodes[0].layout.to_proto(),
+                num_tokens=3,
+                num_bytes=decodes[0].layout.num_bytes(3),
+            )
             with pytest.raises(Exception, match="NOT_FOUND: no kv_lease 'nope'"):
                 await reader.read(desc, dst, decodes[0].layout, [0])
             await reader.close()

@@ -27,8 +27,9 @@ echo "all args: $*"; echo "300 passed, {first_exit} failed in 2.00s"; exit {firs
 
 def run(tmp_path: Path, first_exit: int, second_exit: int) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHON": str(fake_python(tmp_path, first_exit, second_exit))}
-    return subprocess.run(["bash", str(ROOT / "scripts" / "test.sh"), "-k", "x"], env=env, capture_output=True,
-                          text=True, timeout=60)
+    return subprocess.run(
+        ["bash", str(ROOT / "scripts" / "test.sh"), "-k", "x"], env=env, capture_output=True, text=True, timeout=60
+    )
 
 
 def test_a_red_first_pass_still_runs_the_avx2_pass_and_fails_at_the_end(tmp_path):

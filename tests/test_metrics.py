@@ -33,8 +33,12 @@ def test_metrics_follow_requests(tiny_llama):
                     break
                 await asyncio.sleep(0.05)
             assert rm.sample("pdserve_requests_total", outcome="cancelled") == 1
-            for name in ("pdserve_request_ttft_seconds", "pdserve_request_tpot_seconds", "pdserve_request_e2e_seconds",
-                         "pdserve_request_queue_seconds"):
+            for name in (
+                "pdserve_request_ttft_seconds",
+                "pdserve_request_tpot_seconds",
+                "pdserve_request_e2e_seconds",
+                "pdserve_request_queue_seconds",
+            ):
                 assert rm.sample(name) == 1, name
             assert rm.sample("pdserve_generation_tokens_total") == 10
             assert rm.sample("pdserve_prompt_tokens_total") == 4
@@ -42,7 +46,8 @@ def test_metrics_follow_requests(tiny_llama):
             # The finished request's transfer; the cancelled one's, if it got that far.
             assert 1 <= dm.sample("pdserve_kv_transfer_seconds", transport="shm") <= 2
             assert dm.sample("pdserve_kv_transfer_bytes", transport="shm") == dm.sample(
-                "pdserve_kv_transfer_seconds", transport="shm")
+                "pdserve_kv_transfer_seconds", transport="shm"
+            )
             assert dm.sample("pdserve_engine_step_seconds", role="decode") >= 9
             decodes[0].exporter.refresh()
             assert dm.sample("pdserve_kv_blocks_used", role="decode") == 0

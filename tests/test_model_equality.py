@@ -9,17 +9,23 @@ from tiny_models import make_tiny_model
 from transformers import AutoModelForCausalLM
 
 from engine.attention import build_metadata
+from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
-from engine.sampling_params import SamplingParams
 
 ATOL = 1e-4
 PROMPTS = [[5, 17, 33, 8, 90, 41, 7], [200, 3], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23], [64]]
 
 ROPE_VARIANTS = {
     "linear": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
-    "llama3": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+    "llama3": {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    },
     "yarn": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 256},
 }
 
@@ -101,8 +107,9 @@ def test_bf16_kernels_agree_with_plain_torch(tiny_llama):
 
 @pytest.mark.parametrize("variant", sorted(ROPE_VARIANTS))
 def test_rope_scaling_variants_match_transformers(tmp_path, variant):
-    check_prefill_then_decode(make_tiny_model(tmp_path, "llama", seed=4, rope_parameters=ROPE_VARIANTS[variant]),
-                              steps=3)
+    check_prefill_then_decode(
+        make_tiny_model(tmp_path, "llama", seed=4, rope_parameters=ROPE_VARIANTS[variant]), steps=3
+    )
 
 
 def test_prefill_logits_at_every_position(tiny_llama):
@@ -113,16 +120,16 @@ def test_prefill_logits_at_every_position(tiny_llama):
     for s in seqs:
         engine.block_manager.allocate(s, s.num_tokens)
     lens = [s.num_tokens for s in seqs]
-    meta = build_metadata([0] * len(seqs), lens, [s.block_table for s in seqs], 0,
-                          engine.config.block_size, None, engine.device)
+    meta = build_metadata(
+        [0] * len(seqs), lens, [s.block_table for s in seqs], 0, engine.config.block_size, None, engine.device
+    )
     ids = torch.tensor([t for p in PROMPTS for t in p])
-    logits = engine.runner.model.compute_logits(engine.runner.model.forward(ids, meta.positions, meta,
-                                                                             engine.kv_cache))
+    logits = engine.runner.model.compute_logits(engine.runner.model.forward(ids, meta.positions, meta, engine.kv_cache))
     start = 0
     for p in PROMPTS:
         with torch.no_grad():
             ref = hf(torch.tensor([p])).logits[0]
-        torch.testing.assert_close(logits[start:start + len(p)], ref, atol=ATOL, rtol=0)
+        torch.testing.assert_close(logits[start : start + len(p)], ref, atol=ATOL, rtol=0)
         start += len(p)
 
 
@@ -135,6 +142,7 @@ def test_greedy_generate_equals_transformers_generate(tiny_qwen2):
         engine.add_request(str(i), p, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
     outs = run_to_completion(engine)
     for i, p in enumerate(PROMPTS):
-        ref = hf.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, eos_token_id=hf.config.vocab_size,
-                          pad_token_id=0)
-        assert outs[str(i)].token_ids == ref[0, len(p):].tolist()
+        ref = hf.generate(
+            torch.tensor([p]), max_new_tokens=12, do_sample=False, eos_token_id=hf.config.vocab_size, pad_token_id=0
+        )
+        assert outs[str(i)].token_ids == ref[0, len(p) :].tolist()

@@ -26,11 +26,34 @@ KEY, OTHER_KEY = "sk-test-1", "sk-test-2"  # the keys file of `up`
 def up(tiny_llama, tmp_path_factory):
     keys = tmp_path_factory.mktemp("keys") / "keys"
     keys.write_text(f"{KEY}\n\n{OTHER_KEY}\n")
-    proc = subprocess.Popen([sys.executable, "-m", "pdserve", "up", "--model", str(tiny_llama), "--port", "0",
-                             "--http-port", "0", "--api-key-file", str(keys), "--dtype", "float32",
-                             "--kv-cache-gb", "0.01", "--block-size", "4", "--num-threads", "1",
-                             "--log-dir", str(tmp_path_factory.mktemp("logs"))],
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "pdserve",
+            "up",
+            "--model",
+            str(tiny_llama),
+            "--port",
+            "0",
+            "--http-port",
+            "0",
+            "--api-key-file",
+            str(keys),
+            "--dtype",
+            "float32",
+            "--kv-cache-gb",
+            "0.01",
+            "--block-size",
+            "4",
+            "--num-threads",
+            "1",
+            "--log-dir",
+            str(tmp_path_factory.mktemp("logs")),
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     http = grpc = None
     for line in proc.stderr:
         if "OpenAI-compatible HTTP API on" in line:
@@ -53,14 +76,22 @@ def client(up):
 def test_completions_equal_the_grpc_path(up, client):
     _, grpc_addr, model, _ = up
     expected = Client(grpc_addr, api_key=KEY).generate(PROMPT_IDS, max_tokens=12, temperature=0, ignore_eos=True)
-    result = client.completions.create(model=model, prompt=PROMPT_IDS, max_tokens=12, temperature=0,
-                                       extra_body={"ignore_eos": True})
+    result = client.completions.create(
+        model=model, prompt=PROMPT_IDS, max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert result.choices[0].text == expected.text
     assert result.usage.prompt_tokens == len(PROMPT_IDS) and result.usage.completion_tokens == 12
     assert result.usage.total_tokens == len(PROMPT_IDS) + 12
     assert result.choices[0].finish_reason == "length" and result.object == "text_completion"
-    streamed = client.completions.create(model=model, prompt=PROMPT_IDS, max_tokens=12, temperature=0, stream=True,
-                                         stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    streamed = client.completions.create(
+        model=model,
+        prompt=PROMPT_IDS,
+        max_tokens=12,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
     chunks = list(streamed)
     assert "".join(c.choices[0].text for c in chunks if c.choices) == expected.text
     assert chunks[-1].usage.completion_tokens == 12
@@ -70,15 +101,23 @@ def test_chat_equals_the_grpc_path(up, client):
     _, grpc_addr, model, _ = up
     messages = [{"role": "user", "content": "Hello world"}]
     expected = Client(grpc_addr, api_key=KEY).generate(messages=messages, max_tokens=10, temperature=0, ignore_eos=True)
-    result = client.chat.completions.create(model=model, messages=messages, max_tokens=10, temperature=0,
-                                            extra_body={"ignore_eos": True}, logprobs=True, top_logprobs=2)
+    result = client.chat.completions.create(
+        model=model,
+        messages=messages,
+        max_tokens=10,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+        logprobs=True,
+        top_logprobs=2,
+    )
     assert result.choices[0].message.role == "assistant"
     assert result.choices[0].message.content == expected.text
     assert result.usage.completion_tokens == 10 and result.object == "chat.completion"
     assert len(result.choices[0].logprobs.content) == 10
     assert all(len(c.top_logprobs) >= 2 for c in result.choices[0].logprobs.content)
-    stream = client.chat.completions.create(model=model, messages=messages, max_tokens=10, temperature=0,
-                                            stream=True, extra_body={"ignore_eos": True})
+    stream = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=10, temperature=0, stream=True, extra_body={"ignore_eos": True}
+    )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected.text
@@ -90,22 +129,37 @@ def test_max_tokens_defaults_as_in_openai(up, client):
     the legacy completions endpoint keeps OpenAI's 16."""
     model = up[2]
     max_model_len = client.models.list().data[0].max_model_len
-    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hello world"}],
-                                          temperature=0, extra_body={"ignore_eos": True})
+    chat = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "Hello world"}],
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
     assert chat.choices[0].finish_reason == "length"
     assert chat.usage.completion_tokens == max_model_len - chat.usage.prompt_tokens > 16
-    completion = client.completions.create(model=model, prompt=PROMPT_IDS, temperature=0,
-                                           extra_body={"ignore_eos": True})
+    completion = client.completions.create(
+        model=model, prompt=PROMPT_IDS, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert completion.usage.completion_tokens == 16 and completion.choices[0].finish_reason == "length"
 
 
-@pytest.mark.parametrize("options", [{"include_usage": True, "continuous_usage_stats": True},
-                                     {"continuous_usage_stats": True}])
+@pytest.mark.parametrize(
+    "options", [{"include_usage": True, "continuous_usage_stats": True}, {"continuous_usage_stats": True}]
+)
 def test_continuous_usage_stats_on_every_chunk(up, client, options):
     """vLLM's extension: every chunk carries the usage so far (here it implies include_usage)."""
     model = up[2]
-    chunks = list(client.completions.create(model=model, prompt=PROMPT_IDS, max_tokens=6, logprobs=1, stream=True,
-                                            stream_options=options, extra_body={"ignore_eos": True}))
+    chunks = list(
+        client.completions.create(
+            model=model,
+            prompt=PROMPT_IDS,
+            max_tokens=6,
+            logprobs=1,
+            stream=True,
+            stream_options=options,
+            extra_body={"ignore_eos": True},
+        )
+    )
     streamed = 0
     for chunk in chunks[:-1]:
         streamed += len(chunk.choices[0].logprobs.tokens)
@@ -113,9 +167,16 @@ def test_continuous_usage_stats_on_every_chunk(up, client, options):
         assert chunk.usage.total_tokens == len(PROMPT_IDS) + streamed
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == streamed == 6
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens is not None
-    chat = list(client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}],
-                                               max_tokens=3, stream=True, stream_options=options,
-                                               extra_body={"ignore_eos": True}))
+    chat = list(
+        client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": "Hi"}],
+            max_tokens=3,
+            stream=True,
+            stream_options=options,
+            extra_body={"ignore_eos": True},
+        )
+    )
     assert chat[0].choices[0].delta.role == "assistant" and chat[0].usage.completion_tokens == 0
     assert all(c.usage.prompt_tokens == chat[-1].usage.prompt_tokens > 0 for c in chat)
     counts = [c.usage.completion_tokens for c in chat]
@@ -136,25 +197,36 @@ def test_sse_framing_with_a_plain_http_client(up):
     events = [e for e in raw.split("\n\n") if e]
     assert all(e.startswith("data: ") for e in events)
     assert events[-1] == "data: [DONE]"
-    payloads = [json.loads(e[len("data: "):]) for e in events[:-1]]
+    payloads = [json.loads(e[len("data: ") :]) for e in events[:-1]]
     assert payloads[-1]["choices"][0]["finish_reason"] == "length"
     assert all(p["object"] == "text_completion" for p in payloads)
 
 
-@pytest.mark.parametrize("kwargs, status, words, param", [
-    (dict(prompt="hi", max_tokens=0), 400, "max_tokens", "max_tokens"),
-    (dict(prompt="hi", temperature=-1), 400, "temperature", "temperature"),
-    (dict(prompt="hi", top_p=1.5), 400, "top_p", "top_p"),
-    (dict(prompt="", max_tokens=3), 400, "prompt", "prompt"),
-    (dict(prompt="hi", n=17), 400, "n must be an integer in [1, 16]", "n"),
-    (dict(prompt="hi", n=2, best_of=3, stream=True), 400, "best_of must equal n when streaming", "best_of"),
-    (dict(prompt="hi", n=3, best_of=2), 400, "best_of must be", "best_of"),
-    (dict(prompt="hi", model="gpt-17"), 404, "gpt-17", "model"),
-    (dict(prompt="hi", stream_options={"include_usage": True}), 400, "stream_options is only allowed when stream",
-     "stream_options"),
-    (dict(prompt="hi", stream=True, stream_options={"continuous_usage_stats": 1}), 400,
-     "stream_options.continuous_usage_stats must be a boolean", "stream_options.continuous_usage_stats"),
-])
+@pytest.mark.parametrize(
+    "kwargs, status, words, param",
+    [
+        (dict(prompt="hi", max_tokens=0), 400, "max_tokens", "max_tokens"),
+        (dict(prompt="hi", temperature=-1), 400, "temperature", "temperature"),
+        (dict(prompt="hi", top_p=1.5), 400, "top_p", "top_p"),
+        (dict(prompt="", max_tokens=3), 400, "prompt", "prompt"),
+        (dict(prompt="hi", n=17), 400, "n must be an integer in [1, 16]", "n"),
+        (dict(prompt="hi", n=2, best_of=3, stream=True), 400, "best_of must equal n when streaming", "best_of"),
+        (dict(prompt="hi", n=3, best_of=2), 400, "best_of must be", "best_of"),
+        (dict(prompt="hi", model="gpt-17"), 404, "gpt-17", "model"),
+        (
+            dict(prompt="hi", stream_options={"include_usage": True}),
+            400,
+            "stream_options is only allowed when stream",
+            "stream_options",
+        ),
+        (
+            dict(prompt="hi", stream=True, stream_options={"continuous_usage_stats": 1}),
+            400,
+            "stream_options.continuous_usage_stats must be a boolean",
+            "stream_options.continuous_usage_stats",
+        ),
+    ],
+)
 def test_errors_in_openai_shape(up, client, kwargs, status, words, param):
     kwargs.setdefault("model", up[2])
     with pytest.raises(openai.APIStatusError) as err:
@@ -169,33 +241,46 @@ def test_n_choices_equal_the_grpc_samples(up, client):
     _, grpc_addr, model, _ = up
     sampling = dict(max_tokens=8, temperature=1.0, seed=7)
     expected = Client(grpc_addr, api_key=KEY).generate(PROMPT_IDS, n=3, ignore_eos=True, **sampling)
-    result = client.completions.create(model=model, prompt=PROMPT_IDS, n=3, extra_body={"ignore_eos": True},
-                                       **sampling)
+    result = client.completions.create(model=model, prompt=PROMPT_IDS, n=3, extra_body={"ignore_eos": True}, **sampling)
     assert [c.index for c in result.choices] == [0, 1, 2]
     assert [c.text for c in result.choices] == [s.text for s in expected.samples]
     assert len({c.text for c in result.choices}) > 1 and result.usage.completion_tokens == 24
     # Streaming: every chunk names its choice, each choice ends once, the texts are the same.
     texts, ends = ["", "", ""], [0, 0, 0]
-    for chunk in client.completions.create(model=model, prompt=PROMPT_IDS, n=3, stream=True,
-                                           extra_body={"ignore_eos": True}, **sampling):
+    for chunk in client.completions.create(
+        model=model, prompt=PROMPT_IDS, n=3, stream=True, extra_body={"ignore_eos": True}, **sampling
+    ):
         for c in chunk.choices:
             texts[c.index] += c.text
             ends[c.index] += c.finish_reason is not None
     assert texts == [s.text for s in expected.samples] and ends == [1, 1, 1]
-    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], n=2,
-                                          **sampling)
+    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], n=2, **sampling)
     assert [c.index for c in chat.choices] == [0, 1] and all(c.message.role == "assistant" for c in chat.choices)
-    best = client.completions.create(model=model, prompt=PROMPT_IDS, n=1, extra_body={"best_of": 3,
-                                                                                     "ignore_eos": True}, **sampling)
+    best = client.completions.create(
+        model=model, prompt=PROMPT_IDS, n=1, extra_body={"best_of": 3, "ignore_eos": True}, **sampling
+    )
     assert len(best.choices) == 1 and best.usage.completion_tokens == 8
     # vLLM's beam search extension: best_of beams, the n best returned, as over gRPC
-    beams = client.completions.create(model=model, prompt=PROMPT_IDS, n=2, max_tokens=8, temperature=0,
-                                      extra_body={"use_beam_search": True, "best_of": 3})
+    beams = client.completions.create(
+        model=model,
+        prompt=PROMPT_IDS,
+        n=2,
+        max_tokens=8,
+        temperature=0,
+        extra_body={"use_beam_search": True, "best_of": 3},
+    )
     expected = Client(grpc_addr, api_key=KEY).generate(PROMPT_IDS, n=2, beam_width=3, max_tokens=8)
     assert [c.text for c in beams.choices] == [s.text for s in expected.samples[:2]] and len(expected.samples) == 3
     streamed = ["", ""]
-    for chunk in client.completions.create(model=model, prompt=PROMPT_IDS, n=2, max_tokens=8, temperature=0,
-                                           stream=True, extra_body={"use_beam_search": True, "best_of": 3}):
+    for chunk in client.completions.create(
+        model=model,
+        prompt=PROMPT_IDS,
+        n=2,
+        max_tokens=8,
+        temperature=0,
+        stream=True,
+        extra_body={"use_beam_search": True, "best_of": 3},
+    ):
         for c in chunk.choices:
             streamed[c.index] += c.text
     assert streamed == [c.text for c in beams.choices]
@@ -205,23 +290,33 @@ def post(up, path: str, body: dict) -> httpx.Response:
     return httpx.post(f"{up[0]}{path}", json=body, headers={"Authorization": "Bearer sk-test-1"}, timeout=60)
 
 
-@pytest.mark.parametrize("method, path, status, message", [
-    ("GET", "/v1/foo", 404, "Invalid URL (GET /v1/foo)"),
-    ("POST", "/v2/completions", 404, "Invalid URL (POST /v2/completions)"),
-    ("GET", "/v1/completions", 405, "Invalid method for URL (GET /v1/completions): use POST"),
-    ("DELETE", "/v1/models", 405, "Invalid method for URL (DELETE /v1/models): use GET"),
-])
+@pytest.mark.parametrize(
+    "method, path, status, message",
+    [
+        ("GET", "/v1/foo", 404, "Invalid URL (GET /v1/foo)"),
+        ("POST", "/v2/completions", 404, "Invalid URL (POST /v2/completions)"),
+        ("GET", "/v1/completions", 405, "Invalid method for URL (GET /v1/completions): use POST"),
+        ("DELETE", "/v1/models", 405, "Invalid method for URL (DELETE /v1/models): use GET"),
+    ],
+)
 def test_unknown_urls_and_methods_in_openai_shape(up, method, path, status, message):
     r = httpx.request(method, f"{up[0].removesuffix('/v1')}{path}", headers={"Authorization": "Bearer sk-test-1"})
     assert r.status_code == status
     assert r.json() == {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": None}}
 
 
-@pytest.mark.parametrize("path, extra", [("/completions", {"prompt": "hi"}),
-                                         ("/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})])
-@pytest.mark.parametrize("model, message", [(None, "you must provide a model parameter"),
-                                            ("", "you must provide a model parameter"),
-                                            (5, "model must be a string")])
+@pytest.mark.parametrize(
+    "path, extra",
+    [("/completions", {"prompt": "hi"}), ("/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})],
+)
+@pytest.mark.parametrize(
+    "model, message",
+    [
+        (None, "you must provide a model parameter"),
+        ("", "you must provide a model parameter"),
+        (5, "model must be a string"),
+    ],
+)
 def test_model_is_required(up, path, extra, model, message):
     body = {**extra, "max_tokens": 2} | ({} if model is None else {"model": model})
     r = post(up, path, body)
@@ -231,14 +326,17 @@ def test_model_is_required(up, path, extra, model, message):
     assert error["type"] == "invalid_request_error"
 
 
-@pytest.mark.parametrize("message, param", [
-    ({"role": "user"}, "messages[0].content"),
-    ({"role": "user", "content": None}, "messages[0].content"),
-    ({"role": "user", "content": 5}, "messages[0].content"),
-    ({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}, "messages[0].content"),
-    ({"content": "hi"}, "messages[0].role"),
-    ("hi", "messages[0]"),
-])
+@pytest.mark.parametrize(
+    "message, param",
+    [
+        ({"role": "user"}, "messages[0].content"),
+        ({"role": "user", "content": None}, "messages[0].content"),
+        ({"role": "user", "content": 5}, "messages[0].content"),
+        ({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}, "messages[0].content"),
+        ({"content": "hi"}, "messages[0].role"),
+        ("hi", "messages[0]"),
+    ],
+)
 def test_chat_content_must_be_text(up, message, param):
     r = post(up, "/chat/completions", {"model": up[2], "max_tokens": 2, "messages": [message]})
     assert r.status_code == 400, r.text
@@ -248,8 +346,11 @@ def test_chat_content_must_be_text(up, message, param):
 def test_chat_content_may_be_empty_as_in_openai(up, client):
     """OpenAI's API takes "" as a content (it is a string); so does pdserve: the template renders it."""
     for content in ("", [{"type": "text", "text": ""}]):
-        result = client.chat.completions.create(model=up[2], max_tokens=2, messages=[
-            {"role": "system", "content": content}, {"role": "user", "content": content}])
+        result = client.chat.completions.create(
+            model=up[2],
+            max_tokens=2,
+            messages=[{"role": "system", "content": content}, {"role": "user", "content": content}],
+        )
         assert result.usage.completion_tokens >= 1 and result.usage.prompt_tokens > 0
 
 
@@ -270,8 +371,11 @@ def test_the_same_api_keys_guard_the_grpc_api(up):
         with Client(grpc_addr, api_key=key) as c:
             assert len(c.generate(PROMPT_IDS, max_tokens=3, ignore_eos=True).token_ids) == 3
             assert c.models() == [model]
-    for client in (Client(grpc_addr), Client(grpc_addr, api_key="sk-wrong"),
-                   Client(grpc_addr, metadata=[("authorization", KEY)])):  # not a Bearer value
+    for client in (
+        Client(grpc_addr),
+        Client(grpc_addr, api_key="sk-wrong"),
+        Client(grpc_addr, metadata=[("authorization", KEY)]),
+    ):  # not a Bearer value
         with client as c:
             for call in (lambda: c.generate(PROMPT_IDS, max_tokens=3), c.models, lambda: c.tokenize("hi")):
                 with pytest.raises(grpc.RpcError) as err:
@@ -341,6 +445,7 @@ def test_cached_prompt_tokens_are_in_usage(tiny_llama):
     again (blocks of 4 tokens; the last prompt token is always computed), in the streamed usage
     chunk too. On a cluster of its own: where a prefill runs must not be the router's measured
     choice (`pdserve up`'s local_prefill auto), or a repeat may go to the node that lacks it."""
+
     async def scenario():
         async with http_over_local_cluster(tiny_llama) as (router, prefills, decodes, http):
             base_url = f"{str(http.base_url).rstrip('/')}/v1"
@@ -361,8 +466,9 @@ async def cached_tokens_scenario(router, client: openai.AsyncOpenAI, model: str)
     messages = [{"role": "user", "content": "a conversation no other request has " * 4}]
     usages = []
     for _ in range(2):
-        stream = await client.chat.completions.create(model=model, messages=messages, max_tokens=2, stream=True,
-                                                      stream_options={"include_usage": True})
+        stream = await client.chat.completions.create(
+            model=model, messages=messages, max_tokens=2, stream=True, stream_options={"include_usage": True}
+        )
         chunks = [c async for c in stream]
         assert chunks[-1].choices == [] and all(c.usage is None for c in chunks[:-1])
         usages.append(chunks[-1].usage)
@@ -398,8 +504,11 @@ def test_health_is_503_and_not_serving_without_a_healthy_node_in_a_pool(tiny_lla
         async with http_over_local_cluster(tiny_llama) as (router, prefills, decodes, http):
             r = await http.get("/health")
             assert r.status_code == 200
-            assert r.json() == {"status": "ok", "prefill": {"healthy": 1, "nodes": 1},
-                                "decode": {"healthy": 1, "nodes": 1}}
+            assert r.json() == {
+                "status": "ok",
+                "prefill": {"healthy": 1, "nodes": 1},
+                "decode": {"healthy": 1, "nodes": 1},
+            }
             assert await grpc_health(router.address) == "SERVING"
             await decodes[0].server.set_serving(False)
             await until(lambda: not router.decode_pool.healthy())

@@ -19,8 +19,13 @@ from router.config import RouterConfig
 from serving.options import Option, options, to_argv
 from serving.process import ProcessConfig, node_configs
 
-SPECIAL = {"block_size": 8, "device": "cpu", "speculative": {"method": "ngram", "num_speculative_tokens": 3},
-           "kv_cache_bytes": 3 << 30, "cpus": "0"}
+SPECIAL = {
+    "block_size": 8,
+    "device": "cpu",
+    "speculative": {"method": "ngram", "num_speculative_tokens": 3},
+    "kv_cache_bytes": 3 << 30,
+    "cpus": "0",
+}
 
 
 def other_value(opt: Option):
@@ -92,8 +97,12 @@ def test_every_node_option_reaches_the_node(role):
     for config in (built["engine_config"], built["config"], *built["kv_options"]):
         assert_fields(config, given)
     security = built["security"]
-    assert (security.cert, security.key, security.ca, security.token) == \
-        (given["tls_cert"], given["tls_key"], given["tls_ca"], "s3cret")
+    assert (security.cert, security.key, security.ca, security.token) == (
+        given["tls_cert"],
+        given["tls_key"],
+        given["tls_ca"],
+        "s3cret",
+    )
     assert (args.host, args.metrics_port, args.cpus) == (given["host"], given["metrics_port"], given["cpus"])
 
 
@@ -103,8 +112,17 @@ def test_every_router_option_reaches_the_router():
 
     given = values(ProcessConfig, RouterConfig, SecurityConfig, where="cli")
     given["public_tls_key"] = "key.pem"  # it goes with the certificate
-    args = main.ENTRY.parser().parse_args(["--prefill", "a:1", "--decode", "b:2", "--model", "m",
-                                           *argv(dict(given), ProcessConfig, RouterConfig, SecurityConfig)])
+    args = main.ENTRY.parser().parse_args(
+        [
+            "--prefill",
+            "a:1",
+            "--decode",
+            "b:2",
+            "--model",
+            "m",
+            *argv(dict(given), ProcessConfig, RouterConfig, SecurityConfig),
+        ]
+    )
     assert_fields(from_args(RouterConfig, args), given)
     assert_fields(from_args(SecurityConfig, args), given)
     assert args.model == "m" and args.host == given["host"]
@@ -119,8 +137,15 @@ def test_every_option_of_pdserve_up_reaches_the_router_and_each_node_process():
     from pdserve.up import NODE_OPTIONS, Spawner, UpConfig, add_args
     from serving.options import from_args
 
-    classes = (UpConfig, ProcessConfig, RouterConfig, *NODE_OPTIONS["prefill"], *NODE_OPTIONS["decode"],
-               EngineConfig, SecurityConfig)
+    classes = (
+        UpConfig,
+        ProcessConfig,
+        RouterConfig,
+        *NODE_OPTIONS["prefill"],
+        *NODE_OPTIONS["decode"],
+        EngineConfig,
+        SecurityConfig,
+    )
     given = values(*classes, where="cli", skip=("kv_tcp_port", "pin_cpus"))
     given["public_tls_key"] = "key.pem"
     up_parser = argparse.ArgumentParser()
@@ -157,9 +182,15 @@ def test_every_serve_option_reaches_its_deployment():
     decode, decode_section = section(DecodeConfig, *transports.reader_options())
     decode_section["kv_transport"] = decode["kv_transport"] = "tcp"  # one the prefill pool serves
     security, security_section = section(SecurityConfig)
-    a = parse_args({"model": "m", "router": router_section, "security": security_section,
-                    "prefill": {"engine": engine_section, **prefill_section},
-                    "decode": {"engine": engine_section, **decode_section}})
+    a = parse_args(
+        {
+            "model": "m",
+            "router": router_section,
+            "security": security_section,
+            "prefill": {"engine": engine_section, **prefill_section},
+            "decode": {"engine": engine_section, **decode_section},
+        }
+    )
     assert_fields(a.router, router)
     assert_fields(a.security, security)
     for pool, given in ((a.prefill, prefill), (a.decode, decode)):
@@ -176,8 +207,15 @@ def test_an_option_is_declared_once():
     from pdserve.up import NODE_OPTIONS, UpConfig
 
     shared = {"max_model_len", "port"}
-    classes = (UpConfig, ProcessConfig, RouterConfig, *NODE_OPTIONS["prefill"], *NODE_OPTIONS["decode"],
-               EngineConfig, SecurityConfig)
+    classes = (
+        UpConfig,
+        ProcessConfig,
+        RouterConfig,
+        *NODE_OPTIONS["prefill"],
+        *NODE_OPTIONS["decode"],
+        EngineConfig,
+        SecurityConfig,
+    )
     seen: dict[str, type] = {}
     for cls in classes:
         for o in options(cls, "cli"):

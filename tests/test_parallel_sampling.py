@@ -41,8 +41,15 @@ def test_n_samples_share_one_prefill_and_equal_single_samples(tiny_llama):
     for i, out in outs.items():  # sample i is the request run alone with sample i's parameters
         alone = samples(make_engine(tiny_llama), "x", PROMPT, params.for_sample(i))[0]
         assert out.token_ids == alone.token_ids and out.text == alone.text
-    assert outs[0].token_ids == samples(make_engine(tiny_llama), "y", PROMPT,
-                                        SamplingParams(max_tokens=12, temperature=1.0, seed=5, ignore_eos=True))[0].token_ids
+    assert (
+        outs[0].token_ids
+        == samples(
+            make_engine(tiny_llama),
+            "y",
+            PROMPT,
+            SamplingParams(max_tokens=12, temperature=1.0, seed=5, ignore_eos=True),
+        )[0].token_ids
+    )
     assert_no_blocks_used(engine)
 
 
@@ -84,8 +91,13 @@ def test_greedy_samples_agree_and_llm_generate_returns_them_all(tiny_llama):
     from engine import LLM
 
     llm = LLM(str(tiny_llama), dtype="float32", device="cpu", num_kv_blocks=256, block_size=4)
-    one, three = llm.generate([PROMPT, PROMPT], [SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
-                                                 SamplingParams(max_tokens=8, temperature=0, n=3, ignore_eos=True)])
+    one, three = llm.generate(
+        [PROMPT, PROMPT],
+        [
+            SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
+            SamplingParams(max_tokens=8, temperature=0, n=3, ignore_eos=True),
+        ],
+    )
     assert one.samples is None and [s.index for s in three.samples] == [0, 1, 2]
     assert all(s.token_ids == one.token_ids for s in three.samples)
 
@@ -136,13 +148,16 @@ def test_bad_sample_counts_are_named(tiny_llama):
     with pytest.raises(ValueError, match="n must be"):
         SamplingParams(n=17)
     engine = make_engine(tiny_llama)
-    with pytest.raises(ValueError, match="n, best_of and beam_width must be 1 for a prefill to export or a migrated request"):
+    with pytest.raises(
+        ValueError, match="n, best_of and beam_width must be 1 for a prefill to export or a migrated request"
+    ):
         engine.add_prefill("x", PROMPT, SamplingParams(n=2))
     assert not engine.has_unfinished() and not engine.groups
 
 
-@pytest.mark.parametrize("placement", [dict(), dict(kv_layerwise="on"), dict(local_prefill="always")],
-                         ids=["remote", "layerwise", "local"])
+@pytest.mark.parametrize(
+    "placement", [dict(), dict(kv_layerwise="on"), dict(local_prefill="always")], ids=["remote", "layerwise", "local"]
+)
 def test_samples_through_the_router_one_prefill_one_transfer(tiny_llama, placement):
     """n = 3 over gRPC: every sample as the engine alone draws it, the prompt prefilled once and
     its KV moved once; streamed messages carry their sample's index, each ends once."""

@@ -109,6 +109,7 @@ def test_follow_ups_prefill_on_the_decode_node_from_its_cache_with_the_same_toke
 
     async def scenario():
         async with local_cluster(tiny_llama, local_prefill="auto") as (router, prefills, decodes):
+
             def slow_link():  # a tiny model's steps take a millisecond: make the decision plain
                 router.placement.link_s_per_token = 0.01
 
@@ -165,10 +166,16 @@ def test_a_local_prefill_request_with_a_kv_source_or_a_bad_prompt_is_refused(tin
         async with local_cluster(tiny_llama) as (router, prefills, decodes):
             async with grpc.aio.insecure_channel(decodes[0].address) as channel:
                 stub = nodes_pb2_grpc.DecodeNodeStub(channel)
-                base = dict(request_id="x", prompt_token_ids=SYSTEM, prefill_locally=True,
-                            sampling=nodes_pb2.DecodeRequest().sampling)
-                for extra, words in ((dict(kv=nodes_pb2.KVSource(lease_id="l")), "carries no kv source"),
-                                     (dict(prompt_token_ids=[10**6]), "must be integers in")):
+                base = dict(
+                    request_id="x",
+                    prompt_token_ids=SYSTEM,
+                    prefill_locally=True,
+                    sampling=nodes_pb2.DecodeRequest().sampling,
+                )
+                for extra, words in (
+                    (dict(kv=nodes_pb2.KVSource(lease_id="l")), "carries no kv source"),
+                    (dict(prompt_token_ids=[10**6]), "must be integers in"),
+                ):
                     with pytest.raises(grpc.aio.AioRpcError) as e:
                         async for _ in stub.Decode(nodes_pb2.DecodeRequest(**{**base, **extra})):
                             pass

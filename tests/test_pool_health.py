@@ -83,6 +83,7 @@ def test_late_answers_keep_a_node_and_silence_or_refusal_takes_it_out():
 def test_closing_a_pool_with_refreshes_in_flight_leaves_no_task_error():
     """`pdserve up` shutdowns printed `Task exception was never retrieved ... UsageError: Channel
     is closed`: a load refresh still running when its channel closed."""
+
     async def scenario():
         errors = []
         asyncio.get_running_loop().set_exception_handler(lambda loop, context: errors.append(context))
@@ -110,6 +111,7 @@ def test_a_node_removed_while_a_check_is_in_flight_does_not_cancel_the_checker()
     """update() removes a node (it died; pdserve up restarts it elsewhere) while a check on it is in
     flight: closing its channel then raised CancelledError in whoever awaited the check, a request
     migrating off that node, which then hung. The channel stays open until idle for a grace period."""
+
     async def scenario():
         silent = await asyncio.start_server(lambda reader, writer: None, "127.0.0.1", 0)  # accepts, never answers
         address = f"127.0.0.1:{silent.sockets[0].getsockname()[1]}"

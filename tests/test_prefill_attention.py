@@ -19,7 +19,7 @@ def dense(q, k, v, starts, lens, window):
         group = q.shape[1] // k[seq].shape[1]
         ks = k[seq].float().transpose(0, 1).repeat_interleave(group, 0)  # [Hq, ctx, D]
         vs = v[seq].float().transpose(0, 1).repeat_interleave(group, 0)
-        qs = q[first:first + n].float().transpose(0, 1)  # [Hq, n, D]
+        qs = q[first : first + n].float().transpose(0, 1)  # [Hq, n, D]
         scores = qs @ ks.transpose(1, 2) * q.shape[-1] ** -0.5
         q_pos = torch.arange(start, start + n)[:, None]
         k_pos = torch.arange(start + n)[None, :]
@@ -50,7 +50,7 @@ def test_prefill_matmul_matches_dense_and_sdpa(heads, kv_heads, head_dim, block_
     perm = torch.randperm(sum(widths) + 2, generator=g).tolist()  # scattered blocks
     tables, used = [], 0
     for w in widths:
-        tables.append(perm[used:used + w])
+        tables.append(perm[used : used + w])
         used += w
     num_slots = (sum(widths) + 2) * block_size
     k_cache = torch.randn(num_slots, kv_heads, head_dim, generator=g).mul(2).to(dtype)
@@ -63,13 +63,15 @@ def test_prefill_matmul_matches_dense_and_sdpa(heads, kv_heads, head_dim, block_
     outs = {}
     for matmul in (False, True):
         kc, vc = k_cache.clone(), v_cache.clone()
-        meta = build_metadata(starts, lens, tables, num_decode, block_size, window or None, torch.device("cpu"),
-                              prefill_matmul=matmul)
+        meta = build_metadata(
+            starts, lens, tables, num_decode, block_size, window or None, torch.device("cpu"), prefill_matmul=matmul
+        )
         assert isinstance(meta.prefill, PrefillSeqs) == matmul
         outs[matmul] = paged_attention(q, k_new, v_new, kc, vc, meta)
     # The dense reference reads the caches as written by the step.
-    pos_slots = [[t[p // block_size] * block_size + p % block_size for p in range(s + n)]
-                 for t, (s, n) in zip(tables, seqs)]
+    pos_slots = [
+        [t[p // block_size] * block_size + p % block_size for p in range(s + n)] for t, (s, n) in zip(tables, seqs)
+    ]
     ks = [kc[torch.tensor(p)] for p in pos_slots]
     vs = [vc[torch.tensor(p)] for p in pos_slots]
     want = dense(q, ks, vs, starts, lens, window)

@@ -143,8 +143,11 @@ def test_the_router_prefers_the_node_holding_the_prefix_until_load_outweighs_it(
     cold, warm = (Endpoint(address, None, None, healthy=True) for address in ("cold:1", "warm:1"))
     pool.endpoints = [cold, warm]
     cold.apply_load(common_pb2.NodeLoad(block_size=4, cache_version=1, cached_added=[7], cache_snapshot=True))
-    warm.apply_load(common_pb2.NodeLoad(block_size=4, cache_version=3, cached_added=block_hashes(prompt, 4)[:8],
-                                        cache_snapshot=True))
+    warm.apply_load(
+        common_pb2.NodeLoad(
+            block_size=4, cache_version=3, cached_added=block_hashes(prompt, 4)[:8], cache_snapshot=True
+        )
+    )
     assert warm.cached_tokens({4: block_hashes(prompt[:-1], 4)}) == 32
     assert pool.pick(prompt=prompt) is warm
     warm.outstanding = 3  # 32 cached tokens are worth 2 requests in flight (16 tokens each): 3 outweigh them
@@ -161,6 +164,7 @@ def test_a_conversation_sticks_to_the_prefill_node_holding_its_history(tiny_llam
     import asyncio
 
     from cluster import local_cluster, wait_for_no_blocks
+
     from router.client import AsyncClient
 
     async def chat(router, first: list[int]) -> list[dict]:
@@ -285,7 +289,7 @@ def test_colliding_names_in_an_engine_give_the_tokens_of_no_cache(tiny_llama, mo
     is checked, so the tokens are those without caching (fp32)."""
     import engine.block_manager as block_manager
 
-    prompts = {f"r{i}": SYSTEM[:4 + 3 * (i % 4)] + [200 + i, 201 + i, 202 + i] * (1 + i % 3) for i in range(10)}
+    prompts = {f"r{i}": SYSTEM[: 4 + 3 * (i % 4)] + [200 + i, 201 + i, 202 + i] * (1 + i % 3) for i in range(10)}
     prompts |= {f"rev{i}": list(reversed(p)) for i, p in enumerate(list(prompts.values())[:4])}
 
     reference, _ = greedy_tokens(tiny_llama, prompts, num_kv_blocks=28, enable_prefix_caching=False)

@@ -77,13 +77,23 @@ def test_generate_through_the_proxy_and_the_direct_port_equals_pdserve_up(deploy
     # The OpenAI-compatible HTTP API through Serve's HTTP ingress: the same tokens.
     import openai
 
-    http = openai.OpenAI(base_url=f"http://127.0.0.1:{config['http_options']['port']}/v1", api_key="none",
-                         max_retries=0)
-    completion = http.completions.create(model=str(tiny_llama), prompt=PROMPT, max_tokens=24, temperature=0,
-                                         extra_body={"ignore_eos": True})
+    http = openai.OpenAI(
+        base_url=f"http://127.0.0.1:{config['http_options']['port']}/v1", api_key="none", max_retries=0
+    )
+    completion = http.completions.create(
+        model=str(tiny_llama), prompt=PROMPT, max_tokens=24, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert completion.choices[0].text == via_direct.text and completion.usage.completion_tokens == 24
-    chunks = list(http.completions.create(model=str(tiny_llama), prompt=PROMPT, max_tokens=24, temperature=0,
-                                          stream=True, extra_body={"ignore_eos": True}))
+    chunks = list(
+        http.completions.create(
+            model=str(tiny_llama),
+            prompt=PROMPT,
+            max_tokens=24,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks) == via_direct.text
     # Serve's ingress keeps the app's OpenAI-shaped 404s and health.
     import httpx
@@ -136,7 +146,7 @@ def under_load(address, prompt, params, until, what, timeout_s=HANG_S):
     thread, errors = run_load(address, 12, stop, prompt, **params)
     seen = []
     try:
-        wait_until(lambda: (seen.append(replica_counts()) or until(seen[-1])), timeout_s, what, last=lambda: seen[-1])
+        wait_until(lambda: seen.append(replica_counts()) or until(seen[-1]), timeout_s, what, last=lambda: seen[-1])
     finally:
         stop.set()
         thread.join(timeout=HANG_S)
@@ -153,8 +163,9 @@ def test_each_pool_scales_on_its_own_signal(deployed):
     assert all(c["Decode"] == 1 for c in seen), seen
     wait_until(lambda: replica_counts()["Prefill"] == 1, HANG_S, "prefill to scale back down", last=replica_counts)
     # Decode-heavy: short prompts, long outputs.
-    seen = under_load(direct, PROMPT, dict(max_tokens=600, ignore_eos=True), lambda c: c["Decode"] == 2,
-                      "decode to scale up")
+    seen = under_load(
+        direct, PROMPT, dict(max_tokens=600, ignore_eos=True), lambda c: c["Decode"] == 2, "decode to scale up"
+    )
     assert all(c["Prefill"] == 1 for c in seen), seen
 
 
@@ -217,9 +228,23 @@ def test_pdserve_serve_redeploys_on_an_existing_cluster(deployed, tmp_path):
     config, direct, _ = deployed
     path = tmp_path / "serve.yaml"
     path.write_text(yaml.safe_dump(config))
-    r = subprocess.run([sys.executable, "-m", "pdserve", "serve", "--config", str(path), "--address",
-                        ray.get_runtime_context().gcs_address, "--timeout", str(HANG_S)],
-                       capture_output=True, text=True, timeout=HANG_S + 60)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pdserve",
+            "serve",
+            "--config",
+            str(path),
+            "--address",
+            ray.get_runtime_context().gcs_address,
+            "--timeout",
+            str(HANG_S),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=HANG_S + 60,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert "application 'pdserve' is RUNNING" in r.stdout
     assert _serves(direct)
@@ -227,6 +252,10 @@ def test_pdserve_serve_redeploys_on_an_existing_cluster(deployed, tmp_path):
     config = copy.deepcopy(config)
     config["applications"][0]["deployments"][1]["autoscaling_config"]["max_replicsa"] = 3
     bad.write_text(yaml.safe_dump(config))
-    r = subprocess.run([sys.executable, "-m", "pdserve", "serve", "--config", str(bad), "--address", "unused"],
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "pdserve", "serve", "--config", str(bad), "--address", "unused"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 2 and "max_replicsa" in r.stderr

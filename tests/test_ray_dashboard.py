@@ -95,8 +95,7 @@ class Output:
             self.lines.append(line)
             if m := re.search(pattern, line):
                 return m
-        raise AssertionError(f"no line matching {pattern!r} after {timeout_s:.0f} s; output:\n"
-                             + "\n".join(self.lines))
+        raise AssertionError(f"no line matching {pattern!r} after {timeout_s:.0f} s; output:\n" + "\n".join(self.lines))
 
 
 def _get(url: str, **headers) -> tuple[int, str]:
@@ -157,11 +156,17 @@ def test_pdserve_serve_prints_the_dashboard_steps_and_they_reach_the_serve_api(t
     config_path.write_text(yaml.safe_dump(config))
     env = {k: v for k, v in os.environ.items() if k not in AUTH_ENV}  # Ray's default: token auth on
     bin_dir = str(Path(sys.executable).parent)  # `ray get-auth-token`, as the user's venv has it
-    env.update(HOME=str(home), RAY_TMPDIR=ray_tmp, PATH=f"{bin_dir}{os.pathsep}{env.get('PATH', '')}",
-               PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen([sys.executable, "-m", "pdserve", "serve", "--config", str(config_path),
-                             "--timeout", str(HANG_S)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    env.update(
+        HOME=str(home), RAY_TMPDIR=ray_tmp, PATH=f"{bin_dir}{os.pathsep}{env.get('PATH', '')}", PYTHONUNBUFFERED="1"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pdserve", "serve", "--config", str(config_path), "--timeout", str(HANG_S)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     out = Output(proc)
     try:
         out.wait_for(r"^pdserve serve: application 'pdserve' is RUNNING", HANG_S + 300)
@@ -182,8 +187,14 @@ def test_pdserve_serve_prints_the_dashboard_steps_and_they_reach_the_serve_api(t
         assert _get(api, Authorization="Bearer " + "0" * 64)[0] == 403
 
         # The shell step, as printed (plus curl's own flags to show the status).
-        shell = subprocess.run(["bash", "-c", f"{curl} -sS -w '\\n%{{http_code}}'"], env=env, cwd=home,
-                               capture_output=True, text=True, timeout=120)
+        shell = subprocess.run(
+            ["bash", "-c", f"{curl} -sS -w '\\n%{{http_code}}'"],
+            env=env,
+            cwd=home,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         body, _, code = shell.stdout.rpartition("\n")
         assert code == "200", shell
         apps = json.loads(body)["applications"]
@@ -192,8 +203,9 @@ def test_pdserve_serve_prints_the_dashboard_steps_and_they_reach_the_serve_api(t
         # The browser step: the command the line names prints the token; the page posts it to
         # /api/authenticate (the dashboard's "Authentication Token Required" dialog), which sets
         # a cookie that then opens the API.
-        printed = subprocess.run(["bash", "-c", sign_in.group(1)], env=env, cwd=home, capture_output=True,
-                                 text=True, timeout=120)
+        printed = subprocess.run(
+            ["bash", "-c", sign_in.group(1)], env=env, cwd=home, capture_output=True, text=True, timeout=120
+        )
         assert printed.stdout.strip() == token, printed.stderr
         import requests
 
@@ -202,8 +214,9 @@ def test_pdserve_serve_prints_the_dashboard_steps_and_they_reach_the_serve_api(t
         browser.headers["User-Agent"] = "Mozilla/5.0"
         assert browser.get(f"{url}/", timeout=60).status_code == 200  # the page itself is public
         assert browser.get(api, timeout=60).status_code == 401
-        auth = browser.post(f"{url}/api/authenticate", headers={"Authorization": f"Bearer {printed.stdout.strip()}"},
-                            timeout=60)
+        auth = browser.post(
+            f"{url}/api/authenticate", headers={"Authorization": f"Bearer {printed.stdout.strip()}"}, timeout=60
+        )
         assert auth.status_code == 200 and "ray-authentication-token" in browser.cookies
         signed_in = browser.get(api, timeout=60)
         assert signed_in.status_code == 200 and "pdserve" in signed_in.json()["applications"]

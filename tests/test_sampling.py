@@ -84,8 +84,9 @@ def test_same_seed_same_tokens_whatever_the_batch(tiny_llama):
     engine.step()
     with_others = generate(engine, {"x": PROMPT}, seeded)["x"].token_ids
     assert alone == with_others
-    other_seed = generate(make_engine(tiny_llama), {"x": PROMPT},
-                          SamplingParams(max_tokens=16, temperature=1.0, seed=99, ignore_eos=True))["x"].token_ids
+    other_seed = generate(
+        make_engine(tiny_llama), {"x": PROMPT}, SamplingParams(max_tokens=16, temperature=1.0, seed=99, ignore_eos=True)
+    )["x"].token_ids
     assert other_seed != alone
 
 
@@ -111,8 +112,9 @@ def test_logprobs_are_the_model_distribution(tiny_llama):
     recorded = []
     forward = engine.runner.forward
     engine.runner.forward = lambda batch: (lambda r: (recorded.append(r[2].clone()), r)[1])(forward(batch))
-    out = generate(engine, {"x": PROMPT}, SamplingParams(max_tokens=4, temperature=0.8, seed=3, logprobs=3,
-                                                         ignore_eos=True))["x"]
+    out = generate(
+        engine, {"x": PROMPT}, SamplingParams(max_tokens=4, temperature=0.8, seed=3, logprobs=3, ignore_eos=True)
+    )["x"]
     assert len(out.logprobs) == 4
     for token_id, entry, logits in zip(out.token_ids, out.logprobs, recorded):
         ref = torch.log_softmax(logits[0], -1)
@@ -139,9 +141,12 @@ def test_stop_string_cuts_the_text_before_it(tiny_llama):
     full = generate(make_engine(tiny_llama), {"x": PROMPT}, greedy)["x"]
     # A three-character stop string from the middle of the greedy text (random weights also emit
     # incomplete UTF-8, shown as U+FFFD; avoid those).
-    cut = next(i for i in range(2, len(full.text) - 3)
-               if "\ufffd" not in full.text[i:i + 3] and full.text.find(full.text[i:i + 3]) == i)
-    stop = full.text[cut:cut + 3]
+    cut = next(
+        i
+        for i in range(2, len(full.text) - 3)
+        if "\ufffd" not in full.text[i : i + 3] and full.text.find(full.text[i : i + 3]) == i
+    )
+    stop = full.text[cut : cut + 3]
     engine = make_engine(tiny_llama)
     streamed = []
     engine.add_request("x", PROMPT, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, stop=[stop]))
@@ -165,10 +170,11 @@ def test_stop_token_ids_max_tokens_and_eos(tiny_llama):
     greedy = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
     ref = generate(make_engine(tiny_llama), {"x": PROMPT}, greedy)["x"].token_ids
     stop_id = ref[4]
-    out = generate(make_engine(tiny_llama), {"x": PROMPT},
-                   SamplingParams(max_tokens=20, temperature=0, stop_token_ids=[stop_id]))["x"]
+    out = generate(
+        make_engine(tiny_llama), {"x": PROMPT}, SamplingParams(max_tokens=20, temperature=0, stop_token_ids=[stop_id])
+    )["x"]
     assert out.finish_reason == "stop"
-    assert out.token_ids == ref[:ref.index(stop_id) + 1]
+    assert out.token_ids == ref[: ref.index(stop_id) + 1]
     out = generate(make_engine(tiny_llama), {"x": PROMPT}, SamplingParams(max_tokens=3, temperature=0))["x"]
     assert out.finish_reason == "length" and out.token_ids == ref[:3]
     # EOS ends a request unless ignore_eos is set.
@@ -190,8 +196,10 @@ def test_generation_stops_at_max_model_len(tiny_llama):
 def test_a_migrated_request_continues_exactly(tiny_llama):
     """Recomputing prompt + the tokens generated so far (what a migration does) continues with the
     same tokens, greedy or seeded, and streams only the new text."""
-    for params in (SamplingParams(max_tokens=16, temperature=0, ignore_eos=True),
-                   SamplingParams(max_tokens=16, temperature=1.0, seed=11, ignore_eos=True)):
+    for params in (
+        SamplingParams(max_tokens=16, temperature=0, ignore_eos=True),
+        SamplingParams(max_tokens=16, temperature=1.0, seed=11, ignore_eos=True),
+    ):
         full = generate(make_engine(tiny_llama), {"x": PROMPT}, params)["x"]
         engine = make_engine(tiny_llama)
         engine.add_request("x", PROMPT, params, output_token_ids=full.token_ids[:6])

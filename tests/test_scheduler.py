@@ -14,8 +14,12 @@ from engine.sequence import FinishReason, Sequence, SequenceStatus
 
 
 def make(num_blocks=16, block_size=4, max_model_len=1000, **cfg) -> Scheduler:
-    return Scheduler(EngineConfig(block_size=block_size, **cfg), BlockManager(num_blocks, block_size),
-                     max_model_len, eos_token_ids=(0,))
+    return Scheduler(
+        EngineConfig(block_size=block_size, **cfg),
+        BlockManager(num_blocks, block_size),
+        max_model_len,
+        eos_token_ids=(0,),
+    )
 
 
 def seq(rid, n_prompt, max_tokens=5) -> Sequence:
@@ -24,8 +28,10 @@ def seq(rid, n_prompt, max_tokens=5) -> Sequence:
 
 def fake_step(s: Scheduler, token=7):
     batch = s.schedule()
-    sampled = [[token] if q.num_computed_tokens + n == q.num_tokens else []
-               for q, n in zip(batch.seqs, batch.num_scheduled_tokens)]
+    sampled = [
+        [token] if q.num_computed_tokens + n == q.num_tokens else []
+        for q, n in zip(batch.seqs, batch.num_scheduled_tokens)
+    ]
     return batch, s.update(batch, sampled)
 
 

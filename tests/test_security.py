@@ -16,10 +16,10 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from serving.grpc_server import GrpcServer
 from kvtransfer.security import Security
 from pdserve_api import common_pb2, nodes_pb2, nodes_pb2_grpc
 from router.client import AsyncClient
+from serving.grpc_server import GrpcServer
 
 
 def _name(cn: str) -> x509.Name:
@@ -28,27 +28,43 @@ def _name(cn: str) -> x509.Name:
 
 def make_pki(tmp_path, tag: str) -> dict[str, str]:
     """A CA and a certificate for 127.0.0.1 usable as server and client; PEM file paths."""
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca = (x509.CertificateBuilder().subject_name(_name(f"{tag}-ca")).issuer_name(_name(f"{tag}-ca"))
-          .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
-          .not_valid_before(now - datetime.timedelta(hours=1)).not_valid_after(now + datetime.timedelta(days=1))
-          .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-          .sign(ca_key, hashes.SHA256()))
+    ca = (
+        x509.CertificateBuilder()
+        .subject_name(_name(f"{tag}-ca"))
+        .issuer_name(_name(f"{tag}-ca"))
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(hours=1))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(ca_key, hashes.SHA256())
+    )
     key = ec.generate_private_key(ec.SECP256R1())
-    cert = (x509.CertificateBuilder().subject_name(_name(f"{tag}-node")).issuer_name(ca.subject)
-            .public_key(key.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(hours=1)).not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
-                                                        x509.DNSName("localhost")]), critical=False)
-            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
-                           critical=False)
-            .sign(ca_key, hashes.SHA256()))
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(_name(f"{tag}-node"))
+        .issuer_name(ca.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(hours=1))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(
+            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")]),
+            critical=False,
+        )
+        .add_extension(
+            x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False
+        )
+        .sign(ca_key, hashes.SHA256())
+    )
     files = {"ca": tmp_path / f"{tag}-ca.pem", "cert": tmp_path / f"{tag}-cert.pem", "key": tmp_path / f"{tag}-key.pem"}
     files["ca"].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
     files["cert"].write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    files["key"].write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                               serialization.NoEncryption()))
+    files["key"].write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
     return {k: str(v) for k, v in files.items()}
 
 
@@ -68,9 +84,11 @@ def test_mutual_tls_on_the_internal_ports(tiny_llama, tmp_path):
                 result = await client.generate([5, 6, 7, 8], max_tokens=6, ignore_eos=True)
                 assert len(result.token_ids) == 6 and result.timings["kv_transport"] == "grpc"
             assert (await _load(cluster_tls, prefills[0])).num_total_blocks > 0
-            for intruder in (Security(ca=pki["ca"]),  # TLS, but no client certificate
-                             Security(other["cert"], other["key"], pki["ca"]),  # a certificate from another CA
-                             Security()):  # plaintext
+            for intruder in (
+                Security(ca=pki["ca"]),  # TLS, but no client certificate
+                Security(other["cert"], other["key"], pki["ca"]),  # a certificate from another CA
+                Security(),
+            ):  # plaintext
                 for node in prefills + decodes:
                     with pytest.raises(grpc.aio.AioRpcError) as err:
                         await _load(intruder, node)
@@ -78,16 +96,30 @@ def test_mutual_tls_on_the_internal_ports(tiny_llama, tmp_path):
             # A forged KV push: a decode request naming a KV plane outside the cluster. The decode
             # node checks the peer's certificate before reading a byte, so nothing is decoded.
             fake = GrpcServer(security=Security(other["cert"], other["key"], other["ca"]))
-            fake.add(nodes_pb2_grpc.add_KVPlaneServicer_to_server, nodes_pb2_grpc.KVPlaneServicer(),
-                     nodes_pb2.DESCRIPTOR.services_by_name["KVPlane"])
+            fake.add(
+                nodes_pb2_grpc.add_KVPlaneServicer_to_server,
+                nodes_pb2_grpc.KVPlaneServicer(),
+                nodes_pb2.DESCRIPTOR.services_by_name["KVPlane"],
+            )
             await fake.start()
             layout = decodes[0].layout.to_proto()
             async with cluster_tls.channel(decodes[0].address) as channel:
-                call = nodes_pb2_grpc.DecodeNodeStub(channel).Decode(nodes_pb2.DecodeRequest(
-                    request_id="forged", prompt_token_ids=[5, 6], output_token_ids=[7],
-                    sampling=common_pb2.SamplingParams(max_tokens=3),
-                    kv=nodes_pb2.KVSource(lease_id="x", kv_address=fake.address, layout=layout, num_tokens=2,
-                                          block_ids=[0], num_bytes=decodes[0].layout.num_bytes(2))))
+                call = nodes_pb2_grpc.DecodeNodeStub(channel).Decode(
+                    nodes_pb2.DecodeRequest(
+                        request_id="forged",
+                        prompt_token_ids=[5, 6],
+                        output_token_ids=[7],
+                        sampling=common_pb2.SamplingParams(max_tokens=3),
+                        kv=nodes_pb2.KVSource(
+                            lease_id="x",
+                            kv_address=fake.address,
+                            layout=layout,
+                            num_tokens=2,
+                            block_ids=[0],
+                            num_bytes=decodes[0].layout.num_bytes(2),
+                        ),
+                    )
+                )
                 with pytest.raises(grpc.aio.AioRpcError) as err:
                     async for _ in call:
                         pass
@@ -113,8 +145,11 @@ def test_mutual_tls_on_the_tcp_kv_plane(tiny_llama, tmp_path):
             # An intruder that even knows a live lease and its key reads nothing without a
             # certificate of the cluster's CA.
             async with cluster_tls.channel(prefills[0].address) as channel:
-                reply = await nodes_pb2_grpc.PrefillNodeStub(channel).Prefill(nodes_pb2.PrefillRequest(
-                    request_id="r", prompt_token_ids=[5, 6, 7], sampling=common_pb2.SamplingParams(max_tokens=4)))
+                reply = await nodes_pb2_grpc.PrefillNodeStub(channel).Prefill(
+                    nodes_pb2.PrefillRequest(
+                        request_id="r", prompt_token_ids=[5, 6, 7], sampling=common_pb2.SamplingParams(max_tokens=4)
+                    )
+                )
             dst = decodes[0].llm.kv_cache
             for intruder in (Security(ca=pki["ca"]), Security(other["cert"], other["key"], pki["ca"]), Security()):
                 with pytest.raises(KVTransferError):
@@ -140,8 +175,11 @@ def test_tls_without_a_ca_on_the_tcp_kv_plane(tiny_llama, tmp_path):
     async def scenario():
         async with local_cluster(tiny_llama, security=cluster_tls, kv_transport="tcp") as (router, prefills, decodes):
             async with cluster_tls.channel(prefills[0].address) as channel:
-                reply = await nodes_pb2_grpc.PrefillNodeStub(channel).Prefill(nodes_pb2.PrefillRequest(
-                    request_id="r", prompt_token_ids=[5, 6, 7], sampling=common_pb2.SamplingParams(max_tokens=4)))
+                reply = await nodes_pb2_grpc.PrefillNodeStub(channel).Prefill(
+                    nodes_pb2.PrefillRequest(
+                        request_id="r", prompt_token_ids=[5, 6, 7], sampling=common_pb2.SamplingParams(max_tokens=4)
+                    )
+                )
             with pytest.raises(KVTransferError, match="certificate"):
                 await no_ca.read(reply.kv, decodes[0].llm.kv_cache, decodes[0].layout, [0])
             await prefills[0].release(reply.kv.lease_id)
@@ -183,9 +221,13 @@ def test_public_port_with_tls_and_token(tiny_llama, tmp_path):
 
     async def scenario():
         async with local_cluster(tiny_llama) as (plain, prefills, decodes):
-            router = Router(str(tiny_llama), [p.address for p in prefills], [d.address for d in decodes],
-                            RouterConfig(port=0), public_security=Security.from_files(pki["cert"], pki["key"],
-                                                                token_file=str(tmp_path / "token")))
+            router = Router(
+                str(tiny_llama),
+                [p.address for p in prefills],
+                [d.address for d in decodes],
+                RouterConfig(port=0),
+                public_security=Security.from_files(pki["cert"], pki["key"], token_file=str(tmp_path / "token")),
+            )
             await router.start()
             try:
                 good = Security.from_files(ca=pki["ca"], token_file=str(tmp_path / "token"))

@@ -22,27 +22,41 @@ def test_the_shipped_config_validates(config):
     assert app.import_path == "pdserve.ray_app:build_app"
     names = {d.name for d in app.deployments}
     assert names == {"Router", "Prefill", "Decode"}
-    policies = {d["name"]: d["autoscaling_config"]["policy"]["policy_function"]
-                for d in config["applications"][0]["deployments"] if "autoscaling_config" in d}
+    policies = {
+        d["name"]: d["autoscaling_config"]["policy"]["policy_function"]
+        for d in config["applications"][0]["deployments"]
+        if "autoscaling_config" in d
+    }
     assert policies == {"Prefill": "pdserve.autoscaling:PrefillPolicy", "Decode": "pdserve.autoscaling:DecodePolicy"}
     # Each node resolves auto for its own machine (bf16 with native support or on CUDA, else fp32).
     args = config["applications"][0]["args"]
     assert args["prefill"]["engine"]["dtype"] == args["decode"]["engine"]["dtype"] == "auto"
 
 
-@pytest.mark.parametrize("mutate, key", [
-    (lambda c: c.__setitem__("proxy_locaton", "EveryNode"), "proxy_locaton"),
-    (lambda c: c["grpc_options"].__setitem__("prot", 1), "grpc_options.prot"),
-    (lambda c: c["applications"][0].__setitem__("import_pth", "x"), "applications[0].import_pth"),
-    (lambda c: c["applications"][0]["deployments"][0].__setitem__("num_replica", 2),
-     "applications[0].deployments[0].num_replica"),
-    (lambda c: c["applications"][0]["deployments"][1]["autoscaling_config"].__setitem__("max_replicsa", 3),
-     "applications[0].deployments[1].autoscaling_config.max_replicsa"),
-    (lambda c: c["applications"][0]["deployments"][1]["autoscaling_config"]["policy"].__setitem__("kwargs", {}),
-     "autoscaling_config.policy.kwargs"),
-    (lambda c: c["applications"][0]["deployments"][0]["ray_actor_options"].__setitem__("num_cpu", 1),
-     "ray_actor_options.num_cpu"),
-])
+@pytest.mark.parametrize(
+    "mutate, key",
+    [
+        (lambda c: c.__setitem__("proxy_locaton", "EveryNode"), "proxy_locaton"),
+        (lambda c: c["grpc_options"].__setitem__("prot", 1), "grpc_options.prot"),
+        (lambda c: c["applications"][0].__setitem__("import_pth", "x"), "applications[0].import_pth"),
+        (
+            lambda c: c["applications"][0]["deployments"][0].__setitem__("num_replica", 2),
+            "applications[0].deployments[0].num_replica",
+        ),
+        (
+            lambda c: c["applications"][0]["deployments"][1]["autoscaling_config"].__setitem__("max_replicsa", 3),
+            "applications[0].deployments[1].autoscaling_config.max_replicsa",
+        ),
+        (
+            lambda c: c["applications"][0]["deployments"][1]["autoscaling_config"]["policy"].__setitem__("kwargs", {}),
+            "autoscaling_config.policy.kwargs",
+        ),
+        (
+            lambda c: c["applications"][0]["deployments"][0]["ray_actor_options"].__setitem__("num_cpu", 1),
+            "ray_actor_options.num_cpu",
+        ),
+    ],
+)
 def test_unknown_keys_are_refused(config, mutate, key):
     mutate(config)
     with pytest.raises(ValueError, match="unknown keys") as err:
@@ -51,25 +65,33 @@ def test_unknown_keys_are_refused(config, mutate, key):
 
 
 def args(**overrides):
-    base = {"model": "smollm2-135m", "prefill": {"engine": {"dtype": "bfloat16"}},
-            "decode": {"engine": {"dtype": "bfloat16"}}}
+    base = {
+        "model": "smollm2-135m",
+        "prefill": {"engine": {"dtype": "bfloat16"}},
+        "decode": {"engine": {"dtype": "bfloat16"}},
+    }
     base.update(overrides)
     return base
 
 
-@pytest.mark.parametrize("bad, message", [
-    (args(model=""), "args.model is required"),
-    (args(kv_transport="rdma"), "kv_transport must be one of"),
-    (args(routr={}), r"args: unknown key\(s\) \['routr'\]"),
-    (args(prefill={"engine": {"dtyp": "bfloat16"}}), r"args.prefill.engine: unknown key\(s\) \['dtyp'\]"),
-    (args(decode={"engine": {"model": "other"}}), "both pools must serve the same model"),
-    (args(decode={"engine": {"dtype": "float32"}}), "the KV cannot move between them"),
-    (args(decode={"engine": {"max_num_seqs": 0}}), "max_num_seqs must be >= 1"),
-    (args(kv_transport="shm", prefill={"shm": False, "engine": {"dtype": "bfloat16"}}), "prefill.shm is false"),
-    (args(router={"direct_prt": 1}), "args.router"),
-    (args(decode={"engine": {"dtype": "bfloat16", "speculative": {"method": "ngram", "k": 4}}}),
-     r"speculative: unknown setting\(s\) \['k'\]"),
-])
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (args(model=""), "args.model is required"),
+        (args(kv_transport="rdma"), "kv_transport must be one of"),
+        (args(routr={}), r"args: unknown key\(s\) \['routr'\]"),
+        (args(prefill={"engine": {"dtyp": "bfloat16"}}), r"args.prefill.engine: unknown key\(s\) \['dtyp'\]"),
+        (args(decode={"engine": {"model": "other"}}), "both pools must serve the same model"),
+        (args(decode={"engine": {"dtype": "float32"}}), "the KV cannot move between them"),
+        (args(decode={"engine": {"max_num_seqs": 0}}), "max_num_seqs must be >= 1"),
+        (args(kv_transport="shm", prefill={"shm": False, "engine": {"dtype": "bfloat16"}}), "prefill.shm is false"),
+        (args(router={"direct_prt": 1}), "args.router"),
+        (
+            args(decode={"engine": {"dtype": "bfloat16", "speculative": {"method": "ngram", "k": 4}}}),
+            r"speculative: unknown setting\(s\) \['k'\]",
+        ),
+    ],
+)
 def test_builder_arguments_are_validated(bad, message):
     with pytest.raises(ValueError, match=message):
         parse_args(bad)

@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from engine import LLMEngine, EngineConfig, SamplingParams
+from engine import EngineConfig, LLMEngine, SamplingParams
 
 pytestmark = pytest.mark.slow
 
@@ -26,15 +26,16 @@ MESSAGES = [
 
 @pytest.fixture(scope="module")
 def engine():
-    return LLMEngine(EngineConfig(model="smollm2-135m", dtype="float32", device="cpu",
-                                  kv_cache_bytes=256 << 20))
+    return LLMEngine(EngineConfig(model="smollm2-135m", dtype="float32", device="cpu", kv_cache_bytes=256 << 20))
 
 
 def test_greedy_tokens_and_kl_match_transformers(engine):
     tok = engine.tokenizer
     hf = AutoModelForCausalLM.from_pretrained(engine.model_dir, dtype=torch.float32).eval()
-    prompts = [tok.apply_chat_template([{"role": "user", "content": m}], tokenize=False, add_generation_prompt=True)
-               for m in MESSAGES]
+    prompts = [
+        tok.apply_chat_template([{"role": "user", "content": m}], tokenize=False, add_generation_prompt=True)
+        for m in MESSAGES
+    ]
     # Record our next-token logits per request and step, as the sampler sees them.
     seen: dict[str, list[torch.Tensor]] = {}
     runner = engine.runner
@@ -60,19 +61,28 @@ def test_greedy_tokens_and_kl_match_transformers(engine):
         runner.forward = original_forward
 
     worst_kl = 0.0
-    for i, p in enumerate(prompts):
+    for i in range(len(prompts)):
         ids = torch.tensor([outs[str(i)].prompt_token_ids])
         # eos = an id the model cannot produce: generate runs all steps, as ignore_eos does (min_new_tokens
         # would instead mask EOS out of the distribution).
-        ref = hf.generate(ids, max_new_tokens=NUM_TOKENS, do_sample=False, eos_token_id=hf.config.vocab_size,
-                          pad_token_id=0, output_logits=True, return_dict_in_generate=True)
-        assert outs[str(i)].token_ids == ref.sequences[0, ids.shape[1]:].tolist(), MESSAGES[i]
+        ref = hf.generate(
+            ids,
+            max_new_tokens=NUM_TOKENS,
+            do_sample=False,
+            eos_token_id=hf.config.vocab_size,
+            pad_token_id=0,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+        assert outs[str(i)].token_ids == ref.sequences[0, ids.shape[1] :].tolist(), MESSAGES[i]
         for ours, theirs in zip(seen[str(i)], ref.logits):
             p_ref = torch.log_softmax(theirs[0].float(), -1)
             p_ours = torch.log_softmax(ours, -1)
             kl = torch.sum(p_ref.exp() * (p_ref - p_ours)).item()
             worst_kl = max(worst_kl, kl)
-    print(f"worst per-step KL(transformers || pdserve) over {len(prompts)} prompts x {NUM_TOKENS} tokens: {worst_kl:.2e}")
+    print(
+        f"worst per-step KL(transformers || pdserve) over {len(prompts)} prompts x {NUM_TOKENS} tokens: {worst_kl:.2e}"
+    )
     assert worst_kl < 1e-4, worst_kl
 
 
@@ -114,8 +124,8 @@ def test_bf16_is_as_close_to_fp32_as_transformers_bf16():
         ids = torch.tensor([out.prompt_token_ids + out.token_ids[:-1]])
         n = len(out.prompt_token_ids)
         with torch.no_grad():
-            ref = hf32(ids).logits[0, n - 1:]
-            theirs = hf16(ids).logits[0, n - 1:]
+            ref = hf32(ids).logits[0, n - 1 :]
+            theirs = hf16(ids).logits[0, n - 1 :]
         ours_kl.append(kl(ref, torch.stack(ours[rid])))
         hf_kl.append(kl(ref, theirs))
     ours_mean, hf_mean = torch.cat(ours_kl).mean().item(), torch.cat(hf_kl).mean().item()
@@ -126,8 +136,11 @@ def test_bf16_is_as_close_to_fp32_as_transformers_bf16():
 def chat_turns(dtype: str, caching: bool) -> list:
     """Four turns of one chat, each prompt holding the earlier turns: with prefix caching only the
     new turn is computed (over the cached KV). Returns each turn's final output (top-5 logprobs)."""
-    engine = LLMEngine(EngineConfig(model="smollm2-135m", dtype=dtype, device="cpu", kv_cache_bytes=64 << 20,
-                                    enable_prefix_caching=caching))
+    engine = LLMEngine(
+        EngineConfig(
+            model="smollm2-135m", dtype=dtype, device="cpu", kv_cache_bytes=64 << 20, enable_prefix_caching=caching
+        )
+    )
     messages, outs = [{"role": "system", "content": "Answer briefly. " * 20}], []
     for i, question in enumerate(MESSAGES[:4]):
         messages.append({"role": "user", "content": question})
@@ -171,15 +184,23 @@ def test_beam_search_equals_transformers(engine):
     hf = AutoModelForCausalLM.from_pretrained(engine.model_dir, dtype=torch.float32).eval()
     eos = hf.generation_config.eos_token_id
     for i, m in enumerate(MESSAGES[:3]):
-        ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": m}], tokenize=False,
-                                                 add_generation_prompt=True))
-        out = hf.generate(torch.tensor([ids]), num_beams=3, num_return_sequences=3, do_sample=False,
-                          max_new_tokens=16, pad_token_id=tok.pad_token_id or 0, eos_token_id=eos)
+        ids = tok.encode(
+            tok.apply_chat_template([{"role": "user", "content": m}], tokenize=False, add_generation_prompt=True)
+        )
+        out = hf.generate(
+            torch.tensor([ids]),
+            num_beams=3,
+            num_return_sequences=3,
+            do_sample=False,
+            max_new_tokens=16,
+            pad_token_id=tok.pad_token_id or 0,
+            eos_token_id=eos,
+        )
         eos_ids = set(eos if isinstance(eos, list) else [eos])
         want = []
-        for seq in out[:, len(ids):].tolist():
+        for seq in out[:, len(ids) :].tolist():
             end = next((j for j, t in enumerate(seq) if t in eos_ids), len(seq) - 1)
-            want.append(seq[:end + 1])
+            want.append(seq[: end + 1])
         engine.add_request(f"beam{i}", ids, SamplingParams(max_tokens=16, beam_width=3, n=3))
         got = {}
         while engine.has_unfinished():

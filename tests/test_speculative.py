@@ -13,8 +13,8 @@ from conftest import assert_no_blocks_used, make_engine, run_to_completion
 
 from engine import EngineConfig, SamplingParams
 from engine.block_manager import block_hashes
-from engine.speculative import NgramProposer, SpeculativeConfig, ngram_draft
 from engine.sequence import Sequence
+from engine.speculative import NgramProposer, SpeculativeConfig, ngram_draft
 from router.client import AsyncClient
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4}
@@ -54,10 +54,14 @@ def test_settings_are_checked_and_named():
         EngineConfig(speculative={"prompt_lookup_min": 3, "prompt_lookup_max": 2})
 
 
-@pytest.mark.parametrize("params", [
-    SamplingParams(max_tokens=40, temperature=0, ignore_eos=True),
-    SamplingParams(max_tokens=40, temperature=0.2, top_k=20, top_p=0.9, seed=11, ignore_eos=True, logprobs=2),
-], ids=["greedy", "seeded"])
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(max_tokens=40, temperature=0, ignore_eos=True),
+        SamplingParams(max_tokens=40, temperature=0.2, top_k=20, top_p=0.9, seed=11, ignore_eos=True, logprobs=2),
+    ],
+    ids=["greedy", "seeded"],
+)
 def test_same_tokens_and_logprobs_as_without_drafts(tiny_llama, params):
     base = generate(make_engine(tiny_llama), PROMPTS, params)
     engine = make_engine(tiny_llama, speculative=NGRAM)
@@ -91,9 +95,11 @@ def test_stops_inside_an_accepted_draft(tiny_llama):
     greedy = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     base = generate(make_engine(tiny_llama), {"x": PROMPTS["hello"]}, greedy)["x"]
     stop_id, stop_text = base.token_ids[20], base.text[-12:-6]
-    cases = {"token": SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, stop_token_ids=(stop_id,)),
-             "string": SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, stop=(stop_text,)),
-             "length": SamplingParams(max_tokens=23, temperature=0, ignore_eos=True)}
+    cases = {
+        "token": SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, stop_token_ids=(stop_id,)),
+        "string": SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, stop=(stop_text,)),
+        "length": SamplingParams(max_tokens=23, temperature=0, ignore_eos=True),
+    }
     prompts = {name: PROMPTS["hello"] for name in cases}
     want = generate(make_engine(tiny_llama), prompts, cases)
     engine = make_engine(tiny_llama, speculative={"method": "ngram", "num_speculative_tokens": 8})
@@ -151,7 +157,7 @@ class FixedProposer:
         for seq in seqs:
             done = len(seq.output_token_ids)
             decoding = seq.num_tokens - seq.num_computed_tokens == 1
-            seq.draft_token_ids = self.drafts[done - 1:seq.params.max_tokens - 1] if decoding else []
+            seq.draft_token_ids = self.drafts[done - 1 : seq.params.max_tokens - 1] if decoding else []
 
     def observe(self, seq, num_drafted, num_accepted) -> None:
         pass
@@ -217,11 +223,15 @@ def test_the_proposer_backs_off_when_drafts_fail():
     assert draft_len() <= 1
 
 
-@pytest.mark.parametrize("params, local_prefill", [
-    (dict(max_tokens=40, temperature=0, ignore_eos=True), "off"),
-    (dict(max_tokens=40, temperature=0.2, seed=3, ignore_eos=True), "off"),  # low: drafts get accepted
-    (dict(max_tokens=40, temperature=0.2, seed=3, ignore_eos=True), "auto"),
-], ids=["greedy", "seeded", "seeded-local-prefill-auto"])
+@pytest.mark.parametrize(
+    "params, local_prefill",
+    [
+        (dict(max_tokens=40, temperature=0, ignore_eos=True), "off"),
+        (dict(max_tokens=40, temperature=0.2, seed=3, ignore_eos=True), "off"),  # low: drafts get accepted
+        (dict(max_tokens=40, temperature=0.2, seed=3, ignore_eos=True), "auto"),
+    ],
+    ids=["greedy", "seeded", "seeded-local-prefill-auto"],
+)
 def test_a_decode_node_speculates_across_the_split(tiny_llama, params, local_prefill):
     """Through the router and a real transfer (or, with auto, wherever the router places the
     prefill, as users run it): the decode node drafts and verifies, the client sees the tokens of
@@ -229,8 +239,11 @@ def test_a_decode_node_speculates_across_the_split(tiny_llama, params, local_pre
     want = generate(make_engine(tiny_llama), PROMPTS, SamplingParams(**params))
 
     async def scenario():
-        async with local_cluster(tiny_llama, decode_engine={"speculative": NGRAM},
-                                 local_prefill=local_prefill) as (router, prefills, decodes):
+        async with local_cluster(tiny_llama, decode_engine={"speculative": NGRAM}, local_prefill=local_prefill) as (
+            router,
+            prefills,
+            decodes,
+        ):
             async with AsyncClient(router.address) as client:
                 for rid, prompt in PROMPTS.items():
                     result = await client.generate(prompt, **params, logprobs=1)
@@ -243,7 +256,9 @@ def test_a_decode_node_speculates_across_the_split(tiny_llama, params, local_pre
             rate = node.metrics.sample("pdserve_spec_decode_acceptance_rate", role="decode")
             assert rate == pytest.approx(engine.num_accepted_tokens / engine.num_draft_tokens)
             assert node.metrics.sample("pdserve_spec_decode_tokens_per_verification", role="decode") > 1
-            assert node.metrics.sample("pdserve_spec_decode_draft_tokens_total", role="decode") == engine.num_draft_tokens
+            assert (
+                node.metrics.sample("pdserve_spec_decode_draft_tokens_total", role="decode") == engine.num_draft_tokens
+            )
             await wait_for_no_blocks(prefills + decodes)
 
     asyncio.run(scenario())
@@ -257,15 +272,22 @@ def tiny_draft(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("tiny-draft"), seed=1)
 
 
-@pytest.mark.parametrize("params", [
-    SamplingParams(max_tokens=40, temperature=0, ignore_eos=True),
-    SamplingParams(max_tokens=40, temperature=0.8, seed=3, ignore_eos=True, logprobs=1),
-], ids=["greedy", "seeded"])
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(max_tokens=40, temperature=0, ignore_eos=True),
+        SamplingParams(max_tokens=40, temperature=0.8, seed=3, ignore_eos=True, logprobs=1),
+    ],
+    ids=["greedy", "seeded"],
+)
 def test_a_draft_model_gives_the_same_tokens(tiny_llama, tiny_draft, params):
     base = generate(make_engine(tiny_llama), PROMPTS, params)
     for draft, name in ((tiny_llama, "itself"), (tiny_draft, "another model")):
-        engine = make_engine(tiny_llama, num_kv_blocks=64,  # small enough to preempt
-                             speculative={"method": "draft_model", "draft_model": str(draft)})
+        engine = make_engine(
+            tiny_llama,
+            num_kv_blocks=64,  # small enough to preempt
+            speculative={"method": "draft_model", "draft_model": str(draft)},
+        )
         spec = generate(engine, PROMPTS, params)
         assert {r: o.token_ids for r, o in spec.items()} == {r: o.token_ids for r, o in base.items()}, name
         assert engine.num_draft_tokens > 0 and engine.scheduler.num_preemptions > 0
@@ -291,7 +313,7 @@ def assert_blocks_named_by_their_tokens(engine) -> None:
     bs = engine.block_manager.block_size
     for seq in [*engine.scheduler.running, *engine.scheduler.waiting]:
         want = block_hashes(seq.token_ids(0, seq.num_tokens), bs)
-        assert seq.block_hashes == want[:len(seq.block_hashes)], seq.request_id
+        assert seq.block_hashes == want[: len(seq.block_hashes)], seq.request_id
 
 
 def test_a_next_turn_over_a_speculative_answer_hits_every_block(tiny_llama):
@@ -315,8 +337,10 @@ def test_shared_prefixes_with_different_drafts_and_preemption(tiny_llama):
     is never handed another's KV (fp32: the same tokens as without speculation)."""
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     stem = "Hello world! Hello world! Hello world! "
-    prompts = {f"{i}": stem + tail for i, tail in enumerate(["Hello", "Hello world", "0123 0123 01", "fox fox",
-                                                              "Hello world! Hello"])}
+    prompts = {
+        f"{i}": stem + tail
+        for i, tail in enumerate(["Hello", "Hello world", "0123 0123 01", "fox fox", "Hello world! Hello"])
+    }
     want = generate(make_engine(tiny_llama), prompts, params)
     engine = make_engine(tiny_llama, speculative=NGRAM, num_kv_blocks=56)
     for rid, prompt in prompts.items():

@@ -13,9 +13,9 @@ import sys
 
 import pytest
 from conftest import make_engine, run_to_completion
+from netns import in_namespace, two_hosts, why_no_namespaces
 
 from engine import SamplingParams
-from netns import in_namespace, two_hosts, why_no_namespaces
 
 NODE_FLAGS = ["--dtype", "float32", "--kv-cache-gb", "0.02", "--block-size", "4", "--num-threads", "1"]
 PROMPTS = [[(i * 37 + j * 11) % 300 + 1 for j in range(10 + 40 * i)] for i in range(3)]
@@ -32,8 +32,11 @@ def engine_alone(model) -> list[list[int]]:
     return [outs[str(i)].token_ids for i in range(len(PROMPTS))]
 
 
-@pytest.mark.parametrize("rate, layerwise", [(None, "off"), ("10gbit", "off"), ("10gbit", "on")],
-                         ids=["veth", "veth-10gbit", "veth-10gbit-layerwise"])
+@pytest.mark.parametrize(
+    "rate, layerwise",
+    [(None, "off"), ("10gbit", "off"), ("10gbit", "on")],
+    ids=["veth", "veth-10gbit", "veth-10gbit-layerwise"],
+)
 def test_greedy_requests_across_two_hosts_over_tcp(tiny_llama, rate, layerwise):
     expected = engine_alone(tiny_llama)
     with two_hosts(rate) as (a, b, addr_a, addr_b):
@@ -44,18 +47,41 @@ def test_greedy_requests_across_two_hosts_over_tcp(tiny_llama, rate, layerwise):
             decode = in_namespace(b, "-m", "decode_node", "--host", addr_b, "--model", str(tiny_llama), *NODE_FLAGS)
             procs.append(decode)
             p_addr, d_addr = prefill.wait_ready(), decode.wait_ready()
-            router = in_namespace(b, "-m", "router", "--host", "127.0.0.1", "--port", "0", "--model",
-                                 str(tiny_llama), "--prefill", p_addr, "--decode", d_addr, "--kv-layerwise", layerwise,
-                                 "--local-prefill", "off")  # the KV must cross the link
+            router = in_namespace(
+                b,
+                "-m",
+                "router",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                "0",
+                "--model",
+                str(tiny_llama),
+                "--prefill",
+                p_addr,
+                "--decode",
+                d_addr,
+                "--kv-layerwise",
+                layerwise,
+                "--local-prefill",
+                "off",
+            )  # the KV must cross the link
             procs.append(router)
             r_addr = router.wait_ready()
-            client = ("import json, sys\nfrom router.client import Client\n"
-                      "with Client(sys.argv[1]) as c:\n"
-                      "    for p in json.loads(sys.argv[2]):\n"
-                      f"        r = c.generate(p, max_tokens={MAX_TOKENS}, temperature=0, ignore_eos=True)\n"
-                      "        print(json.dumps({'ids': r.token_ids, 'transport': r.timings['kv_transport']}))\n")
-            r = subprocess.run(["ip", "netns", "exec", b, sys.executable, "-c", client, r_addr, json.dumps(PROMPTS)],
-                               capture_output=True, text=True, timeout=300, cwd=os.getcwd())
+            client = (
+                "import json, sys\nfrom router.client import Client\n"
+                "with Client(sys.argv[1]) as c:\n"
+                "    for p in json.loads(sys.argv[2]):\n"
+                f"        r = c.generate(p, max_tokens={MAX_TOKENS}, temperature=0, ignore_eos=True)\n"
+                "        print(json.dumps({'ids': r.token_ids, 'transport': r.timings['kv_transport']}))\n"
+            )
+            r = subprocess.run(
+                ["ip", "netns", "exec", b, sys.executable, "-c", client, r_addr, json.dumps(PROMPTS)],
+                capture_output=True,
+                text=True,
+                timeout=300,
+                cwd=os.getcwd(),
+            )
             assert r.returncode == 0, r.stderr[-3000:]
             results = [json.loads(line) for line in r.stdout.splitlines()]
             assert [x["ids"] for x in results] == expected

@@ -11,34 +11,40 @@ from engine import LLM, EngineConfig, SamplingParams
 PROMPT = [5, 17, 33, 8, 90]
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    ({"max_tokens": 0}, "max_tokens"),
-    ({"max_tokens": 2.5}, "max_tokens"),
-    ({"temperature": -0.1}, "temperature"),
-    ({"temperature": float("nan")}, "temperature"),
-    ({"top_p": 0.0}, "top_p"),
-    ({"top_p": 1.5}, "top_p"),
-    ({"top_k": -1}, "top_k"),
-    ({"seed": "x"}, "seed"),
-    ({"stop": [""]}, "stop"),
-    ({"stop_token_ids": [-3]}, "stop_token_ids"),
-    ({"logprobs": 21}, "logprobs"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": 2.5}, "max_tokens"),
+        ({"temperature": -0.1}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -1}, "top_k"),
+        ({"seed": "x"}, "seed"),
+        ({"stop": [""]}, "stop"),
+        ({"stop_token_ids": [-3]}, "stop_token_ids"),
+        ({"logprobs": 21}, "logprobs"),
+    ],
+)
 def test_bad_sampling_params_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kwargs)
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    ({"dtype": "int8"}, "dtype"),
-    ({"device": "tpu"}, "device"),
-    ({"block_size": 3}, "block_size"),
-    ({"max_num_seqs": 0}, "max_num_seqs"),
-    ({"max_num_batched_tokens": 0}, "max_num_batched_tokens"),
-    ({"scheduling": "dynamic"}, "scheduling"),
-    ({"kv_cache_bytes": 0}, "kv_cache_bytes"),
-    ({"max_model_len": 1}, "max_model_len"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"dtype": "int8"}, "dtype"),
+        ({"device": "tpu"}, "device"),
+        ({"block_size": 3}, "block_size"),
+        ({"max_num_seqs": 0}, "max_num_seqs"),
+        ({"max_num_batched_tokens": 0}, "max_num_batched_tokens"),
+        ({"scheduling": "dynamic"}, "scheduling"),
+        ({"kv_cache_bytes": 0}, "kv_cache_bytes"),
+        ({"max_model_len": 1}, "max_model_len"),
+    ],
+)
 def test_bad_engine_config_names_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         EngineConfig(**kwargs)

@@ -24,30 +24,55 @@ def save_tokenizer(path: Path, vocab_size: int = 320) -> int:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=[EOS], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     tok.train_from_iterator(CORPUS, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS)
-    fast.chat_template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
-                          "{% if add_generation_prompt %}<assistant>{% endif %}")
+    fast.chat_template = (
+        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
     fast.save_pretrained(path)
     return fast.convert_tokens_to_ids(EOS)
 
 
-def make_tiny_model(path: Path, arch: str = "llama", seed: int = 0, rope_parameters: dict | None = None,
-                    vocab_size: int = 320, tie: bool = False, max_position_embeddings: int = 1024,
-                    sliding_window: int | None = None) -> Path:
-    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
-                              Qwen2ForCausalLM)
+def make_tiny_model(
+    path: Path,
+    arch: str = "llama",
+    seed: int = 0,
+    rope_parameters: dict | None = None,
+    vocab_size: int = 320,
+    tie: bool = False,
+    max_position_embeddings: int = 1024,
+    sliding_window: int | None = None,
+) -> Path:
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     eos_id = save_tokenizer(path, vocab_size)
-    common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_position_embeddings,
-                  tie_word_embeddings=tie, eos_token_id=eos_id, bos_token_id=eos_id,
-                  initializer_range=0.1,  # peakier than the default so greedy has clear winners
-                  rope_parameters=rope_parameters or {"rope_type": "default", "rope_theta": 10000.0})
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=tie,
+        eos_token_id=eos_id,
+        bos_token_id=eos_id,
+        initializer_range=0.1,  # peakier than the default so greedy has clear winners
+        rope_parameters=rope_parameters or {"rope_type": "default", "rope_theta": 10000.0},
+    )
     torch.manual_seed(seed)
     if arch == "llama":
         model = LlamaForCausalLM(LlamaConfig(**common))
