@@ -22,6 +22,8 @@ import threading
 import time
 from pathlib import Path
 
+from serving.launcher import ServerProcess
+
 ROOT = Path(__file__).resolve().parent.parent
 SLO_TTFT, SLO_TPOT = 3.0, 0.035
 
@@ -101,29 +103,13 @@ def disaggregated(out: Path, extra: list[str] = ()) -> dict:
 
 
 def colocated(out: Path, extra: list[str] = ()) -> dict:
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "pdserve",
-            "colocated",
-            "--port",
-            "0",
-            "--num-threads",
-            "2",
-            "--kv-cache-gb",
-            "0.5",
-            *extra,
-        ],
-        stdout=subprocess.PIPE,
-        text=True,
+    server = ServerProcess(
+        ["-m", "pdserve", "colocated", "--port", "0", "--num-threads", "2", "--kv-cache-gb", "0.5", *extra]
     )
     try:
-        address = wait_line(proc, proc.stdout, "READY ").split()[1]
-        return bench(address, out, "colocated")
+        return bench(server.wait_ready(), out, "colocated")
     finally:
-        proc.terminate()
-        proc.wait(timeout=60)
+        server.stop(60)
 
 
 def batch_sizes(sizes: list[int]) -> list[dict]:

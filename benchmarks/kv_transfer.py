@@ -22,7 +22,6 @@ import multiprocessing
 import os
 import socket
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -39,26 +38,17 @@ from kvtransfer.grpc_stream import GrpcStreamReader
 from kvtransfer.layout import KVLayout, aligned_runs, model_fingerprint
 from kvtransfer.shm import ShmReader
 from kvtransfer.tcp import DEFAULT_CONNECTIONS, TcpReader
-from pdserve.cli import HelpFormatter
 from pdserve_api import common_pb2, nodes_pb2, nodes_pb2_grpc
+from serving.launcher import ServerProcess
+from serving.options import HelpFormatter
 
 # No prefix caching: the same prompt is sent again and again, and each time must be the full prefill.
 NODE_ARGS = ["--dtype", "auto", "--kv-cache-gb", "0.25", "--block-size", "16", "--no-prefix-caching"]
 
 
-def start_node(module: str, *extra: str) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", module, "--port", "0", *NODE_ARGS, *extra], stdout=subprocess.PIPE, text=True
-    )
-    for line in proc.stdout:
-        if line.startswith("READY "):
-            return proc, line.split()[1]
-    raise RuntimeError(f"{module} did not start")
-
-
-def stop(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    proc.wait(timeout=30)
+def start_node(module: str, *extra: str) -> tuple[ServerProcess, str]:
+    node = ServerProcess(["-m", module, "--port", "0", *NODE_ARGS, *extra])
+    return node, node.wait_ready()
 
 
 def median_gbps(nbytes: int, seconds: list[float]) -> float:
@@ -288,7 +278,7 @@ def main() -> int:
     finally:
         for proc in (prefill_proc, decode_proc):
             if proc is not None:
-                stop(proc)
+                proc.stop()
     alone = statistics.median(prefill_alone(model_dir, prompt, args.repeat))
     print(
         f"TTFT through the cluster {cluster['ttft_s'] * 1e3:.1f} ms vs prefill compute alone {alone * 1e3:.1f} ms "

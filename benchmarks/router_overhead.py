@@ -16,7 +16,6 @@ import asyncio
 import json
 import multiprocessing
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -26,6 +25,7 @@ import grpc
 from pdserve_api import common_pb2, nodes_pb2, nodes_pb2_grpc
 from router.client import AsyncClient
 from serving.grpc_server import GrpcServer
+from serving.launcher import ServerProcess
 
 N = 2000  # requests per latency measurement
 
@@ -132,19 +132,14 @@ def main() -> int:
     nodes = multiprocessing.get_context("spawn").Process(target=serve_nodes, args=(queue,), daemon=True)
     nodes.start()
     prefill, decode = queue.get(timeout=60)
-    router = subprocess.Popen(
-        [sys.executable, "-m", "router", "--port", "0", "--prefill", prefill, "--decode", decode],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+    router = ServerProcess(["-m", "router", "--port", "0", "--prefill", prefill, "--decode", decode])
     try:
-        address = next(line.split()[1] for line in router.stdout if line.startswith("READY "))
+        address = router.wait_ready()
         direct = asyncio.run(direct_latency(prefill, decode))
         through = asyncio.run(router_latency(address))
         rps = asyncio.run(router_rps(address))
     finally:
-        router.terminate()
-        router.wait(timeout=30)
+        router.stop()
         nodes.terminate()
     result = {
         "direct_p50_ms": statistics.median(direct) * 1e3,

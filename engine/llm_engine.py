@@ -206,6 +206,17 @@ class LLMEngine:
             "block_size": self.config.block_size,
         }
 
+    def counters(self) -> dict[str, int]:
+        """Totals since the engine started, for metrics; safe to read from another thread."""
+        return {
+            "preemptions": self.scheduler.num_preemptions,
+            "prompt_tokens": self.num_prompt_tokens,
+            "generated_tokens": self.num_generated_tokens,
+            "verifications": self.num_verifications,
+            "draft_tokens": self.num_draft_tokens,
+            "accepted_tokens": self.num_accepted_tokens,
+        }
+
     def cache_changes(self, since: int) -> dict:
         """The prefix cache's names added and removed since a version (engine/block_manager.py);
         safe to call from another thread."""

@@ -250,16 +250,17 @@ class EngineExporter:
         m.set("pdserve_node_outstanding", self.outstanding(), role=role)
         cache = engine.prefix_cache_stats()
         m.set("pdserve_prefix_cache_blocks", cache["cached_blocks"], role=role)
+        totals = engine.counters()
         now = {
-            "preemptions": engine.scheduler.num_preemptions,
-            "in": engine.num_prompt_tokens,
-            "out": engine.num_generated_tokens,
+            "preemptions": totals["preemptions"],
+            "in": totals["prompt_tokens"],
+            "out": totals["generated_tokens"],
             "query": cache["query_tokens"],
             "hit": cache["hit_tokens"],
             "evicted": cache["evicted_blocks"],
-            "verifications": engine.num_verifications,
-            "drafted": engine.num_draft_tokens,
-            "accepted": engine.num_accepted_tokens,
+            "verifications": totals["verifications"],
+            "drafted": totals["draft_tokens"],
+            "accepted": totals["accepted_tokens"],
         }
         seen = self._seen
         m.inc("pdserve_preemptions_total", now["preemptions"] - seen["preemptions"], role=role)
@@ -268,7 +269,7 @@ class EngineExporter:
         m.inc("pdserve_prefix_cache_query_tokens_total", now["query"] - seen["query"], role=role)
         m.inc("pdserve_prefix_cache_hit_tokens_total", now["hit"] - seen["hit"], role=role)
         m.inc("pdserve_prefix_cache_evicted_blocks_total", now["evicted"] - seen["evicted"], role=role)
-        if engine.proposer is not None:
+        if engine.config.speculative is not None:
             m.inc("pdserve_spec_decode_verifications_total", now["verifications"] - seen["verifications"], role=role)
             m.inc("pdserve_spec_decode_draft_tokens_total", now["drafted"] - seen["drafted"], role=role)
             m.inc("pdserve_spec_decode_accepted_tokens_total", now["accepted"] - seen["accepted"], role=role)

@@ -32,7 +32,7 @@ ENTRY_POINTS = ("cli", "serve")
 
 @dataclass(frozen=True)
 class Option:
-    name: str  # the field's name: the argparse dest and the Serve config key
+    name: str  # the field's name, and the argparse dest
     kind: type  # str, int, float, bool or dict
     default: Any
     help: str

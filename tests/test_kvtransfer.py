@@ -347,3 +347,14 @@ def test_buffer_pool_reuses_the_smallest_fitting_buffer():
     assert pool.acquire(500) is b  # not a (too small); no tensor comparisons on the way
     assert pool.acquire(50) is a
     assert pool.acquire(10).numel() == 10  # none free: a new one
+
+
+def test_the_transport_docs_list_the_registered_transports():
+    """docs/kv_transfer.md's table names exactly the registered transports, in auto's order, each
+    with the file it lives in: adding one without its row (or moving one) fails here."""
+    import re
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "kv_transfer.md").read_text()
+    rows = re.findall(r"^\| `(\w+)` \| `(kvtransfer/\w+\.py)` \|", doc, re.M)
+    assert rows == [(name, t.sender.__module__.replace(".", "/") + ".py") for name, t in transports.TRANSPORTS.items()]
