@@ -15,6 +15,7 @@ class DecodeConfig:
         0,
         "the node's gRPC port (0: any, printed in the READY line); under Serve, preferred (a "
         "taken port falls back to any)",
+        per_process=True,
     )
     kv_transport: str = option(
         "auto",

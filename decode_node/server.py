@@ -120,7 +120,7 @@ class DecodeNode(EngineServer, nodes_pb2_grpc.DecodeNodeServicer):
                     return
                 output_token_ids.append(transfer.outcome["token_id"])
                 num_emitted_chars += transfer.outcome["text_chars"]
-            self.background(self.receiver.release(request.kv))  # the prefill node may free its copy
+            self._read(request.kv, transfer)
             async for msg in self._run(request, params, output_token_ids, num_emitted_chars, reserved, context):
                 yield msg
         finally:
@@ -198,13 +198,16 @@ class DecodeNode(EngineServer, nodes_pb2_grpc.DecodeNodeServicer):
             await context.abort(grpc.StatusCode.DATA_LOSS, str(e))
         except KVTransferError as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        return transfer
+
+    def _read(self, source: nodes_pb2.KVSource, transfer: KVTransfer) -> None:
+        """The KV is in place: the prefill node may free its copy; the transfer is measured."""
+        self.background(self.receiver.release(source), cancel_on_stop=False)
         self.metrics.observe("pdserve_kv_transfer_seconds", transfer.seconds, transport=transfer.transport)
         self.metrics.observe("pdserve_kv_transfer_bytes", transfer.num_bytes, transport=transfer.transport)
         if transfer.seconds > 0:
-            self.metrics.set(
-                "pdserve_kv_transfer_gbps", transfer.num_bytes / transfer.seconds / 1e9, transport=transfer.transport
-            )
-        return transfer
+            gbps = transfer.num_bytes / transfer.seconds / 1e9
+            self.metrics.set("pdserve_kv_transfer_gbps", gbps, transport=transfer.transport)
 
     async def _run(
         self,

@@ -66,7 +66,7 @@ DEFAULT_CONNECTIONS = 1  # measured best on 2 cores (loopback 0.90 of raw TCP vs
 
 @dataclass(frozen=True)
 class TcpSenderOptions:
-    kv_tcp_port: int = option(0, "the raw TCP KV data plane's port (0: any free port)")
+    kv_tcp_port: int = option(0, "the raw TCP KV data plane's port (0: any free port)", per_process=True)
 
 
 @dataclass(frozen=True)

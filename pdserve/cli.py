@@ -170,7 +170,12 @@ def main(argv: list[str] | None = None) -> int:
         "the decode batch. Prints READY <address> once it serves.",
     )
     add_options(p, ProcessConfig)
-    add_options(p, RouterConfig, only=("port",), helps={"port": "the gRPC port (0: any)"})
+    add_options(
+        p,
+        RouterConfig,
+        only=("port",),
+        helps={"port": "the gRPC port, as the router's (0: any; printed in the READY line)"},
+    )
     add_options(p, EngineConfig)
     p.set_defaults(func=cmd_colocated)
 
@@ -197,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         "Decoding is greedy (temperature 0) unless --temperature is given.",
     )
     p.add_argument("prompt", help="the question (sent as a user message unless --raw)")
-    p.add_argument("--addr", default="127.0.0.1:50051", help="the router's HOST:PORT")
+    p.add_argument("--addr", default=f"127.0.0.1:{RouterConfig.port}", help="the router's HOST:PORT")
     p.add_argument("--json", action="store_true", help="print one JSON object (text, token_ids, usage) at the end")
     p.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")

@@ -22,7 +22,7 @@ from router.frontend import Frontend, RequestError, final_message
 from serving.metrics import Metrics
 from serving.node import EngineServer
 from serving.options import from_args
-from serving.process import run_until_signalled, setup_logging
+from serving.process import pin_cpus, run_until_signalled, setup_logging
 from serving.protocol import logprobs_to_proto
 
 
@@ -81,6 +81,7 @@ class ColocatedServer(EngineServer, Frontend):
 def run(args) -> int:
     """`pdserve colocated`: serves until SIGTERM or SIGINT (its options: pdserve/cli.py)."""
     setup_logging()
+    pin_cpus(args.cpus)
     port = from_args(RouterConfig, args).port
     asyncio.run(
         run_until_signalled(

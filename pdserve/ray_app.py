@@ -65,8 +65,8 @@ def parse_args(args: dict) -> AppArgs:
     # PDSERVE_MODEL on the cluster's pods overrides it (how a Kubernetes overlay picks the model).
     model = os.environ.get("PDSERVE_MODEL") or args["model"]
     sections = {name: args.get(name, {}) for name in ("router", "prefill", "decode", "security")}
-    check_keys("args.router", sections["router"], serve_keys(RouterConfig))
-    check_keys("args.security", sections["security"], serve_keys(SecurityConfig))
+    for name, section in sections.items():
+        check_keys(f"args.{name}", section, _section_keys(name))
     if "kv_transport" in args:  # the older place of decode.kv_transport
         sections["decode"] = {"kv_transport": args["kv_transport"], **sections["decode"]}
         if sections["decode"]["kv_transport"] != args["kv_transport"]:
@@ -88,10 +88,16 @@ def parse_args(args: dict) -> AppArgs:
     )
 
 
+def _section_keys(name: str) -> set[str]:
+    if name in POOLS:
+        node_cls, transport_options = POOLS[name]
+        return {"engine"} | serve_keys(node_cls, *transport_options())
+    return serve_keys({"router": RouterConfig, "security": SecurityConfig}[name])
+
+
 def _pool(name: str, section: dict, model: str) -> Pool:
     node_cls, transport_options = POOLS[name]
     where = f"args.{name}"
-    check_keys(where, section, {"engine"} | serve_keys(node_cls, *transport_options()))
     engine = dict(section.get("engine", {}))
     check_keys(f"{where}.engine", engine, serve_keys(EngineConfig))
     if engine.setdefault("model", model) != model:

@@ -15,6 +15,7 @@ import urllib.request
 from pathlib import Path
 
 from pdserve import serve_config
+from pdserve.ray_app import parse_args
 
 SERVE_APPLICATIONS_API = "/api/serve/applications/"
 
@@ -178,7 +179,9 @@ def serve(config_path: str | None, address: str | None, timeout_s: float = 600.0
         wait_running([app.name for app in schema.applications], timeout_s)
         grpc_port = schema.grpc_options.port
         for app in schema.applications:
-            direct = (app.args.get("router") or {}).get("direct_port", 50051)
+            if app.import_path != serve_config.PDSERVE_BUILDER:
+                continue
+            direct = parse_args(app.args).router.port
             print(
                 f"pdserve serve: application {app.name!r} is RUNNING\n"
                 f"  gRPC through Ray Serve's proxy: <node>:{grpc_port} with metadata application={app.name}\n"

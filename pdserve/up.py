@@ -42,7 +42,7 @@ from kvtransfer.security import SecurityConfig
 from prefill_node.config import PrefillConfig
 from router.config import RouterConfig
 from serving.launcher import NotReady, ServerProcess
-from serving.options import add_options, from_args, to_argv
+from serving.options import add_options, from_args, options, to_argv
 from serving.process import PARENT_ENV, ProcessConfig
 
 READY_TIMEOUT_S = 600.0  # the first start converts the model
@@ -56,7 +56,7 @@ NODE_OPTIONS = {
     "prefill": (PrefillConfig, *transports.sender_options()),
     "decode": (DecodeConfig, *transports.reader_options()),
 }
-NOT_FORWARDED = ("port", "num_threads", "kv_tcp_port")  # per node: set by up (a fixed one would collide)
+NODE_THREADS = "num_threads"  # up gives each node its share of the cores (or the value given)
 
 
 @dataclass(frozen=True)
@@ -79,26 +79,29 @@ class UpConfig:
         "temporary directory, printed at start)",
     )
 
+    def __post_init__(self):
+        for name, least in (("prefill", 0), ("decode", 1), ("max_tokens", 1), ("node_restarts", 0)):
+            if getattr(self, name) < least:
+                raise ValueError(f"{name} must be >= {least}, got {getattr(self, name)}")
+
+
+# What these options mean to up, where that says more than the component's own help.
+HELPS = {
+    "host": "the interface every process listens on",
+    "metrics_port": "Prometheus /metrics: the router on this port, the nodes on the next ones",
+    "num_threads": "torch threads per node (default: the cores divided among the node processes)",
+    "max_model_len": "longest prompt + output in tokens, at the router and in every engine (default: the model's "
+    "context length)",
+}
+
 
 def add_args(p) -> None:
-    add_options(
-        p,
-        UpConfig,
-        ProcessConfig,
-        RouterConfig,
-        *NODE_OPTIONS["prefill"],
-        *NODE_OPTIONS["decode"],
-        EngineConfig,
-        SecurityConfig,
-        skip=("kv_tcp_port",),
-        helps={
-            "host": "the interface every process listens on",
-            "metrics_port": "Prometheus /metrics: the router on this port, the nodes on the next ones",
-            "num_threads": "torch threads per node (default: the cores divided among the node processes)",
-            "max_model_len": "longest prompt + output in tokens, at the router and in every engine "
-            "(default: the model's context length)",
-        },
-    )
+    """up's own options, the router's, every node kind's but those each node process has its own
+    value of (a port: up picks them), the engine's and security's."""
+    node_classes = (*NODE_OPTIONS["prefill"], *NODE_OPTIONS["decode"])
+    add_options(p, UpConfig, ProcessConfig, RouterConfig, helps=HELPS)
+    add_options(p, *node_classes, skip={o.name for cls in node_classes for o in options(cls, "cli") if o.per_process})
+    add_options(p, EngineConfig, SecurityConfig, helps=HELPS)
 
 
 class NodeFailed(RuntimeError):
@@ -142,7 +145,7 @@ class Node:
         return f"{self} exited with {how}{' ' + when if when else ''}{': ' + error if error else ''} (log: {self.log})"
 
     async def stop(self) -> None:
-        await asyncio.to_thread(self.process.stop, STOP_GRACE_S)
+        await self.process.stopped(STOP_GRACE_S)
 
 
 def last_error(log: Path, tail_bytes: int = 65536) -> str:
@@ -186,7 +189,7 @@ async def keep_running(nodes: list[Node], i: int, spawner: Spawner, restarts: in
         except NodeFailed:
             continue  # it exited: counted above
         except TimeoutError:
-            nodes[i].process.kill()
+            await nodes[i].process.stopped(0)  # not ready in time: killed, counted as an exit
             continue
         await on_change()
 
@@ -238,7 +241,7 @@ class Spawner:
             "-m",
             f"{role}_node",
             *own,
-            *to_argv(args, *NODE_OPTIONS[role], EngineConfig, SecurityConfig, skip=NOT_FORWARDED),
+            *to_argv(args, *NODE_OPTIONS[role], EngineConfig, SecurityConfig, skip=(NODE_THREADS,)),
         ]
 
     def spawn(self, role: str, index: int, restart: bool = False) -> Node:
@@ -274,9 +277,19 @@ async def start_nodes(spawner: Spawner, stop: asyncio.Event) -> list[Node]:
     return []
 
 
+def check_options(args) -> None:
+    """Every option as its config checks it, before anything starts (a ValueError names the
+    field); the security files are read (an OSError names a missing one)."""
+    for cls in (UpConfig, RouterConfig, *NODE_OPTIONS["prefill"], *NODE_OPTIONS["decode"], EngineConfig):
+        from_args(cls, args)
+    from_args(SecurityConfig, args).security()
+    from_args(RouterConfig, args).public_security()
+
+
 async def up(args) -> int:
     from engine.model_source import resolve_model
 
+    check_options(args)
     check_ports(args)
     temporary = not args.log_dir
     log_dir = Path(tempfile.mkdtemp(prefix="pdserve-up-")) if temporary else Path(args.log_dir)

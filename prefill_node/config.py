@@ -14,6 +14,7 @@ class PrefillConfig:
         0,
         "the node's gRPC port (0: any, printed in the READY line); under Serve, preferred (a "
         "taken port falls back to any)",
+        per_process=True,
     )
     lease_ttl_s: float = option(30.0, "free a prefill's KV if unread this long (seconds)")
     max_pending: int = option(512, "prefills waiting or running before RESOURCE_EXHAUSTED")

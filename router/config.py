@@ -61,6 +61,7 @@ class RouterConfig:
     )
     public_tls_cert: str | None = option(None, "PEM certificate of the public (router) port")
     public_tls_key: str | None = option(None, "PEM private key of the public port")
+    host: str = option("0.0.0.0", "the interface the router replica's own port listens on", where=("serve",))
     discovery_interval_s: float = option(0.5, "how often the router replica reads the node registry", where=("serve",))
 
     def __post_init__(self):

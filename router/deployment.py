@@ -21,6 +21,7 @@ from ray import serve
 from kvtransfer.security import SecurityConfig, authorized
 from pdserve_api import generate_pb2
 from router.config import RouterConfig
+from router.frontend import client_of
 from router.openai_api import OpenAIAPI, add_error_handlers
 from router.server import RequestError, Router
 from serving.metrics import Metrics
@@ -76,6 +77,11 @@ def _merge(a: generate_pb2.GenerateResponse, b: generate_pb2.GenerateResponse) -
     return merged
 
 
+def _client(grpc_context) -> str:
+    """Who is asking, for the rate limit (as on the direct port: router/frontend.py client_of)."""
+    return client_of(grpc_context) if grpc_context is not None else ""
+
+
 def _set_error(grpc_context, e: RequestError) -> typing.NoReturn:
     """Serve's proxy answers with the status set on grpc_context when the method then raises."""
     if grpc_context is not None:
@@ -108,7 +114,7 @@ class RouterDeployment:
             [],
             [],
             config,
-            host="0.0.0.0",
+            host=config.host,
             check_interval_s=1.0,
             metrics=Metrics("ray"),
             internal_security=security.security(),
@@ -170,14 +176,16 @@ class RouterDeployment:
 
     async def Generate(self, request: generate_pb2.GenerateRequest, grpc_context=None):
         try:
-            async for msg in coalesce(self.router.serve(request, authorization=self._authorization(grpc_context))):
+            key = self._authorization(grpc_context)
+            async for msg in coalesce(self.router.serve(request, client=_client(grpc_context), authorization=key)):
                 yield msg
         except RequestError as e:
             _set_error(grpc_context, e)
 
     async def GenerateUnary(self, request: generate_pb2.GenerateRequest, grpc_context=None):
         try:
-            return await self.router.generate_unary(request, authorization=self._authorization(grpc_context))
+            key = self._authorization(grpc_context)
+            return await self.router.generate_unary(request, client=_client(grpc_context), authorization=key)
         except RequestError as e:
             _set_error(grpc_context, e)
 

@@ -16,6 +16,7 @@ from engine.model_config import ModelConfig
 from engine.model_source import resolve_model
 from engine.tokenizer import apply_chat_template, check_prompt_length, load_tokenizer, prompt_token_ids
 from pdserve_api import common_pb2, generate_pb2, generate_pb2_grpc
+from router.config import RouterConfig
 from serving.metrics import Metrics
 from serving.protocol import sampling_from_proto
 
@@ -73,7 +74,7 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
         model: str,
         max_model_len: int | None = None,
         metrics: Metrics | None = None,
-        max_outstanding: int = 1024,
+        max_outstanding: int = RouterConfig.max_outstanding,
         rate_limit: float | None = None,
         rate_burst: float | None = None,
     ):
@@ -185,14 +186,14 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
     # ---- Generation service (grpc.aio) ------------------------------------------------------
     async def Generate(self, request, context):
         try:
-            async for msg in self.serve(request, _deadline(context), _client(context), _authorization(context)):
+            async for msg in self.serve(request, _deadline(context), client_of(context), _authorization(context)):
                 yield msg
         except RequestError as e:
             await context.abort(e.code, e.details)
 
     async def GenerateUnary(self, request, context) -> generate_pb2.GenerateResponse:
         try:
-            return await self.generate_unary(request, _deadline(context), _client(context), _authorization(context))
+            return await self.generate_unary(request, _deadline(context), client_of(context), _authorization(context))
         except RequestError as e:
             await context.abort(e.code, e.details)
 
@@ -252,7 +253,7 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
         return generate_pb2.ListModelsResponse(models=[card])
 
 
-def _client(context) -> str:
+def client_of(context) -> str:
     """Who is asking, for the rate limit: the x-client-id metadata, else the peer's address."""
     metadata = dict(context.invocation_metadata() or ())
     return metadata.get("x-client-id") or context.peer().rsplit(":", 1)[0]

@@ -32,6 +32,12 @@ class Request:
         return self.prompt + self.generated
 
     @property
+    def ends_at_next_token(self) -> bool:
+        """Whether the next token is the last max_tokens allows (n > 1, beams: none of the
+        prefill's tokens is a sample's)."""
+        return not self.several and self.params.max_tokens <= len(self.generated) + 1
+
+    @property
     def several(self) -> bool:
         """n > 1 or beams: the samples (beams) fork on the decode node, each drawing its first token there."""
         return self.params.forks

@@ -149,12 +149,13 @@ class Router(Frontend):
         prompt, params = self._check(request)  # 1. check
         r = Request(request.request_id or uuid.uuid4().hex, prompt, params, deadline, timings)
         for attempt in range(MIGRATIONS + 1):
+            began = time.time()
             decode = _pick(self.decode_pool, prompt=r.tokens, cache_salt=params.cache_salt)  # where the chat is
             plan, prefill = await self._place(decode, r.tokens, params.cache_salt)  # 2. place
             run = (
                 self._local_attempt(r, attempt, decode, plan)
                 if plan.local
-                else self._remote_attempt(r, attempt, decode, prefill, plan)
+                else self._remote_attempt(r, attempt, decode, prefill, plan, began)
             )
             try:
                 async with contextlib.aclosing(run):  # its calls end, and its KV is freed, with it
@@ -171,12 +172,14 @@ class Router(Frontend):
             except grpc.aio.AioRpcError as e:
                 await self._migrate(r, attempt, decode, e)
 
-    async def _remote_attempt(self, r: Request, attempt: int, decode: Endpoint, prefill: Endpoint | None, plan):
+    async def _remote_attempt(
+        self, r: Request, attempt: int, decode: Endpoint, prefill: Endpoint | None, plan, began: float
+    ):
         """The prefill pool computes the prompt (its KV leased there) and the first token, which
         streams at once; the decode node reads the KV and decodes. Layer-wise, the decode call
         starts as soon as the KV is described and the first token comes after the last layer."""
         self.metrics.inc("pdserve_prefills_total", where="remote")
-        began, num_tokens = time.time(), len(r.tokens)
+        num_tokens = len(r.tokens)
         sampling = sampling_to_proto(r.params)
         if r.several:  # its KV only: one prefill, one transfer, every sample's first token on the decode node
             sampling = sampling_to_proto(
@@ -190,7 +193,8 @@ class Router(Frontend):
             output_token_ids=r.generated,
             num_emitted_chars=r.emitted,
         )
-        prefill, reply, replies, alone = await self._prefill(ask, decode, prefill, plan.remote_tokens)
+        stream = not r.ends_at_next_token  # a token that may end the request hands on no KV to stream
+        prefill, reply, replies, alone = await self._prefill(ask, decode, prefill, plan.remote_tokens, stream)
         kv, call, read = reply.kv, None, False  # read: the decode node streams, so it read and released the KV
         try:
             with decode.track(), self._outstanding(decode):
@@ -265,19 +269,20 @@ class Router(Frontend):
 
     # ---- steps ------------------------------------------------------------------------------
     async def _prefill(
-        self, ask: nodes_pb2.PrefillRequest, decode: Endpoint, prefill: Endpoint | None, num_tokens: int
+        self, ask: nodes_pb2.PrefillRequest, decode: Endpoint, prefill: Endpoint | None, num_tokens: int, stream: bool
     ):
         """Returns (prefill node, its first answer, the rest of a layer-wise answer or None, whether
         it ran alone there). prefill: the node to try first (None: pick one, cache-aware);
-        num_tokens: what it computes. Prefill has no effect but a lease that expires, so a node that
-        cannot be reached (gone, restarting) is retried on another; other errors are the request's."""
+        num_tokens: what it computes; stream: layer by layer where the two nodes do (layerwise).
+        Prefill has no effect but a lease that expires, so a node that cannot be reached (gone,
+        restarting) is retried on another; other errors are the request's."""
         tried: set[str] = set()
         tokens = list(ask.prompt_token_ids) + list(ask.output_token_ids)
         while True:
             prefill = prefill or _pick(self.prefill_pool, tried, tokens, ask.sampling.cache_salt)
             try:
                 with prefill.track(), self._outstanding(prefill), prefill.prefill(num_tokens) as alone:
-                    if not self.layerwise(prefill, decode):
+                    if not (stream and self.layerwise(prefill, decode)):
                         return prefill, await prefill.stub.Prefill(ask, timeout=remaining(ask.deadline)), None, alone
                     replies = prefill.stub.StreamPrefill(ask, timeout=remaining(ask.deadline))
                     return prefill, await next_reply(replies, prefill, raw=True), replies, alone

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -79,19 +78,21 @@ class ServerProcess:
 
     def kill(self) -> None:
         """SIGKILL by PID: it dies with whatever it had in flight, as a crashed host would."""
-        if self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.kill()  # nothing if it was reaped already
         self.proc.wait()
 
     def stop(self, grace_s: float = 30.0) -> int:
         """SIGTERM (it drains and stops), then SIGKILL after grace_s; returns its exit code."""
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=grace_s)
-            except subprocess.TimeoutExpired:
-                self.kill()
+        self.proc.terminate()  # nothing if it was reaped already
+        try:
+            self.proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            self.kill()
         return self.proc.wait()
+
+    async def stopped(self, grace_s: float = 30.0) -> int:
+        """stop(), awaited."""
+        return await _in_thread(self.stop, grace_s)
 
 
 def _in_thread(fn, *args) -> asyncio.Future:

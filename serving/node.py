@@ -25,6 +25,7 @@ class EngineServer:
         self.metrics = metrics or Metrics()
         self.exporter = EngineExporter(self.metrics, self.role, self.engine, self.num_open)
         self._tasks: set[asyncio.Task] = set()
+        self._finishing: set[asyncio.Task] = set()
 
     @property
     def address(self) -> str:
@@ -38,10 +39,13 @@ class EngineServer:
         """Whether work is still in flight (drain waits for it)."""
         return False
 
-    def background(self, coro) -> asyncio.Task:
+    def background(self, coro, cancel_on_stop: bool = True) -> asyncio.Task:
+        """A task held until done (the loop keeps only weak references); cancelled by stop(),
+        or (cancel_on_stop False: a message that should still reach its peer) left to finish."""
+        tasks = self._tasks if cancel_on_stop else self._finishing
         task = asyncio.create_task(coro)
-        self._tasks.add(task)  # held until done: the loop keeps only weak references
-        task.add_done_callback(self._tasks.discard)
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
         return task
 
     async def start(self) -> None:

@@ -13,6 +13,7 @@ A field's metadata (engine/config.py's `option()` writes it):
     choices  the allowed values
     where    the entry points it applies to, of ("cli", "serve"); default both
     serve_key  its key in a Serve config section, where that is not the field's name
+    per_process  True for a value each process needs its own of (a port): never forwarded
 A class's `cli_title` (a plain class attribute) heads its options' section of --help.
 Types: str, int, float, bool, dict (a JSON object on the command line), and `X | None`.
 """
@@ -41,6 +42,7 @@ class Option:
     unit: float | None = None
     where: tuple[str, ...] = ENTRY_POINTS
     key: str = ""  # its Serve config key
+    per_process: bool = False
 
     def to_cli(self, value):
         """A field value as the flag takes it (the inverse of from_cli)."""
@@ -74,6 +76,7 @@ def options(cls, where: str | None = None) -> list[Option]:
                 meta.get("unit"),
                 tuple(meta.get("where", ENTRY_POINTS)),
                 meta.get("serve_key", f.name),
+                meta.get("per_process", False),
             )
         )
     return found
@@ -160,11 +163,12 @@ def from_args(cls, args: argparse.Namespace, **given):
 
 def to_argv(args: argparse.Namespace, *classes, skip=()) -> list[str]:
     """The flags that give a process the same values of these classes' options as `args` holds
-    (those that differ from the defaults): how `pdserve up` forwards its options to a node."""
+    (those that differ from the defaults, but per-process ones): how `pdserve up` forwards its
+    options to a node."""
     argv, seen = [], set(skip)
     for cls in classes:
         for opt in options(cls, "cli"):
-            if opt.name in seen or not hasattr(args, opt.name):
+            if opt.name in seen or opt.per_process or not hasattr(args, opt.name):
                 continue
             seen.add(opt.name)
             value = getattr(args, opt.name)

@@ -184,3 +184,30 @@ def test_a_preempted_sequence_never_waits_forever_behind_imported_kv(tiny_llama)
     done = run_to_completion(engine, max_steps=500)
     assert {rid: o.token_ids for rid, o in done.items()} == want
     assert_no_blocks_used(engine)
+
+
+def test_a_prefill_hands_off_or_ends_by_the_requests_own_rule(tiny_llama, reference):
+    """LLMEngine.add_prefill, the prefill side's request kind: the request's next token, as
+    add_request samples it, and its KV under a kv_lease, with finish_reason None (it goes on at a
+    decode node); or, where the request's own rule ends it at that token, that reason (the lease
+    is held all the same until released: a layer-wise reader may still be reading it)."""
+    from dataclasses import replace
+
+    engine = make_engine(tiny_llama)
+    prompt = engine.tokenize(PROMPTS["a"])
+    first = reference["a"][0]
+    cases = {
+        "goes-on": (GREEDY, None),
+        "max-tokens": (replace(GREEDY, max_tokens=1), "length"),
+        "stop-token": (replace(GREEDY, stop_token_ids=(first,)), "stop"),
+    }
+    for rid, (params, _) in cases.items():
+        engine.add_prefill(rid, prompt, params)
+    outs = run_to_completion(engine)
+    for rid, (_, reason) in cases.items():
+        assert outs[rid].finished and outs[rid].finish_reason == reason, rid
+        assert outs[rid].token_ids == [first]
+        lease = engine.kv_lease(rid)
+        assert lease.num_tokens == len(prompt) and engine.export_kv(rid).shape[2] == len(prompt)
+        engine.release_kv(rid)
+    assert_no_blocks_used(engine)

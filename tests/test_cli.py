@@ -265,9 +265,12 @@ def test_generate_without_a_healthy_decode_node_fails_before_any_prefill(tiny_ll
     assert err.count("\n") == 1 and err.startswith("pdserve: error: UNAVAILABLE: no healthy decode node (of 1: "), err
 
 
+TOO_SMALL = ["--kv-cache-gb", "0.0000001"]  # a valid option, but not one KV block of the model: its node fails
+
+
 def test_up_says_in_one_line_why_a_node_did_not_start(tiny_llama, tmp_path):
     r = subprocess.run(
-        [*UP, "--model", str(tiny_llama), "--max-num-seqs", "0", "--log-dir", str(tmp_path)],
+        [*UP, "--model", str(tiny_llama), *TOO_SMALL, "--log-dir", str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=300,
@@ -278,11 +281,33 @@ def test_up_says_in_one_line_why_a_node_did_not_start(tiny_llama, tmp_path):
     assert first.startswith(f"pdserve up: model {tiny_llama}: starting 1 prefill + 1 decode node processes")
     assert re.fullmatch(
         r"pdserve up: error: (prefill|decode) node 0 \(pid \d+\) exited with code 1 before it was "
-        r"ready: ValueError: max_num_seqs must be >= 1, got 0 \(log: \S+\.log\)",
+        r"ready: ValueError: kv_cache_bytes must hold at least one block of \d+ bytes, got 107 \(log: \S+\.log\)",
         line,
     ), line
     log = Path(line.rsplit("(log: ", 1)[1].rstrip(")"))
     assert log.parent == tmp_path and "Traceback" in log.read_text()
+
+
+@pytest.mark.parametrize(
+    "flag, value, error",
+    [
+        ("--max-num-seqs", "0", "max_num_seqs must be >= 1, got 0"),
+        ("--speculative-config", '{"k": 4}', "speculative: unknown setting(s) ['k']"),
+        ("--rate-limit", "0", "rate_limit must be > 0 requests/s, got 0.0"),
+        ("--decode", "0", "decode must be >= 1, got 0"),
+    ],
+)
+def test_up_refuses_a_bad_option_before_starting_anything(tiny_llama, tmp_path, flag, value, error):
+    """Each option is checked by its component's config in `pdserve up` itself: one line naming the
+    setting, exit 2, no node started."""
+    r = subprocess.run(
+        [*UP, "--model", str(tiny_llama), "--log-dir", str(tmp_path / "logs"), flag, value],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 2 and r.stderr.startswith(f"pdserve: error: {error}") and r.stderr.count("\n") == 1
+    assert not (tmp_path / "logs").exists()
 
 
 @pytest.mark.parametrize(
@@ -496,7 +521,7 @@ def test_up_removes_its_temporary_log_dir_and_keeps_it_when_a_node_fails(tiny_ll
     made = re.search(r"logs in (\S+) \(removed at exit unless a node fails\)", ok.stderr).group(1)
     assert Path(made).parent == tmp_path and not Path(made).exists()
     bad = subprocess.run(
-        [*UP, "--model", str(tiny_llama), "--max-num-seqs", "0"], capture_output=True, text=True, timeout=300, env=env
+        [*UP, "--model", str(tiny_llama), *TOO_SMALL], capture_output=True, text=True, timeout=300, env=env
     )
     assert bad.returncode == 1
     kept = Path(re.search(r"\(log: (\S+)\)$", bad.stderr.splitlines()[-1]).group(1)).parent

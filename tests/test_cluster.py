@@ -401,9 +401,13 @@ def test_layerwise_prefill_cancelled_or_finished_at_once_frees_both_sides(tiny_l
                     await task
                 await wait_for_no_blocks(prefills + decodes)
                 assert len(prefills[0].leases) == 0 and decodes[0].num_active == 0
-                # the first token ends the request (max_tokens 1): the prefill node answers with no KV
+                # the first token ends the request (max_tokens 1): the prefill node answers with no KV,
+                # and the decode node is not asked to read any
+                stub, calls = router.decode_pool.endpoints[0].stub, []
+                decode_call = stub.Decode
+                stub.Decode = lambda *args, **kwargs: calls.append(args) or decode_call(*args, **kwargs)
                 result = await client.generate(PROMPTS[1], max_tokens=1, temperature=0)
-                assert len(result.token_ids) == 1 and result.finish_reason == "length"
+                assert len(result.token_ids) == 1 and result.finish_reason == "length" and not calls
             await wait_for_no_blocks(prefills + decodes)
             assert len(prefills[0].leases) == 0 and decodes[0].num_active == 0
 

@@ -358,3 +358,21 @@ def test_the_transport_docs_list_the_registered_transports():
     doc = (Path(__file__).resolve().parents[1] / "docs" / "kv_transfer.md").read_text()
     rows = re.findall(r"^\| `(\w+)` \| `(kvtransfer/\w+\.py)` \|", doc, re.M)
     assert rows == [(name, t.sender.__module__.replace(".", "/") + ".py") for name, t in transports.TRANSPORTS.items()]
+
+
+def test_the_transport_chosen_from_what_both_nodes_report():
+    """kvtransfer.transports.choose, which the router asks (it names no transport itself): the
+    decode node's first reader (its order) that the prefill node serves and that can reach it."""
+    from kvtransfer.base import Capabilities as C
+
+    shm, tcp, grpc = C("shm", partial=True, same_host=True), C("tcp", layerwise=True, partial=True), C("grpc")
+    every = [shm, tcp, grpc]
+    assert transports.choose(every, every, same_host=True) == shm  # one host: the one-sided read
+    assert transports.choose(every, every, same_host=False) == tcp  # across hosts: the TCP plane
+    assert transports.choose(every, every, same_host=True, layerwise=True) == tcp  # streaming wanted
+    assert transports.choose([tcp, grpc], every, same_host=True) == tcp  # a prefill node with --no-shm
+    gpu_tcp = C("tcp", partial=True)  # a KV cache on a GPU: tcp reads it, but cannot stream its layers
+    assert transports.choose([gpu_tcp, grpc], every, same_host=False) == gpu_tcp
+    assert transports.choose([gpu_tcp, grpc], every, same_host=False, layerwise=True) is None
+    assert transports.choose(every, [grpc], same_host=False) == grpc  # a decode node told --kv-transport grpc
+    assert transports.choose([grpc], [tcp], same_host=False) is None

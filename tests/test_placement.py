@@ -183,3 +183,48 @@ def test_a_local_prefill_request_with_a_kv_source_or_a_bad_prompt_is_refused(tin
             await wait_for_no_blocks(decodes)
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize(
+    "mode, decode_reads, same_host, streams",
+    [
+        ("auto", "auto", True, False),  # one host: shared memory moves the whole KV at once
+        ("auto", "auto", False, True),  # across hosts: the TCP plane streams it layer by layer
+        ("auto", "tcp", True, True),  # a decode node told --kv-transport tcp
+        ("auto", "grpc", False, False),
+        ("on", "auto", True, True),  # on: wherever some transport between the two can
+        ("on", "grpc", True, False),
+        ("off", "tcp", False, False),
+    ],
+)
+def test_layerwise_streaming_follows_what_the_nodes_can_do(mode, decode_reads, same_host, streams):
+    """The router decides from the nodes' reported transports (NodeLoad.kv_transports)."""
+    from types import SimpleNamespace
+
+    from kvtransfer import transports
+    from kvtransfer.base import Capabilities, ReaderContext, options_for
+    from pdserve_api import common_pb2
+    from router.config import RouterConfig
+    from router.pool import Endpoint
+    from router.server import Router
+
+    senders = [
+        Capabilities("shm", partial=True, same_host=True),
+        Capabilities("tcp", layerwise=True, partial=True),
+        Capabilities("grpc"),
+    ]  # a prefill node on the CPU with shared memory
+    readers = [
+        t.reader(ReaderContext(options=options_for(t.reader_options, ()))).capabilities()
+        for t in transports.named(decode_reads)
+    ]
+    prefill = Endpoint(
+        "p", None, None, load=common_pb2.NodeLoad(host_id="a", kv_transports=[c.to_proto() for c in senders])
+    )
+    decode = Endpoint(
+        "d",
+        None,
+        None,
+        load=common_pb2.NodeLoad(host_id="a" if same_host else "b", kv_transports=[c.to_proto() for c in readers]),
+    )
+    router = SimpleNamespace(config=RouterConfig(kv_layerwise=mode), kv_read=Router.kv_read)
+    assert Router.layerwise(router, prefill, decode) is streams
