@@ -6,8 +6,6 @@ entry point builds."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
 from decode_node.config import DecodeConfig
@@ -64,10 +62,11 @@ def _text(value) -> str:
     return json.dumps(value) if isinstance(value, dict) else str(value)
 
 
-def assert_fields(config, given: dict) -> None:
-    for f in dataclasses.fields(config):
-        if f.name in given:
-            assert getattr(config, f.name) == given[f.name], f"{type(config).__name__}.{f.name}"
+def assert_fields(config, given: dict, where: str = "cli") -> None:
+    """Each of config's options at this entry point holds the value given for it."""
+    for o in options(type(config), where):
+        if o.name in given:
+            assert getattr(config, o.name) == given[o.name], f"{type(config).__name__}.{o.name}"
 
 
 NODES = {"prefill": (PrefillConfig, transports.sender_options()), "decode": (DecodeConfig, transports.reader_options())}
@@ -191,12 +190,12 @@ def test_every_serve_option_reaches_its_deployment():
             "decode": {"engine": engine_section, **decode_section},
         }
     )
-    assert_fields(a.router, router)
-    assert_fields(a.security, security)
+    assert_fields(a.router, router, "serve")
+    assert_fields(a.security, security, "serve")
     for pool, given in ((a.prefill, prefill), (a.decode, decode)):
-        assert_fields(pool.engine, engine)
+        assert_fields(pool.engine, engine, "serve")
         for config in (pool.node, *pool.kv_options):
-            assert_fields(config, given)
+            assert_fields(config, given, "serve")
     assert router_section["direct_port"] == a.router.port  # its key under Serve
 
 
