@@ -70,8 +70,11 @@ class DecodeNode(EngineServer, nodes_pb2_grpc.DecodeNodeServicer):
         self.layout = KVLayout.of(llm.kv_cache, model_fingerprint(llm.model_dir))
         self.receiver = KVReceiver(llm.kv_cache, self.layout, config.kv_transport, security, kv_options)
         self.host_id = host_id()
-        # Fault injection for chaos tests: a pause before each transfer (PDSERVE_FAULT_DELAY_TRANSFER_S).
+        # Fault injection for chaos tests: a pause before each transfer (PDSERVE_FAULT_DELAY_TRANSFER_S),
+        # and before each streamed message, so that streams are in flight when a host is lost
+        # (PDSERVE_FAULT_DELAY_MESSAGE_S).
         self.fault_delay_transfer_s = float(os.environ.get("PDSERVE_FAULT_DELAY_TRANSFER_S", "0"))
+        self.fault_delay_message_s = float(os.environ.get("PDSERVE_FAULT_DELAY_MESSAGE_S", "0"))
         self.num_active = 0  # Decode streams open: transferring or decoding
 
     def num_open(self) -> int:
@@ -95,6 +98,8 @@ class DecodeNode(EngineServer, nodes_pb2_grpc.DecodeNodeServicer):
             params = await self._check(request, context)
             stream = self._prefill_here if request.prefill_locally else self._decode_imported
             async for msg in stream(request, params, context):
+                if self.fault_delay_message_s:
+                    await asyncio.sleep(self.fault_delay_message_s)
                 yield msg
         finally:
             self.num_active -= 1

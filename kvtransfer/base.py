@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import os
 import socket
 import time
 from collections.abc import Awaitable, Callable
@@ -42,12 +43,18 @@ class KVCorrupt(KVTransferError):
 
 
 def host_id() -> str:
-    """Equal for two processes on one machine (boot): they can share memory."""
+    """Equal for two processes that can share memory: one machine (boot) and one /dev/shm. A
+    container or a network namespace with a /dev/shm of its own is another host, as it is to
+    shared memory (the two-host tests and a Ray node per namespace run so)."""
     try:
         boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
     except OSError:
         boot = ""
-    return f"{socket.gethostname()}/{boot}"
+    try:
+        shm = os.stat("/dev/shm").st_dev
+    except OSError:
+        shm = 0
+    return f"{socket.gethostname()}/{boot}/{shm}"
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from kvtransfer.base import Capabilities, KVCorrupt, KVSender, KVTransferError, 
 from kvtransfer.buffers import BufferPool
 from kvtransfer.layout import KVLayout, KVLayoutMismatch, StreamWriter, gather, kv_digest
 from kvtransfer.lease import LeaseTable
-from kvtransfer.security import MAX_MESSAGE_BYTES, NONE, Security
+from kvtransfer.security import INTERNAL_CHANNEL_OPTIONS, MAX_MESSAGE_BYTES, NONE, Security
 from pdserve_api import nodes_pb2, nodes_pb2_grpc
 
 # torch warns that the chunk's bytes are read-only; they are only ever read.
@@ -123,7 +123,7 @@ class GrpcStreamReader:
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         if address not in self.channels:
-            self.channels[address] = self.security.channel(address)
+            self.channels[address] = self.security.channel(address, INTERNAL_CHANNEL_OPTIONS)
         return self.channels[address]
 
     async def read(

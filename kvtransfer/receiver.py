@@ -12,7 +12,7 @@ from engine.kv_cache import KVCache
 from kvtransfer import transports
 from kvtransfer.base import Capabilities, KVReader, KVTransfer, KVTransferError, ReaderContext, options_for
 from kvtransfer.layout import KVLayout
-from kvtransfer.security import NONE, Security
+from kvtransfer.security import INTERNAL_CHANNEL_OPTIONS, NONE, Security
 from pdserve_api import nodes_pb2, nodes_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -46,7 +46,7 @@ class KVReceiver:
     def channel(self, address: str) -> grpc.aio.Channel:
         """A gRPC channel to a prefill node (mutual TLS and the token where configured)."""
         if address not in self._channels:
-            self._channels[address] = self.security.channel(address)
+            self._channels[address] = self.security.channel(address, INTERNAL_CHANNEL_OPTIONS)
         return self._channels[address]
 
     def choose(self, source: nodes_pb2.KVSource) -> KVReader:

@@ -27,6 +27,24 @@ MESSAGE_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
 ]
+# Channels between pdserve processes (router -> nodes, decode -> prefill) ping the peer every 5 s
+# and give it 5 s to answer: a host that vanishes without closing its sockets (its link cut, its
+# power gone) fails the calls in flight in about 10 s, where TCP alone waits minutes.
+KEEPALIVE_MS = 5000
+INTERNAL_CHANNEL_OPTIONS = [
+    *MESSAGE_OPTIONS,
+    ("grpc.keepalive_time_ms", KEEPALIVE_MS),
+    ("grpc.keepalive_timeout_ms", KEEPALIVE_MS),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+# ...and every pdserve server accepts those pings (gRPC's default answers a ping more often than
+# every 5 minutes with GOAWAY "too_many_pings").
+SERVER_KEEPALIVE_OPTIONS = [
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_MS // 2),
+    ("grpc.http2.max_ping_strikes", 0),
+]
 
 
 def _read(path: str | None) -> bytes | None:

@@ -157,6 +157,8 @@ def _dashboard_url(context) -> str | None:
 def serve(config_path: str | None, address: str | None, timeout_s: float = 600.0) -> int:
     import ray
 
+    from serving.registry import registry
+
     schema = serve_config.validate(serve_config.load(config_path or serve_config.DEFAULT_CONFIG))
     local = address is None
     if local:
@@ -181,13 +183,17 @@ def serve(config_path: str | None, address: str | None, timeout_s: float = 600.0
         for app in schema.applications:
             if app.import_path != serve_config.PDSERVE_BUILDER:
                 continue
-            direct = parse_args(app.args).router.port
+            app_args = parse_args(app.args)
+            routers = ray.get(registry(app_args.app_name).snapshot.remote())["router"]
+            example = routers[0] if routers else f"127.0.0.1:{app_args.router.port}"
             print(
                 f"pdserve serve: application {app.name!r} is RUNNING\n"
-                f"  gRPC through Ray Serve's proxy: <node>:{grpc_port} with metadata application={app.name}\n"
+                f"  gRPC through Ray Serve's proxy (on every Ray node): <node>:{grpc_port} with metadata "
+                f"application={app.name}\n"
                 f'    pdserve generate --addr 127.0.0.1:{grpc_port} --application {app.name} "Hello"\n'
-                f"  gRPC on the router replica's own port (no per-message proxy cost): <node>:{direct}\n"
-                f'    pdserve generate --addr 127.0.0.1:{direct} "Hello"',
+                f"  gRPC on each router replica's own port (no per-message proxy cost): "
+                f"{', '.join(routers) or f'<node>:{app_args.router.port}'}\n"
+                f'    pdserve generate --addr {example} "Hello"',
                 flush=True,
             )
         url = _dashboard_url(context)

@@ -13,8 +13,10 @@ import asyncio
 import logging
 import typing
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 import grpc
+import ray
 from fastapi import FastAPI, Request
 from ray import serve
 
@@ -25,7 +27,7 @@ from router.frontend import client_of
 from router.openai_api import OpenAIAPI, add_error_handlers
 from router.server import RequestError, Router
 from serving.metrics import Metrics
-from serving.registry import registry
+from serving.registry import Announcement, preferred_port, registry
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +111,9 @@ class RouterDeployment:
         pools=(),
     ):
         # pools: the prefill and decode deployments' handles (bound so that they deploy with us).
+        # The direct port is preferred, not required: a second router replica on one host takes
+        # another, and announces it in the registry (role "router") with the host's IP.
+        config = replace(config, port=preferred_port(config.host, config.port))
         self.router = Router(
             model,
             [],
@@ -126,9 +131,15 @@ class RouterDeployment:
         self.discovery_interval_s = config.discovery_interval_s
         await self._discover()
         self._watch = asyncio.create_task(self._watch_registry())
+        port = self.router.address.rsplit(":", 1)[1]
+        replica = serve.get_replica_context().replica_id.unique_id
+        self.announcement = Announcement(app_name, "router", replica, f"{ray.util.get_node_ip_address()}:{port}")
+        await self.announcement.start()
 
     async def _discover(self) -> None:
         nodes = await self.registry.snapshot.remote()
+        if not nodes["settled"]:  # a registry restarted moments ago: its replicas still renewing
+            return
         await self.router.prefill_pool.update(nodes["prefill"])
         await self.router.decode_pool.update(nodes["decode"])
 
@@ -205,4 +216,5 @@ class RouterDeployment:
 
     async def __del__(self):
         self._watch.cancel()
+        await self.announcement.stop()
         await self.router.stop(5.0)

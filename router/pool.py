@@ -27,7 +27,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine.block_manager import block_hashes
-from kvtransfer.security import NONE, Security
+from kvtransfer.security import INTERNAL_CHANNEL_OPTIONS, NONE, Security
 from pdserve_api import common_pb2, nodes_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -125,7 +125,7 @@ class EndpointPool:
         self.closed = False
 
     def _endpoint(self, address: str) -> Endpoint:
-        channel = self.security.channel(address)
+        channel = self.security.channel(address, INTERNAL_CHANNEL_OPTIONS)
         return Endpoint(address, channel, self.stub_cls(channel))
 
     async def update(self, addresses: list[str]) -> None:

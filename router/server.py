@@ -212,7 +212,7 @@ class Router(Frontend):
                 async for part in call:
                     if not read:
                         read = True
-                        r.transferred(part)
+                        r.transferred(part, decode.address)
                         self._measured_remote(num_tokens, reply, part, began, alone)
                     yield r.message(part)
         finally:

@@ -12,10 +12,10 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from kvtransfer.security import MESSAGE_OPTIONS, NONE, Security
+from kvtransfer.security import MESSAGE_OPTIONS, NONE, SERVER_KEEPALIVE_OPTIONS, Security
 
 LIVENESS = "liveness"
-SERVER_OPTIONS = [*MESSAGE_OPTIONS, ("grpc.so_reuseport", 0)]
+SERVER_OPTIONS = [*MESSAGE_OPTIONS, *SERVER_KEEPALIVE_OPTIONS, ("grpc.so_reuseport", 0)]
 
 
 class GrpcServer:

@@ -1,5 +1,6 @@
 """What a Prefill or Decode replica under Ray Serve does the same way: run its node's gRPC server
-on its Ray node's IP, announce it in the application's registry (serving/registry.py), export its
+on its Ray node's IP, announce it in the application's registry (serving/registry.py: renewed
+every few seconds, so a registry restarted on another Ray node fills again), export its
 pool's gauges and counters through Ray's metrics (tagged with the replica), say it is unhealthy
 when its engine died, and when Serve removes it, deregister (routers stop picking it), drain,
 stop."""
@@ -12,7 +13,7 @@ from collections.abc import Callable
 from ray import serve
 from ray.util import metrics
 
-from serving.registry import registry
+from serving.registry import Announcement
 
 Reading = Callable[[], float]
 
@@ -29,8 +30,9 @@ class Replica:
     ):
         """gauges, counters: metric name -> (description, read its value now; a counter's total)."""
         self.role, self.node, self.drain_timeout_s = role, node, drain_timeout_s
-        self.registry = registry(app_name)
+        self.app_name = app_name
         self.replica = serve.get_replica_context().replica_id.unique_id
+        self.announcement: Announcement | None = None
         tags = {"replica": self.replica}
         self.gauges = [
             (metrics.Gauge(name, description, tag_keys=("replica",)), read)
@@ -46,7 +48,8 @@ class Replica:
 
     async def start(self) -> None:
         await self.node.start()
-        await self.registry.register.remote(self.role, self.replica, self.node.address)
+        self.announcement = Announcement(self.app_name, self.role, self.replica, self.node.address)
+        await self.announcement.start()
         self._export = asyncio.create_task(self._export_metrics())
 
     async def _export_metrics(self) -> None:
@@ -66,7 +69,8 @@ class Replica:
 
     async def stop(self) -> None:
         """Serve awaits this before it stops the replica (force-killed after graceful_shutdown_timeout_s)."""
-        await self.registry.deregister.remote(self.role, self.replica)
+        if self.announcement is not None:
+            await self.announcement.stop()
         if self._export is not None:
             self._export.cancel()
         await self.node.drain(self.drain_timeout_s)

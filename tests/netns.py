@@ -77,6 +77,14 @@ def two_hosts(rate: str | None = None):
         _ip("netns", "del", b)
 
 
+def set_link(ns: str, up: bool) -> None:
+    """Takes namespace ns's veth end down (packets to and from it vanish; no socket is closed, as
+    when a cable is pulled) or up again."""
+    out = subprocess.run(["ip", "-n", ns, "-o", "link", "show", "type", "veth"], capture_output=True, text=True)
+    dev = out.stdout.split(":")[1].strip().split("@")[0]
+    _ip("-n", ns, "link", "set", dev, "up" if up else "down")
+
+
 def in_namespace(ns: str, *args: str) -> ServerProcess:
     """A server process (`python *args`) in namespace ns, with a private /dev/shm; stopped by its
     PID (serving/launcher.py)."""

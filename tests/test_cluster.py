@@ -443,11 +443,13 @@ def test_a_slow_first_token_is_logged_with_where_it_waited(tiny_llama, monkeypat
         async with local_cluster(tiny_llama) as (router, prefills, decodes):
             async with AsyncClient(router.address) as client:
                 await client.generate(PROMPTS[0], max_tokens=3, temperature=0)
-            return prefills[0].address
+            return prefills[0].address, decodes[0].address
 
     with caplog.at_level("WARNING", logger="router.frontend"):
-        prefill = asyncio.run(scenario())
+        prefill, decode = asyncio.run(scenario())
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("slow first token")]
     assert len(lines) == 1, lines
     steps = ("prefill_start", "prefill_end", "transfer_start", "transfer_end", "decode_admitted", "first_token", "done")
-    assert all(f"{step} +" in lines[0] for step in steps) and f"(prefill on {prefill})" in lines[0], lines[0]
+    assert (
+        all(f"{step} +" in lines[0] for step in steps) and f"(prefill on {prefill}; decode on {decode})" in lines[0]
+    ), lines[0]
