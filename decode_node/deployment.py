@@ -4,8 +4,6 @@ KV block utilization. Scale-down drains: open streams finish first."""
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import ray
 from ray import serve
 
@@ -14,7 +12,6 @@ from decode_node.server import DecodeNode
 from engine import EngineConfig
 from kvtransfer.security import SecurityConfig
 from serving.metrics import Metrics
-from serving.registry import preferred_port
 from serving.replica import Replica
 
 
@@ -31,11 +28,12 @@ class DecodeDeployment:
         host = ray.util.get_node_ip_address()
         self.node = node = DecodeNode(
             engine,
-            replace(config, port=preferred_port(host, config.port)),
+            config,
             host=host,
             metrics=Metrics("ray"),
             security=security.security(),
             kv_options=kv_options,
+            any_port_if_taken=True,
         )
         self._tokens = [node.llm.num_generated_tokens]  # at the last reading of tokens_per_second
         self.replica = Replica(

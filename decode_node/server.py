@@ -59,11 +59,12 @@ class DecodeNode(EngineServer, nodes_pb2_grpc.DecodeNodeServicer):
         metrics: Metrics | None = None,
         security: Security = NONE,
         kv_options: tuple = (),
+        any_port_if_taken: bool = False,
     ):
         """kv_options: the KV transports' reader options (kvtransfer/transports.py)."""
         self.config = config
         llm = LLMEngine(engine_config)
-        super().__init__(llm, host, config.port, security, metrics)
+        super().__init__(llm, host, config.port, security, metrics, any_port_if_taken)
         self.server.add(
             nodes_pb2_grpc.add_DecodeNodeServicer_to_server, self, nodes_pb2.DESCRIPTOR.services_by_name["DecodeNode"]
         )

@@ -4,8 +4,6 @@ prompt tokens and requests waiting for a prefill."""
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import ray
 from ray import serve
 
@@ -14,7 +12,6 @@ from kvtransfer.security import SecurityConfig
 from prefill_node.config import PrefillConfig
 from prefill_node.server import PrefillNode
 from serving.metrics import Metrics
-from serving.registry import preferred_port
 from serving.replica import Replica
 
 
@@ -31,11 +28,12 @@ class PrefillDeployment:
         host = ray.util.get_node_ip_address()
         self.node = node = PrefillNode(
             engine,
-            replace(config, port=preferred_port(host, config.port)),
+            config,
             host=host,
             metrics=Metrics("ray"),
             security=security.security(),
             kv_options=kv_options,
+            any_port_if_taken=True,
         )
         self.replica = Replica(
             "prefill",

@@ -50,12 +50,13 @@ class PrefillNode(EngineServer, nodes_pb2_grpc.PrefillNodeServicer):
         metrics: Metrics | None = None,
         security: Security = NONE,
         kv_options: tuple = (),
+        any_port_if_taken: bool = False,
     ):
         """kv_options: the KV transports' sender options (kvtransfer/transports.py)."""
         self.config = config
         self.senders = KVSenders(kv_options)  # 1. register: a transport may want the KV tensor in its memory
         llm = LLMEngine(engine_config, kv_allocator=self.senders.allocator(resolve_device(engine_config.device)))
-        super().__init__(llm, host, config.port, security, metrics)
+        super().__init__(llm, host, config.port, security, metrics, any_port_if_taken)
         self.server.add(
             nodes_pb2_grpc.add_PrefillNodeServicer_to_server, self, nodes_pb2.DESCRIPTOR.services_by_name["PrefillNode"]
         )

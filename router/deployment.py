@@ -13,7 +13,6 @@ import asyncio
 import logging
 import typing
 from collections.abc import AsyncIterator
-from dataclasses import replace
 
 import grpc
 import ray
@@ -27,7 +26,7 @@ from router.frontend import client_of
 from router.openai_api import OpenAIAPI, add_error_handlers
 from router.server import RequestError, Router
 from serving.metrics import Metrics
-from serving.registry import Announcement, preferred_port, registry
+from serving.registry import Announcement, registry
 
 log = logging.getLogger(__name__)
 
@@ -111,9 +110,10 @@ class RouterDeployment:
         pools=(),
     ):
         # pools: the prefill and decode deployments' handles (bound so that they deploy with us).
+        self._watch: asyncio.Task | None = None
+        self.announcement: Announcement | None = None
         # The direct port is preferred, not required: a second router replica on one host takes
         # another, and announces it in the registry (role "router") with the host's IP.
-        config = replace(config, port=preferred_port(config.host, config.port))
         self.router = Router(
             model,
             [],
@@ -123,6 +123,7 @@ class RouterDeployment:
             check_interval_s=1.0,
             metrics=Metrics("ray"),
             internal_security=security.security(),
+            any_port_if_taken=True,
         )
         await self.router.start()
         self.openai = OpenAIAPI(self.router, self.router.api_keys)
@@ -215,6 +216,10 @@ class RouterDeployment:
             _set_error(grpc_context, e)
 
     async def __del__(self):
-        self._watch.cancel()
-        await self.announcement.stop()
-        await self.router.stop(5.0)
+        """Serve's shutdown, also of a replica whose __init__ failed half-way."""
+        if self._watch is not None:
+            self._watch.cancel()
+        if self.announcement is not None:
+            await self.announcement.stop()
+        if hasattr(self, "router"):
+            await self.router.stop(5.0)

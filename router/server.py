@@ -58,6 +58,7 @@ class Router(Frontend):
         metrics: Metrics | None = None,
         internal_security: Security = NONE,
         public_security: Security | None = None,
+        any_port_if_taken: bool = False,
     ):
         """config: the router's options (router/config.py). public_security: the public port's
         TLS and API keys or token (default: config's files); API keys guard both public APIs,
@@ -80,7 +81,7 @@ class Router(Frontend):
         self.decode_pool = EndpointPool(
             "decode", decode, check_interval_s, security=internal_security, on_change=self._follow_pools
         )
-        self.server = GrpcServer(host, config.port, public)
+        self.server = GrpcServer(host, config.port, public, any_port_if_taken)
         self.server.add(
             generate_pb2_grpc.add_GenerationServicer_to_server,
             self,

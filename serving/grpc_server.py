@@ -19,7 +19,9 @@ SERVER_OPTIONS = [*MESSAGE_OPTIONS, *SERVER_KEEPALIVE_OPTIONS, ("grpc.so_reusepo
 
 
 class GrpcServer:
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, security: Security = NONE):
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, security: Security = NONE, any_port_if_taken=False):
+        """any_port_if_taken: `port` is a preference (a Serve replica's: on Kubernetes each pod has
+        its fixed port, on one host a second replica takes any other)."""
         self.server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=security.interceptors())
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -31,6 +33,9 @@ class GrpcServer:
             self.port = self.server.add_secure_port(target, creds) if creds else self.server.add_insecure_port(target)
         except RuntimeError:  # grpc's word for a port in use or an address not on this host
             self.port = 0
+        if self.port == 0 and port != 0 and any_port_if_taken:
+            target = f"{host}:0"
+            self.port = self.server.add_secure_port(target, creds) if creds else self.server.add_insecure_port(target)
         if self.port == 0:
             raise OSError(f"could not bind {target} (in use, or not an address of this host)")
 

@@ -18,10 +18,18 @@ from serving.metrics import EngineExporter, Metrics
 class EngineServer:
     role = "engine"  # its metrics' role label
 
-    def __init__(self, llm: LLMEngine, host: str, port: int, security: Security, metrics: Metrics | None):
+    def __init__(
+        self,
+        llm: LLMEngine,
+        host: str,
+        port: int,
+        security: Security,
+        metrics: Metrics | None,
+        any_port_if_taken: bool = False,
+    ):
         self.llm = llm  # touched only in the engine thread (engine.call, engine.stream) but for counters
         self.engine = AsyncEngine(llm)
-        self.server = GrpcServer(host, port, security)
+        self.server = GrpcServer(host, port, security, any_port_if_taken)
         self.metrics = metrics or Metrics()
         self.exporter = EngineExporter(self.metrics, self.role, self.engine, self.num_open)
         self._tasks: set[asyncio.Task] = set()

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 import time
 
 import ray
@@ -46,7 +45,9 @@ class Registry:
         for by_replica in self.nodes.values():
             for replica in [r for r, (_, seen) in by_replica.items() if now - seen > EXPIRE_S]:
                 del by_replica[replica]
-        view = {role: sorted(address for address, _ in by_replica.values()) for role, by_replica in self.nodes.items()}
+        view = {
+            role: sorted({address for address, _ in by_replica.values()}) for role, by_replica in self.nodes.items()
+        }
         return {"settled": now - self.born >= SETTLE_S, **view}
 
 
@@ -84,16 +85,3 @@ class Announcement:
             await asyncio.wait_for(self.registry.deregister.remote(*self.key), HEARTBEAT_S * 5)
         except Exception as e:  # the entry expires instead
             log.warning("deregistering %s failed: %s", self.key, e)
-
-
-def preferred_port(host: str, port: int) -> int:
-    """`port` if it is free on host, else 0 (any): on Kubernetes each replica has its pod and its
-    fixed port (probes use it); on one machine a second replica takes another."""
-    if port == 0:
-        return 0
-    with socket.socket() as s:
-        try:
-            s.bind((host, port))
-        except OSError:
-            return 0
-    return port

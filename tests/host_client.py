@@ -9,6 +9,8 @@ each command prints one JSON line last.
     streams ROUTER PROMPTS MAX [APP]    the prompts as concurrent streams; per stream its
                                         messages' arrival times, tokens, and how it ended
                                         (APP: through Serve's proxy with metadata application=APP)
+    load ROUTER PROMPT MAX CLIENTS STOP clients sending the prompt in a loop until the file STOP
+                                        exists: requests done and every error
 """
 
 from __future__ import annotations
@@ -115,6 +117,27 @@ async def streams(router: str, prompts: list[list[int]], max_tokens: int, app: s
         return list(await asyncio.gather(*(_stream(client, p, max_tokens) for p in prompts)))
 
 
+async def load(router: str, prompt: list[int], max_tokens: int, clients: int, stop: str) -> dict:
+    from pathlib import Path
+
+    from router.client import AsyncClient
+
+    done, errors = [0], []
+
+    async def client_loop(client):
+        while not Path(stop).exists():
+            try:
+                await client.generate(prompt, max_tokens=max_tokens, temperature=0, ignore_eos=True)
+                done[0] += 1
+            except grpc.RpcError as e:
+                errors.append(f"{e.code().name}: {e.details()}")
+                await asyncio.sleep(0.1)
+
+    async with AsyncClient(router) as client:
+        await asyncio.gather(*(client_loop(client) for _ in range(clients)))
+    return {"done": done[0], "errors": errors}
+
+
 def main(argv: list[str]) -> None:
     command, *args = argv
     if command == "nodes":
@@ -129,6 +152,8 @@ def main(argv: list[str]) -> None:
         result = generate(args[0], json.loads(args[1]), int(args[2]))
     elif command == "streams":
         result = asyncio.run(streams(args[0], json.loads(args[1]), int(args[2]), args[3] if len(args) > 3 else None))
+    elif command == "load":
+        result = asyncio.run(load(args[0], json.loads(args[1]), int(args[2]), int(args[3]), args[4]))
     else:
         raise SystemExit(f"unknown command {command!r}")
     print(json.dumps(result), flush=True)
