@@ -9,11 +9,12 @@ joined by a veth pair, each a Ray node started with `ray start`, each with its o
 2. Scale-up across hosts: a prefill-heavy load from one replica per pool to two Prefill replicas
    (on host A), then a decode-heavy one to two Decode replicas (on host B): seconds from load
    onset to the second replica RUNNING and announced.
-3. The decode host lost: one Decode replica on each host, streams in flight, host B's Ray node
-   killed (SIGKILL to every process in its namespace). Per stream: how it ended, the longest gap
-   between two of its messages (a migrated stream's gap is the re-prefill on the surviving
-   host), tokens equal to the engine alone (fp32); then the leases and KV blocks left on the
-   surviving nodes.
+3. The decode host lost: one Decode replica on each host, streams on both, host B's Ray node
+   killed (SIGKILL to every process in its namespace). Per stream: how it ended, whether it
+   migrated (its final timings count migrations), the longest gap between two of its messages
+   after the kill (a migrated stream's gap is its re-prefill on the surviving host; the streams
+   already there wait for those prefills too), tokens equal to the engine alone (fp32); then the
+   leases and KV blocks left on the surviving nodes.
 
 Default model, dtype float32 (exact: equality holds in fp32), one torch thread per engine.
 """
@@ -32,10 +33,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
 import yaml  # noqa: E402
-from ray_cluster import free_port  # noqa: E402
 from ray_hosts import ray_two_hosts  # noqa: E402
-
-from pdserve import serve_config  # noqa: E402
+from ray_serve import ray_config  # noqa: E402 (benchmarks/, this script's own folder)
 
 MODEL = "smollm2-135m"
 SPLIT = ({"pdserve_router": 4, "pdserve_prefill": 16}, {"pdserve_decode": 16})
@@ -44,32 +43,18 @@ DECODE_ON_BOTH = ({"pdserve_router": 4, "pdserve_prefill": 16, "pdserve_decode":
 
 
 def config(path: Path, decode_replicas: int | None = None) -> str:
-    """deploy/serve_config.yaml, fp32, small engines, quick autoscaling (min 1, max 2); or a
-    fixed number of Decode replicas."""
-    c = serve_config.load()
-    c["http_options"]["port"], c["grpc_options"]["port"] = free_port(), free_port()
+    """benchmarks/ray_serve.py's config (the default model, one torch thread and 256 MiB of KV per
+    engine, autoscaling min 1 / max 2 with a 1 s upscale delay) in fp32; or a fixed number of
+    Decode replicas."""
+    c = ray_config()
     app = c["applications"][0]
     app["args"]["model"] = MODEL
     for pool in ("prefill", "decode"):
-        app["args"][pool]["engine"].update(dtype="float32", num_threads=1, kv_cache_bytes=256 << 20)
+        app["args"][pool]["engine"]["dtype"] = "float32"
     for dep in app["deployments"]:
-        if "autoscaling_config" not in dep:
-            continue
         if dep["name"] == "Decode" and decode_replicas:
             del dep["autoscaling_config"]
             dep["num_replicas"] = decode_replicas
-            continue
-        dep["autoscaling_config"].update(
-            min_replicas=1,
-            max_replicas=2,
-            upscale_delay_s=1,
-            downscale_delay_s=600,
-            metrics_interval_s=0.5,
-            look_back_period_s=2,
-        )
-        dep["autoscaling_config"]["policy"]["policy_kwargs"] = (
-            {"target_pending_requests": 2} if dep["name"] == "Prefill" else {"target_running_sequences": 4}
-        )
     path.write_text(yaml.safe_dump(c))
     return str(path)
 
@@ -167,6 +152,7 @@ def decode_host_lost(tmp: Path, streams: int = 8, max_tokens: int = 256) -> dict
         view = deploy(c, config(tmp / "lost.yaml", decode_replicas=2))
         c.wait_until(lambda s: len(s["registry"]["decode"]) == 2, "a decode replica on each host")
         router = view["router"][0]
+        _wait_router_uses(c, router, 2)
         proc = c.spawn(c.a, "tests/host_client.py", "streams", router, json.dumps(prompts), str(max_tokens))
         time.sleep(4.0)
         killed_at = time.time()
@@ -185,12 +171,14 @@ def decode_host_lost(tmp: Path, streams: int = 8, max_tokens: int = 256) -> dict
                     "tokens": len(r["tokens"]),
                     "equal_to_engine": r["tokens"] == want,
                     "decode_node": r["timings"].get("decode_node", ""),
+                    "migrations": int(r["timings"].get("migrations", 0)),
                     "max_gap_s": max(gaps),
                     "gap_after_kill_s": max(after) if after else 0.0,
                     "done_after_kill_s": r["arrivals"][-1] - killed_at,
                 }
             )
-        on_b = [s for s in per_stream if s["gap_after_kill_s"] > 1.0]
+        on_b = [s for s in per_stream if s["migrations"]]  # the streams host B carried
+        stayed = [s for s in per_stream if not s["migrations"]]
         return {
             "streams": per_stream,
             "completed": sum(s["ended"] == "OK" for s in per_stream),
@@ -199,10 +187,24 @@ def decode_host_lost(tmp: Path, streams: int = 8, max_tokens: int = 256) -> dict
             "migrated": len(on_b),
             "gap_s_median": statistics.median(s["gap_after_kill_s"] for s in on_b) if on_b else None,
             "gap_s_max": max(s["gap_after_kill_s"] for s in on_b) if on_b else None,
+            # the streams on host A wait too: the survivor re-prefills the migrated ones
+            "gap_s_median_on_survivor": statistics.median(s["gap_after_kill_s"] for s in stayed) if stayed else None,
             "leases_left": sum(v["num_kv_leases"] for v in left.values()),
             "blocks_left": sum(v["num_total_blocks"] - v["num_free_blocks"] for v in left.values()),
             "surviving_nodes": left,
         }
+
+
+def _wait_router_uses(c, router: str, n: int, timeout_s: float = 300) -> None:
+    """Until the router spreads requests over n decode nodes (it finds new replicas in the
+    registry, then health-checks them): two probes in a row land on different ones."""
+    began = time.time()
+    while time.time() < began + timeout_s:
+        probes = c.client("generate", router, json.dumps([[3, 1, 4, 1, 5]] * n), "2")
+        if len({p["timings"]["decode_node"] for p in probes}) == n:
+            return
+        time.sleep(2)
+    raise TimeoutError(f"the router did not use {n} decode nodes in {timeout_s} s")
 
 
 def main() -> None:
@@ -233,8 +235,10 @@ def main() -> None:
         if "lost" in phases:
             results["decode_host_lost"] = decode_host_lost(tmp)
             print(json.dumps({k: v for k, v in results["decode_host_lost"].items() if k != "streams"}, indent=1))
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+    if args.json:  # a run of some phases keeps the others' results
+        path = Path(args.json)
+        earlier = json.loads(path.read_text()) if path.exists() else {}
+        path.write_text(json.dumps({**earlier, **results}, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -61,7 +61,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
 
 class Timings(_message.Message):
-    __slots__ = ("queued", "prefill_start", "prefill_end", "transfer_start", "transfer_end", "decode_admitted", "first_token", "done", "kv_bytes", "kv_transport", "cached_tokens", "prefill_node", "local_prefill", "decode_cached_tokens", "decode_node")
+    __slots__ = ("queued", "prefill_start", "prefill_end", "transfer_start", "transfer_end", "decode_admitted", "first_token", "done", "kv_bytes", "kv_transport", "cached_tokens", "prefill_node", "local_prefill", "decode_cached_tokens", "decode_node", "migrations")
     QUEUED_FIELD_NUMBER: _ClassVar[int]
     PREFILL_START_FIELD_NUMBER: _ClassVar[int]
     PREFILL_END_FIELD_NUMBER: _ClassVar[int]
@@ -77,6 +77,7 @@ class Timings(_message.Message):
     LOCAL_PREFILL_FIELD_NUMBER: _ClassVar[int]
     DECODE_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DECODE_NODE_FIELD_NUMBER: _ClassVar[int]
+    MIGRATIONS_FIELD_NUMBER: _ClassVar[int]
     queued: float
     prefill_start: float
     prefill_end: float
@@ -92,7 +93,8 @@ class Timings(_message.Message):
     local_prefill: bool
     decode_cached_tokens: int
     decode_node: str
-    def __init__(self, queued: _Optional[float] = ..., prefill_start: _Optional[float] = ..., prefill_end: _Optional[float] = ..., transfer_start: _Optional[float] = ..., transfer_end: _Optional[float] = ..., decode_admitted: _Optional[float] = ..., first_token: _Optional[float] = ..., done: _Optional[float] = ..., kv_bytes: _Optional[int] = ..., kv_transport: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., prefill_node: _Optional[str] = ..., local_prefill: _Optional[bool] = ..., decode_cached_tokens: _Optional[int] = ..., decode_node: _Optional[str] = ...) -> None: ...
+    migrations: int
+    def __init__(self, queued: _Optional[float] = ..., prefill_start: _Optional[float] = ..., prefill_end: _Optional[float] = ..., transfer_start: _Optional[float] = ..., transfer_end: _Optional[float] = ..., decode_admitted: _Optional[float] = ..., first_token: _Optional[float] = ..., done: _Optional[float] = ..., kv_bytes: _Optional[int] = ..., kv_transport: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., prefill_node: _Optional[str] = ..., local_prefill: _Optional[bool] = ..., decode_cached_tokens: _Optional[int] = ..., decode_node: _Optional[str] = ..., migrations: _Optional[int] = ...) -> None: ...
 
 class NodeLoad(_message.Message):
     __slots__ = ("num_waiting", "num_running", "num_free_blocks", "num_total_blocks", "num_kv_leases", "host_id", "block_size", "cache_version", "cached_added", "cached_removed", "cache_snapshot", "kv_transports")

@@ -280,8 +280,8 @@ def timeline(t: common_pb2.Timings) -> str:
     (a gap before prefill_start is the prefill queue; before decode_admitted, the decode node's)."""
     steps = " ".join(f"{name} +{getattr(t, name) - t.queued:.2f}s" for name in TIMELINE if getattr(t, name))
     where = f" (prefill on {t.prefill_node}{', local' if t.local_prefill else ''}" if t.prefill_node else ""
-    if where and t.decode_node and not t.local_prefill:
-        where += f"; decode on {t.decode_node}"
+    if where and t.decode_node and (t.decode_node != t.prefill_node or t.migrations):
+        where += f"; decode on {t.decode_node}" + (f" after {t.migrations} migration(s)" if t.migrations else "")
     where += ")" if where else ""
     return steps + where
 

@@ -65,14 +65,16 @@ class Request:
             return
         t.prefill_start, t.prefill_end, t.cached_tokens = reply.prefill_start, reply.prefill_end, reply.cached_tokens
         t.prefill_node, t.local_prefill = node, local
-        if local:
-            t.decode_node = node
         t.first_token = 0 if self.several and not local else time.time()  # n > 1, beams: the decode node's first
 
-    def transferred(self, part: nodes_pb2.DecodeResponse, node: str) -> None:
+    def decoding_on(self, node: str) -> None:
+        """The decode node of the attempt streaming now (a migration moves it; the prefill's
+        timings stay the first attempt's)."""
+        self.timings.decode_node = node
+
+    def transferred(self, part: nodes_pb2.DecodeResponse) -> None:
         """The decode node's first message of a remote attempt: the KV transfer's timings."""
         t = self.timings
-        t.decode_node = node
         t.first_token = t.first_token or time.time()
         t.transfer_start, t.transfer_end = part.transfer_start, part.transfer_end
         t.decode_admitted, t.kv_transport = part.decode_admitted, part.kv_transport

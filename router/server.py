@@ -213,7 +213,8 @@ class Router(Frontend):
                 async for part in call:
                     if not read:
                         read = True
-                        r.transferred(part, decode.address)
+                        r.transferred(part)
+                        r.decoding_on(decode.address)
                         self._measured_remote(num_tokens, reply, part, began, alone)
                     yield r.message(part)
         finally:
@@ -237,6 +238,7 @@ class Router(Frontend):
                     )
                 streamed = True
                 r.prefilled(first, decode.address, local=True)
+                r.decoding_on(decode.address)
                 self.placement.measured_local(
                     len(r.tokens) - first.cached_tokens, first.prefill_end - first.prefill_start, alone
                 )
@@ -266,6 +268,7 @@ class Router(Frontend):
             len(r.generated),
         )
         self.metrics.inc("pdserve_migrations_total")
+        r.timings.migrations += 1
         await self.decode_pool.check(decode)  # a dead node leaves the pool now
 
     # ---- steps ------------------------------------------------------------------------------

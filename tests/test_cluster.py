@@ -453,3 +453,38 @@ def test_a_slow_first_token_is_logged_with_where_it_waited(tiny_llama, monkeypat
     assert (
         all(f"{step} +" in lines[0] for step in steps) and f"(prefill on {prefill}; decode on {decode})" in lines[0]
     ), lines[0]
+
+
+def test_a_second_router_routes_by_what_the_nodes_report_caching(tiny_llama):
+    """Two routers over the same nodes (as two router replicas under Serve): histories sent
+    through one, their follow-ups through the other go to the prefill node that caches the
+    history. The second router learns the caches from the nodes' load reports, not from its own
+    traffic (it sent none). Four histories: a blind pick would match all four 1 time in 16."""
+    from router.config import RouterConfig
+    from router.server import Router
+
+    histories = [[(k * 53 + j * 7) % 280 + 11 for j in range(40)] for k in range(4)]
+
+    async def scenario():
+        async with local_cluster(tiny_llama, num_prefill=2) as (first, prefills, decodes):
+            second = Router(
+                str(tiny_llama),
+                [p.address for p in prefills],
+                [d.address for d in decodes],
+                RouterConfig(port=0, local_prefill="off"),
+                check_interval_s=0.2,
+            )
+            await second.start()
+            try:
+                async with AsyncClient(first.address) as a, AsyncClient(second.address) as b:
+                    placed = [(await a.generate(h, max_tokens=2, temperature=0)).timings for h in histories]
+                    await asyncio.sleep(1.0)  # a few load reports
+                    follow = [(await b.generate(h + [5, 6], max_tokens=2, temperature=0)).timings for h in histories]
+                return placed, follow
+            finally:
+                await second.stop(0)
+
+    placed, follow = asyncio.run(scenario())
+    assert len({t["prefill_node"] for t in placed}) == 2, placed  # both nodes hold some history
+    for p, f in zip(placed, follow):
+        assert f["prefill_node"] == p["prefill_node"] and int(f.get("cached_tokens", 0)) >= 36, (p, f)

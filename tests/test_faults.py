@@ -11,6 +11,7 @@ import pytest
 from chaos import decode_dies, prefill_dies, prefill_gone_before, soak, transfer_fails
 from cluster import local_cluster, wait_for_no_blocks
 from conftest import make_engine, run_to_completion
+from google.protobuf.json_format import MessageToDict
 
 from engine import SamplingParams
 
@@ -295,3 +296,34 @@ def test_a_decode_call_the_node_cancels_migrates(tiny_llama, monkeypatch):
     monkeypatch.setattr(DecodeNode, "_decode_imported", cancelled_once)
     result = asyncio.run(scenario())
     assert result.token_ids == want and len(calls) == 2
+
+
+@pytest.mark.parametrize("local_prefill", ["off", "always"])
+def test_a_migrated_stream_names_the_decode_node_it_finished_on(tiny_llama, local_prefill):
+    """The decode node under a stream stops mid-stream: the stream migrates and its final
+    timings name the node it finished on (the prefill's timings stay the first attempt's),
+    whether the new attempt prefills remotely or on that decode node."""
+    from router.client import AsyncClient
+
+    params = dict(max_tokens=60, temperature=0, ignore_eos=True)
+    engine = make_engine(tiny_llama)
+    engine.add_request("x", [7, 8, 9, 10, 11], SamplingParams(**params))
+    want = run_to_completion(engine)["x"].token_ids
+
+    async def scenario():
+        async with local_cluster(tiny_llama, num_decode=2, local_prefill=local_prefill) as (router, _, decodes):
+            async with AsyncClient(router.address) as client:
+                tokens, timings, stopped = [], {}, None
+                async for part in client.stream([7, 8, 9, 10, 11], **params):
+                    tokens.extend(part.token_ids)
+                    if stopped is None and len(tokens) >= 5:
+                        stopped = next(d for d in decodes if d.num_active)
+                        await stopped.stop(0)
+                    if part.finished:
+                        timings = MessageToDict(part.timings, preserving_proto_field_name=True)
+                survivor = next(d for d in decodes if d is not stopped)
+                return tokens, timings, survivor.address
+
+    tokens, timings, survivor = asyncio.run(scenario())
+    assert tokens == want
+    assert timings["decode_node"] == survivor and timings["migrations"] == 1, timings
