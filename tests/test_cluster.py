@@ -488,3 +488,40 @@ def test_a_second_router_routes_by_what_the_nodes_report_caching(tiny_llama):
     assert len({t["prefill_node"] for t in placed}) == 2, placed  # both nodes hold some history
     for p, f in zip(placed, follow):
         assert f["prefill_node"] == p["prefill_node"] and int(f.get("cached_tokens", 0)) >= 36, (p, f)
+
+
+def test_a_second_router_prefills_a_follow_up_on_the_decode_node_caching_its_history(tiny_llama):
+    """Conditional disaggregation across two routers: a history sent through one router, its
+    follow-up through the other is prefilled on the decode node (only the new tokens computed):
+    the second router knows the decode node's cache from its reports. (The second router first
+    measures one remote prefill of its own: until then it places every prefill remotely.)"""
+    from router.config import RouterConfig
+    from router.server import Router
+
+    history = [(j * 29) % 270 + 13 for j in range(40)]
+    engine = make_engine(tiny_llama)
+    engine.add_request("f", history + [5, 6], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    want = run_to_completion(engine)["f"].token_ids
+
+    async def scenario():
+        async with local_cluster(tiny_llama, local_prefill="auto") as (first, prefills, decodes):
+            second = Router(
+                str(tiny_llama),
+                [p.address for p in prefills],
+                [d.address for d in decodes],
+                RouterConfig(port=0, local_prefill="auto"),
+                check_interval_s=0.2,
+            )
+            await second.start()
+            try:
+                async with AsyncClient(first.address) as a, AsyncClient(second.address) as b:
+                    await a.generate(history, max_tokens=4, temperature=0, ignore_eos=True)
+                    await b.generate([9, 8, 7, 6, 5, 4, 3, 2], max_tokens=4, temperature=0, ignore_eos=True)
+                    await asyncio.sleep(1.0)  # a few load reports
+                    return await b.generate(history + [5, 6], max_tokens=4, temperature=0, ignore_eos=True)
+            finally:
+                await second.stop(0)
+
+    result = asyncio.run(scenario())
+    assert result.token_ids == want
+    assert result.timings.get("local_prefill") and int(result.timings.get("cached_tokens", 0)) >= 36, result.timings
