@@ -108,13 +108,14 @@ def same_workload(tmp: Path, layout, label: str) -> dict:
 
 
 def _time_to_grow(c, tmp: Path, pool: str, prompt: list[int], max_tokens: int, clients: int) -> float:
-    stop = tmp / f"stop-{pool}"
+    stop, router = tmp / f"stop-{pool}", c.status()["registry"]["router"][0]
     began = time.time()
-    load = c.spawn(c.b, "tests/host_client.py", "load", c.status()["registry"]["router"][0], json.dumps(prompt),
-                   str(max_tokens), str(clients), str(stop))  # fmt: skip
+    load = c.spawn(c.b, "tests/host_client.py", "load", router, json.dumps(prompt), str(max_tokens), str(clients),
+                   str(stop))  # fmt: skip
     try:
         role = pool.lower()
-        c.wait_until(lambda s: s["replicas"].get(pool, 0) >= 2 and len(s["registry"][role]) >= 2, f"{pool} x2", 900)
+        grown = lambda s: s["replicas"].get(pool, 0) >= 2 and len(s["registry"].get(role, [])) >= 2  # noqa: E731
+        c.wait_until(grown, f"{pool} x2", 900)
         return time.time() - began
     finally:
         stop.touch()

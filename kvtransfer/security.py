@@ -37,13 +37,15 @@ INTERNAL_CHANNEL_OPTIONS = [
     ("grpc.keepalive_timeout_ms", KEEPALIVE_MS),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
+    # a node back at the same address (a host that returned) is reconnected within 10 s, not
+    # after gRPC's default backoff of up to 2 minutes
+    ("grpc.max_reconnect_backoff_ms", 10_000),
 ]
 # ...and every pdserve server accepts those pings (gRPC's default answers a ping more often than
 # every 5 minutes with GOAWAY "too_many_pings").
 SERVER_KEEPALIVE_OPTIONS = [
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_MS // 2),
-    ("grpc.http2.max_ping_strikes", 0),
 ]
 
 

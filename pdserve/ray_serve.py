@@ -157,7 +157,7 @@ def _dashboard_url(context) -> str | None:
 def serve(config_path: str | None, address: str | None, timeout_s: float = 600.0) -> int:
     import ray
 
-    from serving.registry import registry
+    from serving.registry import CALL_TIMEOUT_S, registry
 
     schema = serve_config.validate(serve_config.load(config_path or serve_config.DEFAULT_CONFIG))
     local = address is None
@@ -184,7 +184,10 @@ def serve(config_path: str | None, address: str | None, timeout_s: float = 600.0
             if app.import_path != serve_config.PDSERVE_BUILDER:
                 continue
             app_args = parse_args(app.args)
-            routers = ray.get(registry(app_args.app_name).snapshot.remote())["router"]
+            try:
+                routers = ray.get(registry(app_args.app_name).snapshot.remote(), timeout=CALL_TIMEOUT_S)["router"]
+            except ray.exceptions.GetTimeoutError:  # the registry restarting: the config's port
+                routers = []
             example = routers[0] if routers else f"127.0.0.1:{app_args.router.port}"
             print(
                 f"pdserve serve: application {app.name!r} is RUNNING\n"

@@ -26,7 +26,7 @@ from router.frontend import client_of
 from router.openai_api import OpenAIAPI, add_error_handlers
 from router.server import RequestError, Router
 from serving.metrics import Metrics
-from serving.registry import Announcement, registry
+from serving.registry import CALL_TIMEOUT_S, Announcement, registry
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +130,10 @@ class RouterDeployment:
         self.accepted = tuple(f"Bearer {k}".encode() for k in self.router.api_keys)
         self.registry = registry(app_name)
         self.discovery_interval_s = config.discovery_interval_s
-        await self._discover()
+        try:
+            await self._discover()
+        except Exception:  # the registry restarting: the watch below tries again
+            log.exception("node discovery failed")
         self._watch = asyncio.create_task(self._watch_registry())
         port = self.router.address.rsplit(":", 1)[1]
         replica = serve.get_replica_context().replica_id.unique_id
@@ -138,7 +141,7 @@ class RouterDeployment:
         await self.announcement.start()
 
     async def _discover(self) -> None:
-        nodes = await self.registry.snapshot.remote()
+        nodes = await asyncio.wait_for(self.registry.snapshot.remote(), CALL_TIMEOUT_S)
         if not nodes["settled"]:  # a registry restarted moments ago: its replicas still renewing
             return
         await self.router.prefill_pool.update(nodes["prefill"])

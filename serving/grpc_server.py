@@ -35,7 +35,12 @@ class GrpcServer:
             self.port = 0
         if self.port == 0 and port != 0 and any_port_if_taken:
             target = f"{host}:0"
-            self.port = self.server.add_secure_port(target, creds) if creds else self.server.add_insecure_port(target)
+            try:
+                self.port = (
+                    self.server.add_secure_port(target, creds) if creds else self.server.add_insecure_port(target)
+                )
+            except RuntimeError:
+                self.port = 0
         if self.port == 0:
             raise OSError(f"could not bind {target} (in use, or not an address of this host)")
 

@@ -22,6 +22,8 @@ import ray
 log = logging.getLogger(__name__)
 
 ROLES = ("router", "prefill", "decode")
+VERSION = 2  # in the actor's name: an application upgraded in place gets a registry of this shape
+CALL_TIMEOUT_S = 30.0  # a call to a registry that is restarting elsewhere waits at most this
 HEARTBEAT_S = 2.0
 EXPIRE_S = 30.0  # 15 missed heartbeats: a busy replica is never dropped, a lost one within 30 s
 SETTLE_S = 3 * HEARTBEAT_S
@@ -54,7 +56,7 @@ class Registry:
 def registry(app_name: str):
     """The application's registry actor, created on first use (detached: it outlives replicas)."""
     return Registry.options(
-        name=f"pdserve-registry-{app_name}", namespace="pdserve", get_if_exists=True, lifetime="detached"
+        name=f"pdserve-registry-v{VERSION}-{app_name}", namespace="pdserve", get_if_exists=True, lifetime="detached"
     ).remote()
 
 
@@ -67,7 +69,11 @@ class Announcement:
         self._beat: asyncio.Task | None = None
 
     async def start(self) -> None:
-        await self.registry.register.remote(*self.key, self.address)
+        """Registers (the heartbeat registers again if the registry cannot answer now)."""
+        try:
+            await asyncio.wait_for(self.registry.register.remote(*self.key, self.address), CALL_TIMEOUT_S)
+        except Exception as e:
+            log.warning("registering %s failed: %s; the heartbeat retries", self.key, e)
         self._beat = asyncio.create_task(self._renew())
 
     async def _renew(self) -> None:
@@ -82,6 +88,6 @@ class Announcement:
         if self._beat is not None:
             self._beat.cancel()
         try:
-            await asyncio.wait_for(self.registry.deregister.remote(*self.key), HEARTBEAT_S * 5)
+            await asyncio.wait_for(self.registry.deregister.remote(*self.key), CALL_TIMEOUT_S / 3)
         except Exception as e:  # the entry expires instead
             log.warning("deregistering %s failed: %s", self.key, e)

@@ -10,7 +10,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from tiny_models import make_tiny_model  # noqa: E402
 
-from engine import EngineConfig, LLMEngine  # noqa: E402
+from engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -36,6 +36,15 @@ def make_engine(model: Path, **kwargs) -> LLMEngine:
     kwargs.setdefault("num_kv_blocks", 256)
     kwargs.setdefault("block_size", 4)
     return LLMEngine(EngineConfig(model=str(model), **kwargs))
+
+
+def engine_alone(model, prompts, **params) -> list[list[int]]:
+    """Each prompt's tokens from one engine (fp32, the reference of every cluster test)."""
+    engine = make_engine(model)
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, SamplingParams(**params))
+    outs = run_to_completion(engine)
+    return [outs[str(i)].token_ids for i in range(len(prompts))]
 
 
 def run_to_completion(engine: LLMEngine, max_steps: int = 10_000) -> dict:

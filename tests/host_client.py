@@ -48,7 +48,7 @@ def status(address: str) -> dict:
     try:
         view = ray.get(registry("pdserve").snapshot.remote(), timeout=30)
     except Exception as e:  # the registry restarting on another node
-        view = {"error": str(e)}
+        view = {"settled": False, "router": [], "prefill": [], "decode": [], "error": str(e)}
     alive = sorted(n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"])
     return {"replicas": replicas, "registry": view, "nodes": alive}
 

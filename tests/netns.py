@@ -85,12 +85,14 @@ def set_link(ns: str, up: bool) -> None:
     _ip("-n", ns, "link", "set", dev, "up" if up else "down")
 
 
+def host_prefix(ns: str) -> list[str]:
+    """A command line's prefix that runs it in namespace ns with a /dev/shm of its own (another
+    host's, as far as shared memory goes)."""
+    script = 'mount -t tmpfs -o size=2g tmpfs /dev/shm && exec "$@"'
+    return ["ip", "netns", "exec", ns, "unshare", "--mount", "sh", "-c", script, "sh"]
+
+
 def in_namespace(ns: str, *args: str) -> ServerProcess:
     """A server process (`python *args`) in namespace ns, with a private /dev/shm; stopped by its
     PID (serving/launcher.py)."""
-    script = 'mount -t tmpfs tmpfs /dev/shm && exec "$@"'
-    return ServerProcess(
-        list(args),
-        prefix=["ip", "netns", "exec", ns, "unshare", "--mount", "sh", "-c", script, "sh"],
-        stderr=subprocess.PIPE,
-    )
+    return ServerProcess(list(args), prefix=host_prefix(ns), stderr=subprocess.PIPE)

@@ -18,12 +18,11 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from netns import set_link, two_hosts
+from netns import host_prefix, set_link, two_hosts
 
 GCS_PORT = 6379
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-PRIVATE_SHM = 'mount -t tmpfs -o size=2g tmpfs /dev/shm && exec "$@"'
 # Waits that guard against a hang, not speed checks: on two busy cores a Ray node or a replica
 # (a Python worker importing torch and Ray, then the engine) takes minutes to start.
 HANG_S = 600.0
@@ -70,8 +69,9 @@ class RayHost:
         else:
             args += ["--address", self.head]
         log = open(Path(self.temp_dir).with_suffix(".log"), "ab")
-        prefix = ["ip", "netns", "exec", self.ns, "unshare", "--mount", "sh", "-c", PRIVATE_SHM, "sh"]
-        self.proc = subprocess.Popen(prefix + args, stdout=log, stderr=subprocess.STDOUT, env=_env(), cwd=ROOT)
+        self.proc = subprocess.Popen(
+            host_prefix(self.ns) + args, stdout=log, stderr=subprocess.STDOUT, env=_env(), cwd=ROOT
+        )
         log.close()
 
     def pids(self) -> list[int]:
@@ -92,7 +92,7 @@ class RayHost:
                     pass
             time.sleep(0.5)
         if self.proc is not None:
-            self.proc.wait()
+            self.proc.wait(timeout=60)
 
 
 class RayTwoHosts:
@@ -140,8 +140,13 @@ class RayTwoHosts:
         return json.loads(r.stdout.strip().splitlines()[-1])
 
     def status(self) -> dict:
-        """{"replicas": {deployment: running}, "registry": {role: [address]}, "nodes": alive IPs}."""
-        return self.client("status", self.address)
+        """{"replicas": {deployment: running}, "registry": {role: [address]}, "nodes": alive IPs};
+        while the cluster cannot answer (a registry restarting, a node just lost), empty ones and
+        the error."""
+        r = self.run(self.a, str(HERE / "host_client.py"), "status", self.address, check=False, timeout=300)
+        if r.returncode != 0:
+            return {"replicas": {}, "registry": {}, "nodes": [], "error": r.stderr[-500:]}
+        return json.loads(r.stdout.strip().splitlines()[-1])
 
     def wait_until(self, predicate, what: str, timeout_s: float = HANG_S, interval_s: float = 2.0) -> dict:
         """Polls status() until predicate(status) holds; returns that status. A timeout names `what`
@@ -164,6 +169,11 @@ class RayTwoHosts:
         """Until n Ray nodes are alive (a raylet registers within a minute or two on busy cores)."""
         began = time.time()
         while time.time() < began + HANG_S:
+            for host in self.hosts:  # a raylet that missed Ray's registration window exits: again
+                if host.proc.poll() is not None:
+                    print(f"ray start on {host.ns} exited ({host.proc.returncode}); starting it again\n{self.logs()}")
+                    host.kill()
+                    host.start()
             r = self.run(self.a, str(HERE / "host_client.py"), "nodes", self.address, check=False, timeout=120)
             if r.returncode == 0 and len(json.loads(r.stdout.strip().splitlines()[-1])) >= n:
                 print(f"waited {time.time() - began:.1f} s for {n} Ray node(s)")

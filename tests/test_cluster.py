@@ -10,7 +10,7 @@ import grpc
 import pytest
 import torch
 from cluster import local_cluster, used_blocks, wait_for_no_blocks
-from conftest import make_engine, run_to_completion
+from conftest import engine_alone, make_engine, run_to_completion
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from transformers import AutoModelForCausalLM
 
@@ -27,14 +27,6 @@ TRANSPORTS = {
     "tcp": dict(kv_transport="tcp", kv_layerwise="off"),
     "grpc": dict(kv_transport="grpc"),
 }
-
-
-def engine_alone(model, prompts, **params) -> list[list[int]]:
-    engine = make_engine(model)
-    for i, p in enumerate(prompts):
-        engine.add_request(str(i), p, SamplingParams(**params))
-    outs = run_to_completion(engine)
-    return [outs[str(i)].token_ids for i in range(len(prompts))]
 
 
 @pytest.fixture(scope="module")
@@ -455,6 +447,15 @@ def test_a_slow_first_token_is_logged_with_where_it_waited(tiny_llama, monkeypat
     ), lines[0]
 
 
+async def _until_known(pool, prompt: list[int], guard_s: float = 120.0) -> None:
+    """Until some node of the pool has reported caching the prompt's history (a guard, not a
+    speed check: reports come with every health check, 0.2 s apart here)."""
+    began = time.monotonic()
+    while not any(pool.cached_tokens(e, prompt) >= 36 for e in pool.endpoints):
+        assert time.monotonic() < began + guard_s, "the nodes' cache reports never reached the router"
+        await asyncio.sleep(0.05)
+
+
 def test_a_second_router_routes_by_what_the_nodes_report_caching(tiny_llama):
     """Two routers over the same nodes (as two router replicas under Serve): histories sent
     through one, their follow-ups through the other go to the prefill node that caches the
@@ -478,7 +479,8 @@ def test_a_second_router_routes_by_what_the_nodes_report_caching(tiny_llama):
             try:
                 async with AsyncClient(first.address) as a, AsyncClient(second.address) as b:
                     placed = [(await a.generate(h, max_tokens=2, temperature=0)).timings for h in histories]
-                    await asyncio.sleep(1.0)  # a few load reports
+                    for h in histories:  # the second router's view, from the nodes' load reports
+                        await _until_known(second.prefill_pool, h + [5, 6])
                     follow = [(await b.generate(h + [5, 6], max_tokens=2, temperature=0)).timings for h in histories]
                 return placed, follow
             finally:
@@ -517,7 +519,7 @@ def test_a_second_router_prefills_a_follow_up_on_the_decode_node_caching_its_his
                 async with AsyncClient(first.address) as a, AsyncClient(second.address) as b:
                     await a.generate(history, max_tokens=4, temperature=0, ignore_eos=True)
                     await b.generate([9, 8, 7, 6, 5, 4, 3, 2], max_tokens=4, temperature=0, ignore_eos=True)
-                    await asyncio.sleep(1.0)  # a few load reports
+                    await _until_known(second.decode_pool, history + [5, 6])
                     return await b.generate(history + [5, 6], max_tokens=4, temperature=0, ignore_eos=True)
             finally:
                 await second.stop(0)

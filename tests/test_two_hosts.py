@@ -12,10 +12,8 @@ import subprocess
 import sys
 
 import pytest
-from conftest import make_engine, run_to_completion
+from conftest import engine_alone
 from netns import in_namespace, two_hosts, why_no_namespaces
-
-from engine import SamplingParams
 
 NODE_FLAGS = ["--dtype", "float32", "--kv-cache-gb", "0.02", "--block-size", "4", "--num-threads", "1"]
 PROMPTS = [[(i * 37 + j * 11) % 300 + 1 for j in range(10 + 40 * i)] for i in range(3)]
@@ -24,21 +22,13 @@ WHY = why_no_namespaces()
 pytestmark = pytest.mark.skipif(WHY is not None, reason=WHY or "")
 
 
-def engine_alone(model) -> list[list[int]]:
-    engine = make_engine(model)
-    for i, p in enumerate(PROMPTS):
-        engine.add_request(str(i), p, SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True))
-    outs = run_to_completion(engine)
-    return [outs[str(i)].token_ids for i in range(len(PROMPTS))]
-
-
 @pytest.mark.parametrize(
     "rate, layerwise",
     [(None, "off"), ("10gbit", "off"), ("10gbit", "on")],
     ids=["veth", "veth-10gbit", "veth-10gbit-layerwise"],
 )
 def test_greedy_requests_across_two_hosts_over_tcp(tiny_llama, rate, layerwise):
-    expected = engine_alone(tiny_llama)
+    expected = engine_alone(tiny_llama, PROMPTS, max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
     with two_hosts(rate) as (a, b, addr_a, addr_b):
         procs = []
         try:
