@@ -76,6 +76,25 @@ async def local_cluster(
             await node.stop(0)
 
 
+@contextlib.asynccontextmanager
+async def another_router(model, prefills, decodes, **router_args):
+    """A second router over the same nodes (as a second router replica under Serve): it knows
+    only what the nodes report, nothing of the first router's traffic."""
+    router_args.setdefault("local_prefill", "off")
+    router = Router(
+        str(model),
+        [p.address for p in prefills],
+        [d.address for d in decodes],
+        RouterConfig(port=0, **router_args),
+        check_interval_s=0.2,
+    )
+    await router.start()
+    try:
+        yield router
+    finally:
+        await router.stop(0)
+
+
 def used_blocks(node) -> int:
     return node.llm.block_manager.num_used_blocks
 

@@ -9,7 +9,7 @@ import time
 import grpc
 import pytest
 import torch
-from cluster import local_cluster, used_blocks, wait_for_no_blocks
+from cluster import another_router, local_cluster, used_blocks, wait_for_no_blocks
 from conftest import engine_alone, make_engine, run_to_completion
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from transformers import AutoModelForCausalLM
@@ -461,30 +461,17 @@ def test_a_second_router_routes_by_what_the_nodes_report_caching(tiny_llama):
     through one, their follow-ups through the other go to the prefill node that caches the
     history. The second router learns the caches from the nodes' load reports, not from its own
     traffic (it sent none). Four histories: a blind pick would match all four 1 time in 16."""
-    from router.config import RouterConfig
-    from router.server import Router
-
     histories = [[(k * 53 + j * 7) % 280 + 11 for j in range(40)] for k in range(4)]
 
     async def scenario():
         async with local_cluster(tiny_llama, num_prefill=2) as (first, prefills, decodes):
-            second = Router(
-                str(tiny_llama),
-                [p.address for p in prefills],
-                [d.address for d in decodes],
-                RouterConfig(port=0, local_prefill="off"),
-                check_interval_s=0.2,
-            )
-            await second.start()
-            try:
+            async with another_router(tiny_llama, prefills, decodes) as second:
                 async with AsyncClient(first.address) as a, AsyncClient(second.address) as b:
                     placed = [(await a.generate(h, max_tokens=2, temperature=0)).timings for h in histories]
                     for h in histories:  # the second router's view, from the nodes' load reports
                         await _until_known(second.prefill_pool, h + [5, 6])
                     follow = [(await b.generate(h + [5, 6], max_tokens=2, temperature=0)).timings for h in histories]
-                return placed, follow
-            finally:
-                await second.stop(0)
+                    return placed, follow
 
     placed, follow = asyncio.run(scenario())
     assert len({t["prefill_node"] for t in placed}) == 2, placed  # both nodes hold some history
@@ -497,9 +484,6 @@ def test_a_second_router_prefills_a_follow_up_on_the_decode_node_caching_its_his
     follow-up through the other is prefilled on the decode node (only the new tokens computed):
     the second router knows the decode node's cache from its reports. (The second router first
     measures one remote prefill of its own: until then it places every prefill remotely.)"""
-    from router.config import RouterConfig
-    from router.server import Router
-
     history = [(j * 29) % 270 + 13 for j in range(40)]
     engine = make_engine(tiny_llama)
     engine.add_request("f", history + [5, 6], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
@@ -507,22 +491,12 @@ def test_a_second_router_prefills_a_follow_up_on_the_decode_node_caching_its_his
 
     async def scenario():
         async with local_cluster(tiny_llama, local_prefill="auto") as (first, prefills, decodes):
-            second = Router(
-                str(tiny_llama),
-                [p.address for p in prefills],
-                [d.address for d in decodes],
-                RouterConfig(port=0, local_prefill="auto"),
-                check_interval_s=0.2,
-            )
-            await second.start()
-            try:
+            async with another_router(tiny_llama, prefills, decodes, local_prefill="auto") as second:
                 async with AsyncClient(first.address) as a, AsyncClient(second.address) as b:
                     await a.generate(history, max_tokens=4, temperature=0, ignore_eos=True)
                     await b.generate([9, 8, 7, 6, 5, 4, 3, 2], max_tokens=4, temperature=0, ignore_eos=True)
                     await _until_known(second.decode_pool, history + [5, 6])
                     return await b.generate(history + [5, 6], max_tokens=4, temperature=0, ignore_eos=True)
-            finally:
-                await second.stop(0)
 
     result = asyncio.run(scenario())
     assert result.token_ids == want
