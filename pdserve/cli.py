@@ -134,6 +134,12 @@ def cmd_serve(args) -> int:
     return serve(args.config, args.address, args.timeout)
 
 
+def cmd_plan(args) -> int:
+    from pdserve import plan
+
+    return plan.main(args)
+
+
 def cmd_bench(args) -> int:
     from pdserve import bench
 
@@ -189,6 +195,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the application to run")
     p.set_defaults(func=cmd_serve)
+
+    p = command(
+        "plan", "size a deployment before running it: `plan memory` (weights, KV per token, tokens a node holds)"
+    )
+    from pdserve.plan import add_args as add_plan_args
+
+    add_plan_args(p)
+    p.set_defaults(func=cmd_plan)
 
     p = command("bench", "load-test a pdserve address: TTFT, TPOT, latency, TPS, QPS, goodput")
     from pdserve.bench import add_args as add_bench_args

@@ -158,6 +158,7 @@ COMMANDS = [
     ["-m", "decode_node"],
     ["-m", "router"],
     ["-m", "pdserve", "colocated"],
+    ["-m", "pdserve", "plan", "memory"],
     [str(Path(__file__).resolve().parents[1] / "benchmarks" / "kv_transfer.py")],
 ]
 
@@ -190,7 +191,7 @@ def test_help_shows_every_default(command):
     assert not undocumented, r.stdout
     if command[-1].startswith("generate"):
         assert "greedy (temperature 0) unless --temperature is given" in " ".join(r.stdout.split())
-    if "--dtype" in r.stdout:
+    if "--dtype {auto," in r.stdout:  # wherever auto is offered, it is explained
         assert (
             "auto: bfloat16 on CUDA and on CPUs with native bf16 (AMX or AVX512_BF16), float32 on other CPUs"
             in " ".join(r.stdout.split())
