@@ -29,20 +29,19 @@ class GrpcServer:
         self.host = host
         creds = security.server_credentials()
         target = f"{host}:{port}"
-        try:
-            self.port = self.server.add_secure_port(target, creds) if creds else self.server.add_insecure_port(target)
-        except RuntimeError:  # grpc's word for a port in use or an address not on this host
-            self.port = 0
+        self.port = self._bind(target, creds)
         if self.port == 0 and port != 0 and any_port_if_taken:
             target = f"{host}:0"
-            try:
-                self.port = (
-                    self.server.add_secure_port(target, creds) if creds else self.server.add_insecure_port(target)
-                )
-            except RuntimeError:
-                self.port = 0
+            self.port = self._bind(target, creds)
         if self.port == 0:
             raise OSError(f"could not bind {target} (in use, or not an address of this host)")
+
+    def _bind(self, target: str, creds) -> int:
+        """The bound port, or 0 where gRPC could not bind (a port in use, an address not here)."""
+        try:
+            return self.server.add_secure_port(target, creds) if creds else self.server.add_insecure_port(target)
+        except RuntimeError:  # grpc's word for a port in use or an address not on this host
+            return 0
 
     @property
     def address(self) -> str:
