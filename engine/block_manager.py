@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import struct
 from collections import OrderedDict, deque
+from collections.abc import Callable
 
 import xxhash
 
@@ -66,6 +67,9 @@ class BlockManager:
         self.block_hash: list[int | None] = [None] * num_blocks
         self.cached: dict[int, int] = {}  # name -> block id
         self.generation = [0] * num_blocks  # bumped each time a block is taken for new contents
+        # Called with a block's id as it is taken for new contents, before anything writes it (a
+        # transport whose readers copy blocks in place moves its own counter: kvtransfer/shm.py).
+        self.on_reuse: Callable[[int], None] | None = None
         # A named block's key: ((parent block, its generation) or (ROOT, salt), its tokens), checked on a hit.
         self.block_key: list[tuple | None] = [None] * num_blocks
         self.num_collisions = 0  # names found whose block held other tokens (misses, never used)
@@ -125,6 +129,8 @@ class BlockManager:
             self.num_evicted_blocks += 1
         self.ref_counts[block_id] = 1
         self.generation[block_id] += 1
+        if self.on_reuse is not None:
+            self.on_reuse(block_id)
         return block_id
 
     def incref(self, block_ids: list[int]) -> None:

@@ -27,6 +27,7 @@ from typing import Any, Protocol
 
 import torch
 
+from engine.block_manager import BlockManager
 from engine.kv_cache import KVCache
 from kvtransfer.layout import KVLayout
 from kvtransfer.lease import Lease, LeaseTable
@@ -82,6 +83,7 @@ class SenderContext:
     """What a sender may use, given once the node's engine exists."""
 
     kv_cache: KVCache  # the one preallocated KV tensor, which never moves
+    block_manager: BlockManager  # who owns which block (on_reuse: a block is about to be rewritten)
     layout: KVLayout
     leases: LeaseTable
     host: str  # the interface the node listens on
@@ -92,7 +94,7 @@ class SenderContext:
 
 class KVSender:
     """The prefill side of a transport. Lifecycle: __init__(options) -> allocate_kv (before the
-    engine exists) -> attach -> start -> describe / end_lease for each lease -> stop. The methods
+    engine exists) -> attach -> start -> describe for each lease -> stop. The methods
     here do nothing: a sender overrides what its transport needs."""
 
     def allocate_kv(self, nbytes: int, device: torch.device) -> torch.Tensor | None:
@@ -116,9 +118,6 @@ class KVSender:
     def describe(self, lease: Lease, source: nodes_pb2.KVSource) -> None:
         """Fills in this transport's part of a lease's descriptor (a layer-wise lease has
         source.layerwise set); a transport with no field of its own uses source.transport_params[name]."""
-
-    def end_lease(self, lease: Lease) -> None:
-        """The lease ended; called before its blocks can be reused."""
 
 
 # ---- the decode side ----------------------------------------------------------------------

@@ -5,8 +5,7 @@ Lifecycle (kvtransfer/base.py KVSender):
                  provide the memory it lives in (`allocator`: shm's /dev/shm region)
   2. attach    - each sender gets the KV cache, the leases and the node's gRPC server; then start
   3. describe  - a lease's KVSource: the control plane's fields, then each sender's own
-  4. end_lease - before a lease's blocks can be reused (shm moves their generations on)
-  5. stop
+  4. stop
 """
 
 from __future__ import annotations
@@ -74,7 +73,3 @@ class KVSenders:
         for sender in self.senders:
             sender.describe(lease, source)
         return source
-
-    def end_lease(self, lease: Lease) -> None:
-        for sender in self.senders:
-            sender.end_lease(lease)

@@ -55,17 +55,18 @@ class SharedKVRegion:
         self.generations: torch.Tensor | None = None
 
     def add_generations(self, num_blocks: int) -> None:
-        """A shared int64 counter per block, bumped when a lease on the block ends (before the
-        block can be reused): a reader that sees a block's generation unchanged before and after
-        its copy read bytes that nobody overwrote, without hashing them."""
+        """A shared int64 counter per block, bumped when the block is taken for new contents
+        (before anything writes it): a reader that sees a block's generation unchanged before and
+        after its copy read bytes that nobody overwrote, without hashing them. A lease's end moves
+        nothing: its blocks may be shared (a cached prefix) and keep their bytes until reused."""
         self.gen_path = SHM_DIR / f"{self.name}{GEN_SUFFIX}"
         _create_owner_only(self.gen_path, num_blocks * 8)
         self.generations = torch.from_file(str(self.gen_path), shared=True, size=num_blocks, dtype=torch.int64)
+        self._generations = self.generations.numpy()
 
-    def end_lease(self, block_ids: list[int]) -> None:
-        """Call before the lease's blocks go back to the pool."""
-        if self.generations is not None and block_ids:
-            self.generations[torch.tensor(block_ids)] += 1
+    def reused(self, block_id: int) -> None:
+        """Called (engine thread) as the block is taken for new contents, before they are written."""
+        self._generations[block_id] += 1
 
     def close(self) -> None:
         self.path.unlink(missing_ok=True)
@@ -126,6 +127,7 @@ class ShmSender(KVSender):
     def attach(self, ctx: SenderContext) -> None:
         if self.region is not None:
             self.region.add_generations(ctx.kv_cache.num_blocks)
+            ctx.block_manager.on_reuse = self.region.reused
 
     async def stop(self) -> None:
         if self.region is not None:
@@ -140,10 +142,6 @@ class ShmSender(KVSender):
         if self.region is not None and not source.layerwise:
             source.shm_region, source.region_bytes = self.region.name, self.region.nbytes
             source.block_generations.extend(self.region.generations[lease.block_ids].tolist())
-
-    def end_lease(self, lease: Lease) -> None:
-        if self.region is not None:
-            self.region.end_lease(lease.block_ids)
 
 
 class ShmReader:

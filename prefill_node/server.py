@@ -63,7 +63,9 @@ class PrefillNode(EngineServer, nodes_pb2_grpc.PrefillNodeServicer):
         self.layout = KVLayout.of(llm.kv_cache, model_fingerprint(llm.model_dir))
         self.leases = LeaseTable(config.lease_ttl_s)
         self.senders.attach(
-            SenderContext(llm.kv_cache, self.layout, self.leases, host, security, self.server, self.release)
+            SenderContext(
+                llm.kv_cache, llm.block_manager, self.layout, self.leases, host, security, self.server, self.release
+            )
         )
         self.num_pending = 0  # Prefill calls received and not yet answered
         self.pending_tokens = 0  # their prompt tokens: the prefill pool's autoscaling signal
@@ -229,7 +231,6 @@ class PrefillNode(EngineServer, nodes_pb2_grpc.PrefillNodeServicer):
                 await self._end(lease)
 
     async def _end(self, lease: Lease) -> None:
-        self.senders.end_lease(lease)  # before the blocks can be reused (kvtransfer/shm.py)
         await self.engine.call(self.llm.release_kv, lease.request_id)
 
 

@@ -266,6 +266,34 @@ def test_unread_kv_lease_expires(tiny_llama):
     asyncio.run(scenario())
 
 
+def test_ending_a_lease_leaves_another_lease_on_the_same_cached_blocks_readable(tiny_llama):
+    """Two prefills of one prompt share its cached blocks (prefix caching): the first lease's end
+    must not refuse a shared-memory read of the second (generations move when a block is reused)."""
+    from kvtransfer.layout import KVLayout
+    from kvtransfer.shm import ShmReader
+
+    async def scenario():
+        async with local_cluster(tiny_llama) as (router, prefills, decodes):
+            channel = grpc.aio.insecure_channel(prefills[0].address)
+            stub = nodes_pb2_grpc.PrefillNodeStub(channel)
+            ask = nodes_pb2.PrefillRequest(
+                prompt_token_ids=PROMPTS[2], sampling=common_pb2.SamplingParams(max_tokens=5)
+            )
+            first, second = [await stub.Prefill(ask) for _ in range(2)]
+            assert set(first.kv.block_ids[:4]) == set(second.kv.block_ids[:4])  # shared, cached blocks
+            await stub.ReleaseKV(nodes_pb2.ReleaseKVRequest(lease_id=first.kv.lease_id))
+            dst = decodes[0].llm.kv_cache
+            blocks = list(range(len(second.kv.block_ids)))
+            await ShmReader().read(second.kv, dst, KVLayout.from_proto(second.kv.layout), blocks)
+            src = prefills[0].llm.kv_cache
+            n = second.kv.num_tokens
+            assert torch.equal(dst.export_kv(blocks, n), src.export_kv(list(second.kv.block_ids), n))
+            await stub.ReleaseKV(nodes_pb2.ReleaseKVRequest(lease_id=second.kv.lease_id))
+            await channel.close()
+
+    asyncio.run(scenario())
+
+
 def test_layout_mismatch_is_refused(tiny_llama):
     async def scenario():
         async with local_cluster(tiny_llama, decode_engine={"dtype": "bfloat16"}) as (router, prefills, decodes):

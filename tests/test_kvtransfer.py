@@ -246,7 +246,7 @@ def test_shm_read_checks_block_generations_instead_of_hashing():
             src = cache(16, 4, buffer=region.tensor)
             src.kv.copy_(torch.randn(src.kv.shape))
             dst = cache(16, 4)
-            region.end_lease([6])  # an earlier lease on block 6 ended: it is at generation 1
+            region.reused(6)  # block 6 held other contents before: it is at generation 1
             gens = region.generations[[6, 7, 1]].tolist()
             assert gens == [1, 0, 0]
             # A wrong digest on purpose: with generations the reader hashes nothing.
@@ -263,7 +263,7 @@ def test_shm_read_checks_block_generations_instead_of_hashing():
             reader = ShmReader()
             await reader.read(desc, dst, KVLayout.of(dst, "fp"), [2, 3, 4])
             assert torch.equal(tokens(dst, [2, 3, 4], 11), tokens(src, [6, 7, 1], 11))
-            region.end_lease([7])  # the lease ended: its blocks may be reused, a read now is refused
+            region.reused(7)  # the lease ended and block 7 was taken for new contents: a read now is refused
             with pytest.raises(KVTransferError, match="ended before"):
                 await reader.read(desc, dst, KVLayout.of(dst, "fp"), [2, 3, 4])
         finally:
