@@ -146,7 +146,8 @@ def cmd_bench(args) -> int:
     return bench.main(args)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """Every command and its options."""
     parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode LLM serving.")
     parser.add_argument("--version", action="version", version=f"pdserve {version()}")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -197,7 +198,10 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=cmd_serve)
 
     p = command(
-        "plan", "size a deployment before running it: `plan memory` (weights, KV per token, tokens a node holds)"
+        "plan",
+        "size a deployment before running it: `plan memory` (weights, KV per token, tokens a node holds), "
+        "`plan profile` (measure this machine), `plan simulate` (predict a deployment), `plan best` "
+        "(the deployment for a workload, SLOs and cores)",
     )
     from pdserve.plan import add_args as add_plan_args
 
@@ -239,7 +243,11 @@ def main(argv: list[str] | None = None) -> int:
     add_options(p, EngineConfig)
     add_sampling_args(p)
     p.set_defaults(func=cmd_generate_offline)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     import grpc
 
     try:

@@ -14,7 +14,7 @@ from conftest import make_engine
 from tiny_models import make_tiny_model
 
 from engine.model_config import ModelConfig
-from pdserve.plan import GB, memory
+from pdserve.plan.memory import GB, memory
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "deploy" / "model_configs"

@@ -13,7 +13,6 @@ counted: take them off --memory-gb (or leave a --reserve-gb).
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
@@ -74,8 +73,7 @@ def _config_dir(path: str) -> Path:
     raise ValueError(f"--config {path}: no config.json there")
 
 
-def add_args(p: argparse.ArgumentParser) -> None:
-    sub = p.add_subparsers(dest="plan", required=True)
+def add_args(sub) -> None:
     m = sub.add_parser(
         "memory",
         help="weight bytes, KV bytes per token, and what a node's memory holds",

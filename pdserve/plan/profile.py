@@ -1,0 +1,301 @@
+"""`pdserve plan profile`: what this hardware and model cost, measured, for the simulator.
+
+    pdserve plan profile --model smollm2-135m --dtype float32 --threads 1,2 --out profile.json
+
+For each thread count (a node's share of the cores), an engine of this model times its own steps:
+prefills alone over (new tokens, tokens already cached), decode steps over (batch, context), and
+decode steps with a prefill chunk mixed in (a local prefill); the step line (step_model.py) is
+fitted to them. Then, with one torch thread per node, a real prefill node, decode node and router
+on this host's loopback hand KV over each transport (layer-wise where it can): the time from the
+prefill's end to the decode node's admission is fitted as a line over the KV's tokens, and the
+router's own share of TTFT is measured. On CUDA the same command writes a GPU's profile (--device).
+
+Sizes are the default grid (--quick: a smaller one, for tests); each figure is the median of
+--repeat runs. The file records the machine, model, dtype and the raw samples beside the fits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import torch
+
+from engine import EngineConfig, LLMEngine, SamplingParams
+from pdserve.plan.step_model import Step, StepModel
+
+VERSION = 2
+PREFILL_GRID = [(n, 0) for n in (16, 64, 256, 640, 1280, 2560)] + [(n, 1024) for n in (16, 64, 256, 640)]
+DECODE_GRID = [(1, 64), (1, 1024), (4, 64), (4, 640), (16, 64), (16, 640), (64, 64), (64, 640)]
+MIXED_GRID = [(4, 640, 64), (4, 640, 640), (16, 640, 256)]  # (batch, context, prefill chunk)
+HANDOFF_TOKENS = (128, 512, 1024)
+NO_OVERHEAD = {"fixed_s": 0.0, "per_sequence_s": 0.0, "samples": []}  # (no one-thread step line to subtract)
+STREAMS = (1, 4, 8, 16)  # streams decoding together through the router
+STREAM_PROMPT = 16
+HANDOFF_BLOCKS = 512  # the hand-off's nodes hold a few prompts (a small KV tensor starts fast)
+QUICK = {
+    "prefill": [(16, 0), (64, 0), (16, 64)],
+    "decode": [(1, 16), (4, 16)],
+    "mixed": [(2, 16, 16)],
+    "handoff": (16, 48),
+    "streams": (1, 2),
+}
+DECODE_STEPS = 6  # timed per decode sample (median)
+
+
+def _ids(rng: random.Random, n: int, vocab: int) -> list[int]:
+    return [rng.randrange(10, vocab) for _ in range(n)]
+
+
+def _timed(llm: LLMEngine) -> float:
+    t = time.perf_counter()
+    llm.step()
+    return time.perf_counter() - t
+
+
+def _drain(llm: LLMEngine) -> None:
+    for rid in [seq.request_id for seq in llm.scheduler.running + list(llm.scheduler.waiting)]:
+        llm.abort_request(rid)
+    while llm.has_unfinished():
+        llm.step()
+
+
+class StepProfiler:
+    """Times single engine steps of known contents (each request's ids random: no cache hit but
+    the ones set up)."""
+
+    def __init__(self, config: EngineConfig, repeat: int, seed: int = 0):
+        self.llm = LLMEngine(config)
+        self.vocab = self.llm.model_config.vocab_size
+        self.repeat = repeat
+        self.rng = random.Random(seed)
+        self.samples: list[tuple[Step, float]] = []
+        self._add_prefilled([16] * 2, 8)  # warm-up: the first steps pay one-time costs
+        _drain(self.llm)
+
+    def _params(self, max_tokens: int) -> SamplingParams:
+        return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+    def _add_prefilled(self, contexts: list[int], max_tokens: int) -> None:
+        """Sequences decoding with these contexts (sharing their leading blocks, so that setting
+        up a large batch costs one prefill of the context, not one per sequence)."""
+        shared = _ids(self.rng, max(0, min(contexts) - 16), self.vocab)
+        for n in contexts:
+            self.llm.add_request(
+                uuid.uuid4().hex, shared + _ids(self.rng, n - len(shared), self.vocab), self._params(max_tokens)
+            )
+        while (
+            any(seq.num_computed_tokens < seq.num_prompt_tokens for seq in self.llm.scheduler.running)
+            or self.llm.scheduler.waiting
+        ):
+            self.llm.step()
+
+    def prefill(self, new: int, cached: int) -> float:
+        times = []
+        for _ in range(self.repeat):
+            prefix = _ids(self.rng, cached, self.vocab)
+            if cached:
+                self.llm.add_request(uuid.uuid4().hex, prefix + [11], self._params(1))
+                _drain_finished(self.llm)
+            self.llm.add_request(uuid.uuid4().hex, prefix + _ids(self.rng, new, self.vocab), self._params(1))
+            times.append(_timed(self.llm))
+            _drain(self.llm)
+        t = statistics.median(times)
+        self.samples.append((Step([(new, cached)], []), t))
+        return t
+
+    def decode(self, batch: int, context: int, chunk: int = 0) -> float:
+        """A decode step of `batch` sequences (with a `chunk`-token prefill mixed in)."""
+        self._add_prefilled([context] * batch, DECODE_STEPS + self.repeat + 4)
+        times = []
+        for _ in range(self.repeat if chunk else DECODE_STEPS):
+            contexts = [seq.num_tokens for seq in self.llm.scheduler.running]
+            if chunk:  # a local prefill joins this step
+                self.llm.add_request(uuid.uuid4().hex, _ids(self.rng, chunk, self.vocab), self._params(1))
+            times.append(_timed(self.llm))
+            self.samples.append((Step([(chunk, 0)] if chunk else [], contexts), times[-1]))
+        _drain(self.llm)
+        return statistics.median(times)
+
+
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def _drain_finished(llm: LLMEngine) -> None:
+    while llm.has_unfinished():
+        llm.step()
+
+
+def profile_steps(model: str, dtype: str, device: str, threads: int, repeat: int, quick: bool) -> dict:
+    torch.set_num_threads(threads)
+    config = EngineConfig(model=model, dtype=dtype, device=device, num_threads=threads)
+    prof = StepProfiler(config, repeat)
+    for new, cached in QUICK["prefill"] if quick else PREFILL_GRID:
+        _say(
+            f"{threads} thread(s): prefill of {new} new tokens after {cached} cached: {prof.prefill(new, cached):.4f} s"
+        )
+    for batch, context in QUICK["decode"] if quick else DECODE_GRID:
+        _say(f"{threads} thread(s): decode step, {batch} x {context} tokens: {prof.decode(batch, context):.4f} s")
+    for batch, context, chunk in QUICK["mixed"] if quick else MIXED_GRID:
+        t = prof.decode(batch, context, chunk)
+        _say(f"{threads} thread(s): decode step, {batch} x {context} tokens, {chunk}-token prefill mixed in: {t:.4f} s")
+    fit = StepModel.fit(prof.samples)
+    errors = [abs(fit.seconds(s) - t) / t for s, t in prof.samples]
+    return {
+        "threads": threads,
+        "dtype": str(prof.llm.dtype).removeprefix("torch."),
+        "block_size": config.block_size,
+        "num_kv_blocks": prof.llm.kv_cache.num_blocks,
+        "max_num_batched_tokens": config.max_num_batched_tokens,
+        "step": fit.to_dict(),
+        "fit_error_median": statistics.median(errors),
+        "fit_error_max": max(errors),
+        "samples": [{"prefills": s.prefills, "decodes": s.decodes, "seconds": t} for s, t in prof.samples],
+    }
+
+
+async def profile_serving(model: str, dtype: str, device: str, repeat: int, quick: bool) -> dict:
+    """Through a real prefill node, decode node and router (one torch thread each), per transport
+    (and layer-wise where it streams): seconds from the prefill's end to the decode node's
+    admission over the KV's tokens; the router's share of TTFT; and, over shm, the TPOT of B
+    streams decoding together (what serving adds to a step is this less the step line's)."""
+    from decode_node.config import DecodeConfig
+    from decode_node.server import DecodeNode
+    from kvtransfer import transports
+    from prefill_node.config import PrefillConfig
+    from prefill_node.server import PrefillNode
+    from router.client import AsyncClient
+    from router.config import RouterConfig
+    from router.server import Router
+
+    engine = EngineConfig(model=model, dtype=dtype, device=device, num_threads=1, num_kv_blocks=HANDOFF_BLOCKS)
+    rng = random.Random(1)
+    out, router_s, streams = {}, [], []
+    for name in transports.TRANSPORTS:
+        for layerwise in ("off", "auto"):  # auto: layer-wise where the transport streams
+            prefill = PrefillNode(engine, PrefillConfig(port=0))
+            decode = DecodeNode(engine, DecodeConfig(port=0, kv_transport=name))
+            await prefill.start()
+            await decode.start()
+            vocab = prefill.llm.model_config.vocab_size
+            router = Router(
+                model,
+                [prefill.address],
+                [decode.address],
+                RouterConfig(port=0, local_prefill="off", kv_layerwise=layerwise),
+            )
+            await router.start()
+            samples = []
+            try:
+                async with AsyncClient(router.address) as client:
+                    for n in QUICK["handoff"] if quick else HANDOFF_TOKENS:
+                        for _ in range(repeat):
+                            t = (await _streams(client, [_ids(rng, n, vocab)], 2))[0][1]
+                            samples.append((n, t.decode_admitted - t.prefill_end))
+                            router_s.append(t.first_token - t.queued - (t.prefill_end - t.prefill_start))
+                            used = t.kv_transport
+                    if not streams:
+                        for batch in QUICK["streams"] if quick else STREAMS:
+                            done = await _streams(client, [_ids(rng, STREAM_PROMPT, vocab) for _ in range(batch)], 48)
+                            streams.append((batch, statistics.median(tpot for tpot, _ in done)))
+                            _say(f"{batch} stream(s) through the router: TPOT {streams[-1][1] * 1e3:.1f} ms")
+            finally:
+                await router.stop(0)
+                await prefill.stop(0)
+                await decode.stop(0)
+            out.setdefault(used, _line(samples) | {"samples": samples})
+            line = out[used]
+            _say(f"hand-off over {used}: {line['fixed_s'] * 1e3:.1f} ms + {line['per_token_s'] * 1e6:.2f} us/token")
+    return {"handoff": out, "router_s": statistics.median(router_s), "streams": streams}
+
+
+async def _streams(client, prompts: list[list[int]], max_tokens: int) -> list[tuple[float, object]]:
+    """Sends the prompts at once; each one's (TPOT, timings) as the client saw it."""
+
+    async def one(prompt):
+        first = last = timings = None
+        async for part in client.stream(prompt, max_tokens=max_tokens, ignore_eos=True):
+            last = time.perf_counter()
+            first = first or last
+            timings = part.timings if part.finished else timings
+        return (last - first) / max(1, max_tokens - 1), timings
+
+    return await asyncio.gather(*(one(p) for p in prompts))
+
+
+def serving_overhead(streams: list[tuple[int, float]], step: StepModel) -> dict:
+    """What serving adds to each decode step (streaming, the router's relay, the nodes' event
+    loops), as fixed + per sequence: the streams' TPOT less the step line's decode step."""
+    context = STREAM_PROMPT + 24  # the streams' mean context while they decode
+    extra = [(batch, max(0.0, tpot - step.seconds(Step([], [context] * batch)))) for batch, tpot in streams]
+    line = _line(extra)
+    return {"fixed_s": line["fixed_s"], "per_sequence_s": line["per_token_s"], "samples": extra}
+
+
+def _line(samples: list[tuple[int, float]]) -> dict:
+    """fixed + per_token x tokens through per-size medians (>= 0)."""
+    by = {}
+    for n, s in samples:
+        by.setdefault(n, []).append(s)
+    xs = sorted(by)
+    ys = [statistics.median(by[x]) for x in xs]
+    if len(xs) < 2:
+        return {"fixed_s": max(ys[0], 0.0), "per_token_s": 0.0}
+    slope = max(0.0, statistics.linear_regression(xs, ys).slope)
+    fixed = max(0.0, statistics.fmean(ys) - slope * statistics.fmean(xs))
+    return {"fixed_s": fixed, "per_token_s": slope}
+
+
+def profile(model: str, dtype: str, device: str, threads: list[int], repeat: int, quick: bool) -> dict:
+    from engine.hardware import cpu_features
+
+    began = time.monotonic()
+    result = {
+        "version": VERSION,
+        "model": model,
+        "device": device,
+        "machine": {"isa": cpu_features().isa, "arch": platform.machine(), "cores": os.cpu_count()},
+        "date": time.strftime("%Y-%m-%d"),
+        "engines": {str(t): profile_steps(model, dtype, device, t, repeat, quick) for t in threads},
+    }
+    result |= asyncio.run(profile_serving(model, dtype, device, repeat, quick))
+    streams, one_thread = result.pop("streams"), result["engines"].get("1")  # the nodes ran one thread each
+    result["serving"] = serving_overhead(streams, StepModel(**one_thread["step"])) if one_thread else NO_OVERHEAD
+    result["seconds"] = round(time.monotonic() - began, 1)
+    return result
+
+
+def write(result: dict, path: str | Path) -> None:
+    """Owner-only, replaced whole."""
+    tmp = Path(f"{path}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(result, f, indent=1)
+    os.replace(tmp, path)
+
+
+def provenance(prof: dict, began: float) -> dict:
+    """What a result computed from a profile says of how it was made (began: time.monotonic())."""
+    return {
+        "command": " ".join(["python", *sys.argv]),
+        "date": time.strftime("%Y-%m-%d"),
+        "seconds": round(time.monotonic() - began),
+        "profile": {k: prof[k] for k in ("model", "machine", "date")}
+        | {"dtype": next(iter(prof["engines"].values()))["dtype"]},
+    }
+
+
+def load(path: str | Path) -> dict:
+    data = json.loads(Path(path).read_text())
+    if data.get("version") != VERSION:
+        raise ValueError(f"{path}: a profile of version {data.get('version')!r}; this pdserve reads {VERSION}")
+    return data

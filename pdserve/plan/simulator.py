@@ -1,0 +1,351 @@
+"""A discrete-event simulator of a pdserve deployment over a measured profile (profile.py).
+
+Engines step as the engine's scheduler does (decoding sequences first, one token each, then
+waiting prefills in arrival order, chunked within the token budget) and each step lasts what the
+profile's step line says it costs. The router's decisions are the router's own code, not a copy:
+`EndpointPool.pick` chooses the decode node (load, then cached prefix) and the prefill node,
+`Placement.decide` chooses a local or remote prefill and learns from the simulated timings as the
+router learns from real ones, and block names are `block_hashes`, so a follow-up hits exactly the
+nodes whose cache holds its history. A remote prefill's first token goes out when the prefill ends;
+the decode node admits the sequence after the profile's hand-off line (the transport's). The
+records are `pdserve bench`'s, and the report is bench_stats' (TTFT, TPOT, goodput).
+
+Not modelled: preemption (the KV is assumed to fit), speculative decoding, n > 1 and beams,
+failures, and the step-to-step noise of a shared machine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import heapq
+import itertools
+import random
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from pdserve.bench import arrival_times, length_sampler
+from pdserve.bench_stats import Report, RequestRecord, report
+from pdserve.plan.step_model import Step, StepModel
+from pdserve_api import common_pb2
+from router.placement import MAX_LOCAL_TOKENS, Placement
+from router.pool import Endpoint, EndpointPool, block_hashes
+
+
+# ---- what is simulated --------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Deployment:
+    """colocated engines, or prefill + decode nodes, each engine with its own threads."""
+
+    name: str
+    colocated: int = 0
+    prefill: int = 0
+    decode: int = 0
+    threads: int = 1  # per engine
+    local_prefill: str = "auto"  # the router's placement mode (colocated: always)
+    max_local_tokens: int = MAX_LOCAL_TOKENS
+    transport: str = "shm"  # a key of the profile's handoff
+
+    @property
+    def cores(self) -> int:
+        return self.threads * (self.colocated + self.prefill + self.decode)
+
+    def describe(self) -> str:
+        if self.colocated:
+            return f"{self.colocated} colocated x {self.threads} thread(s)"
+        return (
+            f"{self.prefill}P{self.decode}D x {self.threads} thread(s), local prefill {self.local_prefill}"
+            + (f" (<= {self.max_local_tokens} tokens)" if self.local_prefill == "auto" else "")
+            + f", {self.transport}"
+        )
+
+
+@dataclass
+class Item:
+    turns: list[list[int]]  # one prompt, or a conversation's turns (each after the last answer)
+    output_len: int
+
+
+@dataclass
+class Workload:
+    items: list[Item]
+    concurrency: int | None = None  # closed loop: workers
+    rate: float | None = None  # open loop: items per second (Poisson)
+    seed: int = 0
+
+
+def synthetic(num: int, prompt_len: str, output_len: str, seed: int = 0, **loop) -> Workload:
+    """Prompts of random tokens (no shared prefix), as `pdserve bench` builds them."""
+    rng = random.Random(seed)
+    plen, olen = length_sampler(prompt_len, rng), length_sampler(output_len, rng)
+    items = [Item([[rng.randrange(1, 1 << 30) for _ in range(plen())]], olen()) for _ in range(num)]
+    return Workload(items, seed=seed, **loop)
+
+
+def conversations(turns: list[list[list[int]]], answer_len: int, **loop) -> Workload:
+    return Workload([Item(t, answer_len) for t in turns], **loop)
+
+
+# ---- engines ------------------------------------------------------------------------------------
+@dataclass
+class Prefill:
+    tokens: list[int]
+    names: list[int]
+    on_done: Callable[[float, int], None]  # (time, tokens its cache held)
+    cached: int | None = None
+    computed: int = 0
+
+
+@dataclass
+class Decoding:
+    tokens: list[int]  # the KV's tokens so far
+    left: int  # tokens still to generate
+    on_token: Callable[[float, bool], None]  # (time, last)
+
+
+class Engine:
+    def __init__(self, sim: Simulation, name: str, model: StepModel, budget: int, capacity: int):
+        self.sim, self.model, self.budget, self.capacity = sim, model, budget, capacity
+        self.endpoint = Endpoint(name, None, None, healthy=True, load=common_pb2.NodeLoad(block_size=sim.block_size))
+        self.waiting: deque[Prefill] = deque()
+        self.running: list[Decoding] = []
+        self.cache: OrderedDict[int, None] = OrderedDict()  # block names, least recently used first
+        self.busy_s = 0.0
+        self.stepping = False
+
+    def add_prefill(self, job: Prefill) -> None:
+        self.waiting.append(job)
+        self.kick()
+
+    def add_decoding(self, seq: Decoding) -> None:
+        self.running.append(seq)
+        self.kick()
+
+    def cached_tokens(self, names: list[int], num_tokens: int) -> int:
+        n = 0
+        while n < len(names) and names[n] in self.cache:
+            self.cache.move_to_end(names[n])
+            n += 1
+        return min(n * self.sim.block_size, num_tokens - 1)
+
+    def remember(self, names: list[int]) -> None:
+        """Names blocks as computed here (the node's cache report, which the router follows)."""
+        cache, reported = self.cache, self.endpoint.cached
+        for name in names:
+            cache[name] = None
+            cache.move_to_end(name)
+            reported.add(name)
+        while len(cache) > self.capacity:
+            reported.discard(cache.popitem(last=False)[0])
+
+    def kick(self) -> None:
+        if self.stepping or not (self.waiting or self.running):
+            return
+        decodes = list(self.running)
+        budget = self.budget - len(decodes)
+        chunks = []
+        for job in self.waiting:
+            if budget <= 0:
+                break
+            if job.cached is None:
+                job.cached = job.computed = self.cached_tokens(job.names, len(job.tokens))
+            n = min(len(job.tokens) - job.computed, budget)
+            chunks.append((job, n))
+            budget -= n
+        seconds = self.model.seconds(Step([(n, j.computed) for j, n in chunks], [len(s.tokens) for s in decodes]))
+        if decodes:  # what serving adds to a step that streams tokens
+            seconds += self.sim.serving["fixed_s"] + self.sim.serving["per_sequence_s"] * len(decodes)
+        self.stepping = True
+        self.busy_s += seconds
+        self.sim.at(self.sim.now + seconds, lambda: self._step_done(decodes, chunks))
+
+    def _step_done(self, decodes: list[Decoding], chunks: list[tuple[Prefill, int]]) -> None:
+        now = self.sim.now  # (still stepping: what this step's results start waits for the next kick)
+        for seq in decodes:
+            seq.left -= 1
+            seq.tokens.append(self.sim.token())
+            if seq.left <= 0:
+                self.running.remove(seq)
+                self.remember(block_hashes(seq.tokens[:-1], self.sim.block_size))
+            seq.on_token(now, seq.left <= 0)
+        for job, n in chunks:
+            job.computed += n
+            if job.computed == len(job.tokens):
+                self.waiting.remove(job)
+                self.remember(job.names)
+                job.on_done(now, job.cached)
+        self.endpoint.load.num_waiting, self.endpoint.load.num_running = len(self.waiting), len(self.running)
+        self.stepping = False
+        self.kick()
+
+
+# ---- the run --------------------------------------------------------------------------------------
+class Simulation:
+    def __init__(self, profile: dict, deployment: Deployment, slo_ttft: float | None, slo_tpot: float | None):
+        engines = profile["engines"]
+        key = str(deployment.threads)
+        if key not in engines:
+            raise ValueError(f"the profile has engines of {sorted(engines, key=int)} threads, not {deployment.threads}")
+        eng = engines[key]
+        self.block_size, self.deployment = eng["block_size"], deployment
+        self.slo = (slo_ttft, slo_tpot)
+        model, budget, capacity = StepModel(**eng["step"]), eng["max_num_batched_tokens"], eng["num_kv_blocks"]
+        if deployment.transport not in profile["handoff"] and not deployment.colocated:
+            raise ValueError(
+                f"the profile measured no {deployment.transport!r} hand-off (it has {sorted(profile['handoff'])})"
+            )
+        self.handoff = profile["handoff"].get(deployment.transport, {"fixed_s": 0.0, "per_token_s": 0.0})
+        self.partial = deployment.transport == "shm"
+        self.router_s, self.serving = profile["router_s"], profile["serving"]
+        self.now = 0.0
+        self._events: list = []
+        self._order = itertools.count()
+        self._tokens = random.Random(7)
+        self.decode_pool = EndpointPool("decode", [])
+        self.prefill_pool = EndpointPool("prefill", [])
+        local = deployment.colocated > 0
+        self.placement = Placement("always" if local else deployment.local_prefill, deployment.max_local_tokens)
+        self.decodes = [
+            Engine(self, f"decode-{i}", model, budget, capacity)
+            for i in range(deployment.colocated or deployment.decode)
+        ]
+        self.prefills = [Engine(self, f"prefill-{i}", model, budget, capacity) for i in range(deployment.prefill)]
+        self.decode_pool.endpoints = [e.endpoint for e in self.decodes]
+        self.prefill_pool.endpoints = [e.endpoint for e in self.prefills]
+        self.engine_of = {e.endpoint.address: e for e in self.decodes + self.prefills}
+
+    def at(self, t: float, fn: Callable[[], None]) -> None:
+        heapq.heappush(self._events, (t, next(self._order), fn))
+
+    def token(self) -> int:
+        return self._tokens.randrange(1, 1 << 30)
+
+    def run(self, workload: Workload) -> Report:
+        records: list[RequestRecord] = []
+        items = iter(workload.items)
+
+        def start_item(item: Item, done: Callable[[], None]) -> None:
+            history: list[int] = []
+
+            def turn(k: int) -> None:
+                nonlocal history
+                prompt = history + item.turns[k]
+                rec = RequestRecord(sent=self.now, prompt_tokens=len(prompt))
+                records.append(rec)
+
+                def finished(answer: list[int]) -> None:
+                    nonlocal history
+                    history = prompt + answer
+                    turn(k + 1) if k + 1 < len(item.turns) else done()
+
+                self.request(prompt, item.output_len, rec, finished)
+
+            turn(0)
+
+        if workload.rate is None:  # closed loop: each worker sends its next item after the last one
+
+            def worker() -> None:
+                item = next(items, None)
+                if item is not None:
+                    start_item(item, worker)
+
+            for _ in range(workload.concurrency or 1):
+                worker()
+        else:
+            times = arrival_times(len(workload.items), workload.rate, "poisson", random.Random(workload.seed))
+            for t, item in zip(times, workload.items):
+                self.at(t, lambda item=item: start_item(item, lambda: None))
+        while self._events:
+            self.now, _, fn = heapq.heappop(self._events)
+            fn()
+        duration = max(r.done for r in records) if records else 0.0
+        rep = report(records, duration, *self.slo)
+        engines = self.prefills + self.decodes
+        rep.extra = {
+            "deployment": self.deployment.describe(),
+            "cores": self.deployment.cores,
+            "utilization": {e.endpoint.address: round(e.busy_s / duration, 3) for e in engines} if duration else {},
+        }
+        return rep
+
+    # ---- one request: the router's steps ----------------------------------------------------------
+    def request(self, prompt: list[int], output_len: int, rec: RequestRecord, finished: Callable) -> None:
+        """Placed by the router's code after its own share of the time; then prefilled (locally
+        or on a prefill node, the KV handed off) and decoded; rec gets its times. The endpoints
+        count what is in flight with the router's own context managers, entered and left where
+        the router enters and leaves them (a remote request counts on its decode node from its
+        first token on)."""
+        answer: list[int] = []
+        decoding = contextlib.ExitStack()  # decode.track(), until the last token
+
+        def on_token(now: float, last: bool) -> None:
+            rec.num_tokens += 1
+            rec.first_token = now if rec.first_token is None else rec.first_token
+            if last:
+                rec.done = now
+                decoding.close()
+                answer.extend(seq.tokens[len(prompt) :])
+                finished(answer)
+
+        def first_token(now: float) -> None:
+            seq.tokens.append(self.token())
+            seq.left -= 1
+            on_token(now, seq.left <= 0)
+
+        decode = self.decode_pool.pick(prompt=prompt)
+        prefill = self.prefill_pool.pick(prompt=prompt) if self.prefill_pool.endpoints else None
+        names = block_hashes(prompt[:-1], self.block_size)
+        decode_cached = self.decode_pool.cached_tokens(decode, prompt)
+        moved = len(prompt) - (decode_cached if self.partial else 0)
+        plan = self.placement.decide(
+            len(prompt),
+            decode_cached,
+            self.prefill_pool.cached_tokens(prefill, prompt) if prefill else 0,
+            moved=moved,
+            prefill_queued=prefill.prefill_tokens if prefill else 0,
+            local_queued=decode.prefill_tokens,
+            decode_running=decode.outstanding,
+        )
+        seq = Decoding(list(prompt), output_len, on_token)
+        began = self.now + self.router_s
+        engine = self.engine_of[decode.address]
+        prefilling = contextlib.ExitStack()
+        if plan.local or prefill is None:
+            decoding.enter_context(decode.track())
+            alone = prefilling.enter_context(decode.prefill(plan.local_tokens))
+
+            def local_done(now: float, cached: int) -> None:
+                prefilling.close()
+                rec.cached_tokens, rec.local_prefill = cached, True
+                self.placement.measured_local(len(prompt) - cached, now - began, alone)
+                first_token(now)
+                if seq.left > 0:
+                    engine.add_decoding(seq)
+
+            self.at(began, lambda: engine.add_prefill(Prefill(prompt, names, local_done)))
+            return
+        prefilling.enter_context(prefill.track())
+        alone = prefilling.enter_context(prefill.prefill(plan.remote_tokens))
+
+        def remote_done(now: float, cached: int) -> None:
+            prefilling.close()
+            rec.cached_tokens = cached
+            decoding.enter_context(decode.track())
+            first_token(now)
+            if seq.left <= 0:
+                return
+            handoff = self.handoff["fixed_s"] + self.handoff["per_token_s"] * moved
+            self.placement.measured_remote(len(prompt) - cached, now - began, handoff, moved, self.router_s, alone)
+            self.at(now + handoff, lambda: engine.add_decoding(seq))
+
+        self.at(began, lambda: self.engine_of[prefill.address].add_prefill(Prefill(prompt, names, remote_done)))
+
+
+def simulate(
+    profile: dict,
+    deployment: Deployment,
+    workload: Workload,
+    slo_ttft: float | None = None,
+    slo_tpot: float | None = None,
+) -> Report:
+    return Simulation(profile, deployment, slo_ttft, slo_tpot).run(workload)

@@ -1,0 +1,69 @@
+"""What one engine step costs: a line over what the step holds, fitted to measured steps.
+
+    seconds = fixed + per_token x tokens + per_pair x prefill attention pairs / 1e3
+              + per_context x decode context tokens / 1e3 + per_sequence x sequences
+
+tokens: every position computed in the step (prefill chunks and one per decoding sequence);
+prefill attention pairs: for each prefill chunk of n new tokens after c tokens already in its KV,
+n x (c + (n + 1) / 2) (the causal attention's query-key pairs); decode context: the KV tokens each
+decoding sequence attends to. The same line prices a prefill node's batch of prompts, a decode
+step, and a mixed step (a local prefill's chunk in a decode batch). Fitted by least squares on
+relative error (a 20 ms decode step counts as much as a 2 s prefill), coefficients kept >= 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+TERMS = ("fixed", "per_token", "per_pair", "per_context", "per_sequence")
+
+
+@dataclass
+class Step:
+    """What one step computes: prefill chunks as (new tokens, tokens already in the KV), and the
+    context length of each decoding sequence."""
+
+    prefills: list[tuple[int, int]]
+    decodes: list[int]
+
+    def features(self) -> list[float]:
+        tokens = sum(n for n, _ in self.prefills) + len(self.decodes)
+        pairs = sum(n * (c + (n + 1) / 2) for n, c in self.prefills) / 1e3
+        return [1.0, tokens, pairs, sum(self.decodes) / 1e3, len(self.prefills) + len(self.decodes)]
+
+
+@dataclass
+class StepModel:
+    fixed: float
+    per_token: float
+    per_pair: float
+    per_context: float
+    per_sequence: float
+
+    def seconds(self, step: Step) -> float:
+        return sum(c * f for c, f in zip(self.coefficients(), step.features()))
+
+    def coefficients(self) -> list[float]:
+        return [getattr(self, t) for t in TERMS]
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def fit(cls, samples: list[tuple[Step, float]]) -> StepModel:
+        """Least squares on relative error with every coefficient >= 0 (a term fitted negative is
+        dropped and the rest refitted)."""
+        x = np.array([s.features() for s, _ in samples], dtype=np.float64)
+        y = np.array([t for _, t in samples], dtype=np.float64)
+        w = 1.0 / y
+        active = list(range(len(TERMS)))
+        while True:
+            coef, *_ = np.linalg.lstsq(x[:, active] * w[:, None], y * w, rcond=None)
+            if (coef >= 0).all():
+                break
+            active.pop(int(np.argmin(coef)))
+        full = np.zeros(len(TERMS))
+        full[active] = coef
+        return cls(*full.tolist())

@@ -1,0 +1,179 @@
+"""`pdserve plan profile / simulate / best`: the step line, the simulator's arithmetic on a profile
+written by hand, that it runs the router's own placement and pool code, and the commands end to end
+on a profile measured here (tiny model)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import router.placement
+import router.pool
+from pdserve.cli import parser
+from pdserve.plan import profile as profiles
+from pdserve.plan import search
+from pdserve.plan.simulator import Deployment, Item, Workload, simulate, synthetic
+from pdserve.plan.step_model import Step, StepModel
+
+ROOT = Path(__file__).resolve().parents[1]
+ROUTER_S, FIXED, PER_TOKEN, HANDOFF = 0.001, 0.01, 0.001, 0.005
+
+
+def hand_profile(**step) -> dict:
+    line = {"fixed": FIXED, "per_token": PER_TOKEN, "per_pair": 0.0, "per_context": 0.0, "per_sequence": 0.0} | step
+    engine = {"block_size": 16, "max_num_batched_tokens": 4096, "num_kv_blocks": 10_000, "step": line}
+    return {
+        "version": profiles.VERSION,
+        "router_s": ROUTER_S,
+        "engines": {"1": engine, "2": engine | {"step": {**line, "per_token": PER_TOKEN / 2}}},
+        "handoff": {"shm": {"fixed_s": HANDOFF, "per_token_s": 0.0}},
+        "serving": profiles.NO_OVERHEAD,
+    }
+
+
+def one(prompt_len: int, output_len: int) -> Workload:
+    return Workload([Item([list(range(1, prompt_len + 1))], output_len)], concurrency=1)
+
+
+def test_the_step_line_recovers_the_costs_it_was_made_of():
+    truth = StepModel(0.004, 2e-4, 3e-4, 5e-3, 1e-4)
+    steps = [Step([(n, c)], []) for n in (16, 128, 700) for c in (0, 512)]
+    steps += [Step([], [ctx] * b) for b in (1, 8, 32) for ctx in (64, 900)]
+    steps += [Step([(256, 0)], [640] * 4)]
+    fit = StepModel.fit([(s, truth.seconds(s)) for s in steps])
+    for got, want in zip(fit.coefficients(), truth.coefficients()):
+        assert got == pytest.approx(want, rel=1e-6, abs=1e-12)
+
+
+def test_one_request_alone_costs_what_the_profile_says():
+    prof = hand_profile()
+    colocated = simulate(prof, Deployment("c", colocated=1), one(100, 5))
+    assert colocated.ttft_s["p50"] == pytest.approx(ROUTER_S + FIXED + 100 * PER_TOKEN)
+    assert colocated.tpot_s["p50"] == pytest.approx(FIXED + PER_TOKEN)  # a decode step of one sequence
+    remote = simulate(prof, Deployment("pd", prefill=1, decode=1, local_prefill="off"), one(100, 5))
+    assert remote.ttft_s["p50"] == pytest.approx(ROUTER_S + FIXED + 100 * PER_TOKEN)
+    # the second token waits for the hand-off and one decode step; the rest one step each
+    assert remote.tpot_s["p50"] == pytest.approx((HANDOFF + 4 * (FIXED + PER_TOKEN)) / 4)
+    two_threads = simulate(prof, Deployment("c2", colocated=1, threads=2), one(100, 5))
+    assert two_threads.ttft_s["p50"] == pytest.approx(ROUTER_S + FIXED + 100 * PER_TOKEN / 2)
+    prof["serving"] = {"fixed_s": 0.002, "per_sequence_s": 0.0005}  # what streaming adds to a decode step
+    served = simulate(prof, Deployment("c", colocated=1), one(100, 5))
+    assert served.ttft_s["p50"] == colocated.ttft_s["p50"]  # the prefill step streams nothing yet
+    assert served.tpot_s["p50"] == pytest.approx(FIXED + PER_TOKEN + 0.002 + 0.0005)
+
+
+def test_a_closed_loop_keeps_its_concurrency_and_every_request_ends():
+    rep = simulate(
+        hand_profile(), Deployment("pd", prefill=1, decode=1), synthetic(40, "uniform:50:300", "8", concurrency=6)
+    )
+    assert rep.completed == rep.num_requests == 40
+    assert rep.max_concurrency == 6
+    assert sum(rep.extra["utilization"].values()) > 0
+
+
+def test_the_simulator_runs_the_routers_own_placement_and_pool(monkeypatch):
+    calls = {"decide": 0, "pick": 0}
+    decide, pick = router.placement.Placement.decide, router.pool.EndpointPool.pick
+
+    def counted_decide(self, *a, **k):
+        calls["decide"] += 1
+        d = decide(self, *a, **k)
+        d.local = True  # the router's answer is what the simulator follows
+        return d
+
+    def counted_pick(self, *a, **k):
+        calls["pick"] += 1
+        return pick(self, *a, **k)
+
+    monkeypatch.setattr(router.placement.Placement, "decide", counted_decide)
+    monkeypatch.setattr(router.pool.EndpointPool, "pick", counted_pick)
+    rep = simulate(hand_profile(), Deployment("pd", prefill=1, decode=2), synthetic(10, "100", "4", concurrency=2))
+    assert calls["decide"] == 10 and calls["pick"] == 20  # a decode node and a prefill node each
+    assert rep.local_prefill_rate == 1.0
+
+
+def test_follow_ups_hit_the_cache_of_the_node_holding_their_history():
+    chat = Workload(
+        [Item([list(range(1000 * c + 1, 1000 * c + 200)), [5] * 30, [6] * 30], 16) for c in range(4)], concurrency=2
+    )
+    auto = simulate(hand_profile(), Deployment("pd", prefill=1, decode=2), chat)
+    off = simulate(hand_profile(), Deployment("pd", prefill=1, decode=2, local_prefill="off"), chat)
+    assert off.local_prefill_rate == 0.0
+    assert auto.local_prefill_rate > 0  # short uncached suffixes computed where the history is
+    assert auto.prefix_cache_hit_rate > off.prefix_cache_hit_rate > 0  # the prefill node lacks the answers
+
+
+def test_best_meets_the_slos_with_the_most_goodput_and_its_command_parses():
+    prof = hand_profile(per_context=0.01)
+    work = synthetic(24, "uniform:400:800", "32", concurrency=8)
+    ranked = search.rank(prof, work, cores=2, slo_ttft=5.0, slo_tpot=0.2)
+    assert {s.deployment.cores for s in ranked} <= {1, 2}
+    assert len(ranked) == len(search.candidates(2, [1, 2]))
+    best, runner_up = ranked[0], ranked[1]
+    assert best.meets and best.report.goodput_tps >= runner_up.report.goodput_tps
+    assert all(best.report.goodput_tps >= s.report.goodput_tps for s in ranked if s.meets)
+    for s in ranked:
+        cmd = shlex.split(search.command(s.deployment))
+        assert cmd[0] == "pdserve"
+        parser().parse_args(cmd[1:])  # every command it may print is one pdserve takes
+
+
+def test_profile_simulate_and_best_end_to_end(tiny_llama, tmp_path):
+    out = tmp_path / "profile.json"
+    run = [sys.executable, "-m", "pdserve", "plan"]
+    done = subprocess.run(
+        run
+        + ["profile", "--model", str(tiny_llama), "--dtype", "float32", "--threads", "1", "--repeat", "2"]
+        + ["--quick", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert stat.S_IMODE(os.stat(out).st_mode) == 0o600
+    prof = profiles.load(out)
+    assert {"shm", "tcp", "grpc"} <= set(prof["handoff"])
+    assert prof["serving"]["fixed_s"] >= 0 and len(prof["serving"]["samples"]) == 2  # 1 and 2 streams
+    engine = prof["engines"]["1"]
+    assert engine["dtype"] == "float32" and engine["step"]["fixed"] > 0 and len(engine["samples"]) >= 8
+    workload = ["--profile", str(out), "--num-requests", "8", "--prompt-len", "40", "--output-len", "6", "--json"]
+    sim = subprocess.run(
+        run + ["simulate", *workload, "--prefill", "1", "--decode", "1"], capture_output=True, text=True, cwd=ROOT
+    )
+    assert sim.returncode == 0, sim.stderr
+    assert json.loads(sim.stdout)["completed"] == 8
+    best = subprocess.run(
+        run + ["best", *workload, "--cores", "2", "--slo-ttft", "10"], capture_output=True, text=True, cwd=ROOT
+    )
+    assert best.returncode == 0, best.stderr
+    top = json.loads(best.stdout)
+    assert len(top) == 2 and top[0]["meets_slos"] and top[0]["command"].startswith("pdserve ")
+
+
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["simulate", "--profile", "/nonexistent/p.json"], "/nonexistent/p.json: No such file"),
+        (["simulate", "--threads", "4"], "the profile has engines of ['1', '2'] threads, not 4"),
+        (["simulate", "--transport", "rdma"], "the profile measured no 'rdma' hand-off"),
+        (["best", "--cores", "2", "--num-requests", "0"], "--num-requests must be >= 1, got 0"),
+        (["profile", "--threads", "0", "--out", "x.json"], "--threads must list thread counts >= 1"),
+    ],
+)
+def test_bad_input_is_one_line_naming_it(tmp_path, args, says):
+    path = tmp_path / "p.json"
+    profiles.write(hand_profile(), path)
+    if "--profile" not in args and args[0] != "profile":
+        args = [*args, "--profile", str(path)]
+    done = subprocess.run(
+        [sys.executable, "-m", "pdserve", "plan", *args], capture_output=True, text=True, cwd=tmp_path
+    )
+    assert done.returncode != 0
+    assert done.stderr.count("\n") == 1 and says in done.stderr, done.stderr
