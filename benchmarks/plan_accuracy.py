@@ -1,0 +1,169 @@
+"""The simulator against measured runs: `pdserve plan simulate`'s prediction beside `pdserve bench`
+on the real deployment, same prompts, same window.
+
+    python benchmarks/plan_accuracy.py [--profile FILE] [--out docs/bench] [--only anchor,chat]
+
+1. Profiles this machine (`pdserve plan profile`, threads 1 and 2, default model, dtype auto),
+   unless --profile gives one measured earlier.
+2. Two workloads, both as token ids (so the simulator sees the very prompts the servers get):
+   anchor: 32 requests of 590-630 tokens, 64 output tokens, closed loop at concurrency 8;
+   chat: 8 conversations of 4 turns, a shared 1,000-token system prompt, ~40-token questions,
+   32-token answers, closed loop at concurrency 4. Output lengths are fixed (ignore_eos).
+3. Deployments on the 2 cores, each started, measured by `pdserve bench`, stopped:
+   colocated (one engine, 2 threads), colocated x 2 (`up --prefill 0 --decode 2`, one core each),
+   1P1D with local prefill auto (the default), 1P1D with local prefill off; the P/D and x2 ones
+   pinned, one thread per node.
+4. For each, the simulator's prediction from the profile; the relative error of goodput (tokens/s
+   within both SLOs), TTFT p50 and TPOT p50. The SLOs (WORKLOADS) are loose enough that nearly
+   every request of every deployment meets them here: an SLO that cuts through the middle of a
+   latency distribution turns a small error in the latency into a large one in goodput.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from disagg_vs_colocated import wait_line  # noqa: E402
+
+from engine import EngineConfig  # noqa: E402
+from pdserve.plan import profile as profiles  # noqa: E402
+from pdserve.plan.simulator import Deployment, Item, Workload, simulate  # noqa: E402
+from serving.launcher import ServerProcess  # noqa: E402
+
+VOCAB = (100, 49000)  # token ids drawn from the default model's vocabulary
+WORKLOADS = {
+    # name: (SLO TTFT s, SLO TPOT s)
+    "anchor": (30.0, 0.35),
+    "chat": (8.0, 0.15),
+}
+DEPLOYMENTS = {
+    "colocated": (Deployment("colocated", colocated=1, threads=2), ["colocated", "--num-threads", "2"]),
+    "colocated-x2": (
+        Deployment("colocated-x2", colocated=2, threads=1),
+        ["up", "--prefill", "0", "--decode", "2", "--num-threads", "1", "--pin-cpus"],
+    ),
+    "1P1D": (
+        Deployment("1P1D", prefill=1, decode=1, threads=1),
+        ["up", "--prefill", "1", "--decode", "1", "--num-threads", "1", "--pin-cpus"],
+    ),
+    "1P1D-off": (
+        Deployment("1P1D-off", prefill=1, decode=1, threads=1, local_prefill="off"),
+        ["up", "--prefill", "1", "--decode", "1", "--num-threads", "1", "--pin-cpus", "--local-prefill", "off"],
+    ),
+}
+
+
+def ids(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(*VOCAB) for _ in range(n)]
+
+
+def workload(name: str, seed: int = 0) -> tuple[Workload, list[dict]]:
+    """The simulator's workload and the same as `pdserve bench --dataset` lines."""
+    rng = random.Random(seed)
+    if name == "anchor":
+        items = [Item([ids(rng, rng.randint(590, 630))], 64) for _ in range(32)]
+        return Workload(items, concurrency=8), [{"prompt_token_ids": it.turns[0], "max_tokens": 64} for it in items]
+    system = ids(rng, 1000)
+    items = [Item([system + ids(rng, 40)] + [ids(rng, rng.randint(30, 50)) for _ in range(3)], 32) for _ in range(8)]
+    return Workload(items, concurrency=4), [{"turns": it.turns, "max_tokens": 32} for it in items]
+
+
+def serve(command: list[str]):
+    """(address, stop) of a started deployment."""
+    if command[0] == "colocated":
+        server = ServerProcess(["-m", "pdserve", *command, "--port", "0", "--kv-cache-gb", "0.5"])
+        return server.wait_ready(), lambda: server.stop(60)
+    up = subprocess.Popen(
+        [sys.executable, "-m", "pdserve", *command, "--port", "0", "--kv-cache-gb", "0.5"],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    address = wait_line(up, up.stderr, "pdserve up: router on").split()[4]
+
+    def stop():
+        up.terminate()
+        up.wait(timeout=60)
+
+    return address, stop
+
+
+def measure(command: list[str], lines: list[dict], concurrency: int, slo: tuple[float, float], tmp: Path) -> dict:
+    data, out = tmp / "dataset.jsonl", tmp / "bench.json"
+    data.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    address, stop = serve(command)
+    try:
+        subprocess.run(
+            [sys.executable, "-m", "pdserve", "bench", "--addr", address, "--dataset", str(data)]
+            + ["--num-requests", str(len(lines)), "--concurrency", str(concurrency)]
+            + ["--slo-ttft", str(slo[0]), "--slo-tpot", str(slo[1]), "--json", str(out), "--quiet"],
+            check=True,
+        )
+    finally:
+        stop()
+    return json.loads(out.read_text())["runs"][0]["report"]
+
+
+def error(predicted: float, measured: float) -> float:
+    return abs(predicted - measured) / measured if measured else float("inf")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--profile", help="a profile measured earlier (default: measure one first)")
+    ap.add_argument("--out", type=Path, default=Path("docs/bench"))
+    ap.add_argument("--only", default=",".join(WORKLOADS), help="workloads")
+    ap.add_argument("--deployments", default=",".join(DEPLOYMENTS))
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    began = time.monotonic()
+    if args.profile:
+        prof = profiles.load(args.profile)
+    else:
+        prof = profiles.profile(EngineConfig.model, EngineConfig.dtype, "cpu", [1, 2], 3, quick=False)
+        profiles.write(prof, args.out / "plan_profile.json")
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="pdserve-plan-") as tmp:
+        for wname in args.only.split(","):
+            work, lines = workload(wname)
+            slo = WORKLOADS[wname]
+            for dname in args.deployments.split(","):
+                dep, command = DEPLOYMENTS[dname]
+                predicted = simulate(prof, dep, work, *slo)
+                measured = measure(command, lines, work.concurrency, slo, Path(tmp))
+                row = {"workload": wname, "deployment": dname, "slo_ttft_s": slo[0], "slo_tpot_s": slo[1]}
+                for key, pred, meas in (
+                    ("goodput_tps", predicted.goodput_tps, measured["goodput_tps"]),
+                    ("tps", predicted.tps, measured["tps"]),
+                    ("ttft_p50_s", predicted.ttft_s["p50"], measured["ttft_s"]["p50"]),
+                    ("tpot_p50_s", predicted.tpot_s["p50"], measured["tpot_s"]["p50"]),
+                    ("local_prefill_rate", predicted.local_prefill_rate, measured["local_prefill_rate"]),
+                ):
+                    row[key] = {"predicted": pred, "measured": meas, "error": error(pred, meas)}
+                rows.append(row)
+                print(
+                    f"{wname:7s} {dname:13s} "
+                    + "  ".join(
+                        f"{k} {row[k]['predicted']:.3g}/{row[k]['measured']:.3g} ({row[k]['error']:.0%})"
+                        for k in ("goodput_tps", "ttft_p50_s", "tpot_p50_s")
+                    ),
+                    flush=True,
+                )
+    result = {
+        **profiles.provenance(prof, began),
+        "rows": rows,
+    }
+    (args.out / "plan_accuracy.json").write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
