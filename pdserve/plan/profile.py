@@ -61,9 +61,11 @@ def _timed(llm: LLMEngine) -> float:
     return time.perf_counter() - t
 
 
-def _drain(llm: LLMEngine) -> None:
-    for rid in [seq.request_id for seq in llm.scheduler.running + list(llm.scheduler.waiting)]:
-        llm.abort_request(rid)
+def _run_out(llm: LLMEngine, abort: bool = True) -> None:
+    """Ends every request (aborted, or run to its end), its blocks freed or cached."""
+    if abort:
+        for rid in [seq.request_id for seq in llm.scheduler.running + list(llm.scheduler.waiting)]:
+            llm.abort_request(rid)
     while llm.has_unfinished():
         llm.step()
 
@@ -79,7 +81,7 @@ class StepProfiler:
         self.rng = random.Random(seed)
         self.samples: list[tuple[Step, float]] = []
         self._add_prefilled([16] * 2, 8)  # warm-up: the first steps pay one-time costs
-        _drain(self.llm)
+        _run_out(self.llm)
 
     def _params(self, max_tokens: int) -> SamplingParams:
         return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
@@ -104,10 +106,10 @@ class StepProfiler:
             prefix = _ids(self.rng, cached, self.vocab)
             if cached:
                 self.llm.add_request(uuid.uuid4().hex, prefix + [11], self._params(1))
-                _drain_finished(self.llm)
+                _run_out(self.llm, abort=False)
             self.llm.add_request(uuid.uuid4().hex, prefix + _ids(self.rng, new, self.vocab), self._params(1))
             times.append(_timed(self.llm))
-            _drain(self.llm)
+            _run_out(self.llm)
         t = statistics.median(times)
         self.samples.append((Step([(new, cached)], []), t))
         return t
@@ -122,17 +124,12 @@ class StepProfiler:
                 self.llm.add_request(uuid.uuid4().hex, _ids(self.rng, chunk, self.vocab), self._params(1))
             times.append(_timed(self.llm))
             self.samples.append((Step([(chunk, 0)] if chunk else [], contexts), times[-1]))
-        _drain(self.llm)
+        _run_out(self.llm)
         return statistics.median(times)
 
 
 def _say(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
-
-
-def _drain_finished(llm: LLMEngine) -> None:
-    while llm.has_unfinished():
-        llm.step()
 
 
 def profile_steps(model: str, dtype: str, device: str, threads: int, repeat: int, quick: bool) -> dict:

@@ -160,7 +160,7 @@ class Engine:
         self.sim.at(self.sim.now + seconds, lambda: self._step_done(decodes, chunks))
 
     def _step_done(self, decodes: list[Decoding], chunks: list[tuple[Prefill, int]]) -> None:
-        now = self.sim.now  # (still stepping: what this step's results start waits for the next kick)
+        now = self.sim.now  # still stepping: what its results add (a sequence, a prefill) waits for the next step
         for seq in decodes:
             seq.left -= 1
             seq.tokens.append(self.sim.token())
