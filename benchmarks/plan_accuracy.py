@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -36,6 +37,7 @@ from disagg_vs_colocated import wait_line  # noqa: E402
 
 from engine import EngineConfig  # noqa: E402
 from pdserve.plan import profile as profiles  # noqa: E402
+from pdserve.plan import search  # noqa: E402
 from pdserve.plan.simulator import Deployment, Item, Workload, simulate  # noqa: E402
 from serving.launcher import ServerProcess  # noqa: E402
 
@@ -46,19 +48,13 @@ WORKLOADS = {
     "chat": (8.0, 0.15),
 }
 DEPLOYMENTS = {
-    "colocated": (Deployment("colocated", colocated=1, threads=2), ["colocated", "--num-threads", "2"]),
-    "colocated-x2": (
+    d.name: d
+    for d in (
+        Deployment("colocated", colocated=1, threads=2),
         Deployment("colocated-x2", colocated=2, threads=1),
-        ["up", "--prefill", "0", "--decode", "2", "--num-threads", "1", "--pin-cpus"],
-    ),
-    "1P1D": (
         Deployment("1P1D", prefill=1, decode=1, threads=1),
-        ["up", "--prefill", "1", "--decode", "1", "--num-threads", "1", "--pin-cpus"],
-    ),
-    "1P1D-off": (
         Deployment("1P1D-off", prefill=1, decode=1, threads=1, local_prefill="off"),
-        ["up", "--prefill", "1", "--decode", "1", "--num-threads", "1", "--pin-cpus", "--local-prefill", "off"],
-    ),
+    )
 }
 
 
@@ -136,7 +132,8 @@ def main() -> int:
             work, lines = workload(wname)
             slo = WORKLOADS[wname]
             for dname in args.deployments.split(","):
-                dep, command = DEPLOYMENTS[dname]
+                dep = DEPLOYMENTS[dname]
+                command = shlex.split(search.command(dep))[1:]  # the command `pdserve plan best` prints
                 predicted = simulate(prof, dep, work, *slo)
                 measured = measure(command, lines, work.concurrency, slo, Path(tmp))
                 row = {"workload": wname, "deployment": dname, "slo_ttft_s": slo[0], "slo_tpot_s": slo[1]}

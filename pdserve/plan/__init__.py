@@ -13,9 +13,10 @@ import json
 import random
 
 from engine.config import DTYPES, EngineConfig
+from pdserve.bench import length_sampler
 from pdserve.bench_stats import format_report
 from pdserve.plan import memory, profile, search
-from pdserve.plan.simulator import Deployment, Workload, conversations, synthetic
+from pdserve.plan.simulator import Deployment, Workload, conversations, simulate, synthetic
 from router.placement import MODES
 from serving.options import HelpFormatter
 
@@ -88,8 +89,6 @@ def workload(args) -> Workload:
         return synthetic(args.num_requests, args.prompt_len, args.output_len, args.seed, **loop)
     rng = random.Random(args.seed)
     system = [rng.randrange(1, 1 << 30) for _ in range(args.system_len)]
-    from pdserve.bench import length_sampler
-
     turn_len, answer_len = length_sampler(args.prompt_len, rng), length_sampler(args.output_len, rng)
     convs = [
         [(system if k == 0 else []) + [rng.randrange(1, 1 << 30) for _ in range(turn_len())] for k in range(args.turns)]
@@ -121,8 +120,6 @@ def main(args) -> int:
             max_local_tokens=args.max_local_prefill_tokens,
             transport=args.transport,
         )
-        from pdserve.plan.simulator import simulate
-
         rep = simulate(prof, dep, workload(args), args.slo_ttft, args.slo_tpot)
         print(json.dumps(rep.to_dict()) if args.json else format_report(rep, f"{dep.describe()}: "))
         return 0
