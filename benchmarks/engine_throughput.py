@@ -77,6 +77,7 @@ def run_pdserve(prompts: list[list[int]], max_tokens: int, args) -> dict:
         "elapsed_s": elapsed,
         "generated": sum(len(o.token_ids) for o in outs),
         "preemptions": llm.engine.scheduler.num_preemptions,
+        "token_ids": [o.token_ids for o in outs],
     }
 
 
@@ -103,7 +104,25 @@ def run_transformers(prompts: list[list[int]], max_tokens: int, args) -> dict:
             ids, attention_mask=mask, max_new_tokens=max_tokens, do_sample=False, eos_token_id=eos, pad_token_id=pad
         )
         elapsed = time.perf_counter() - start
-    return {"elapsed_s": elapsed, "generated": int((out.shape[1] - width) * len(prompts))}
+    return {
+        "elapsed_s": elapsed,
+        "generated": int((out.shape[1] - width) * len(prompts)),
+        "token_ids": out[:, width:].tolist(),
+    }
+
+
+def same_tokens(first_ids: dict[str, list[list[int]]]) -> dict | None:
+    """How many requests' greedy tokens pdserve's engine and transformers agree on, all of them,
+    and how many leading tokens they share at the median (one run each, in the run's dtype)."""
+    if "pdserve" not in first_ids or "transformers" not in first_ids:
+        return None
+    pairs = list(zip(first_ids["pdserve"], first_ids["transformers"]))
+    shared = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a)) for a, b in pairs]
+    return {
+        "requests": len(pairs),
+        "identical": sum(a == b for a, b in pairs),
+        "median_shared_prefix": statistics.median(shared),
+    }
 
 
 def run_vllm(prompts_file: str, max_tokens: int, args) -> dict:
@@ -173,6 +192,7 @@ def main() -> int:
         print(json.dumps(runner(prompts, args.max_tokens, args)))
         return 0
 
+    import torch
     from transformers import AutoTokenizer
 
     from engine.hardware import cpu_features, resolve_device, resolve_dtype
@@ -181,6 +201,8 @@ def main() -> int:
     if args.dtype == "auto":  # every system runs the dtype the engine picks here
         args.dtype = str(resolve_dtype("auto", resolve_device(args.device))).removeprefix("torch.")
     cpu = cpu_features()
+    device = resolve_device(args.device)
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
 
     args.model_dir = resolve_model(args.model)
     prompts = chat_prompts(AutoTokenizer.from_pretrained(args.model_dir), args.num_requests)
@@ -190,10 +212,11 @@ def main() -> int:
     print(
         f"{args.num_requests} requests x {args.max_tokens} tokens, prompt tokens min/median/max "
         f"{lens[0]}/{lens[len(lens) // 2]}/{lens[-1]}, {args.dtype}, torch threads {os.cpu_count()}, "
-        f"CPU class {cpu.isa} ({cpu.reason})"
+        f"CPU class {cpu.isa} ({cpu.reason})" + (f", on {gpu}" if gpu else "")
     )
     systems = [s for s in ["pdserve", "transformers", "vllm"] if not args.only or s == args.only]
     runs: dict[str, list[dict]] = {s: [] for s in systems}
+    first_ids: dict[str, list[list[int]]] = {}  # each system's greedy tokens in its first run
     for rep in range(args.repeat):  # interleaved, so that a noisy minute hits all systems alike
         for system in systems:
             res = run_system(system, prompts_file, args)
@@ -206,6 +229,9 @@ def main() -> int:
                 )
             else:
                 print(f"run {rep + 1} {system:>13}: {res}", flush=True)
+            ids = res.pop("token_ids", None)
+            if rep == 0 and ids is not None:
+                first_ids[system] = ids
             runs[system].append(res)
     results = {
         "workload": {
@@ -215,6 +241,8 @@ def main() -> int:
             "prompt_tokens_median": lens[len(lens) // 2],
         },
         "cpu": {"class": cpu.isa, "reason": cpu.reason},
+        "gpu": gpu,
+        "same_greedy_tokens_as_transformers": same_tokens(first_ids),
         "runs": runs,
         "median_tokens_per_s": {},
     }
@@ -224,6 +252,11 @@ def main() -> int:
             results["median_tokens_per_s"][system] = statistics.median(tps)
     med = results["median_tokens_per_s"]
     print("median generated tokens/s: " + ", ".join(f"{s} {v:.1f}" for s, v in med.items()))
+    if same := results["same_greedy_tokens_as_transformers"]:
+        print(
+            f"greedy tokens equal to transformers' ({args.dtype}): {same['identical']} of {same['requests']} requests, "
+            f"median {same['median_shared_prefix']} leading tokens shared"
+        )
     for other in ["transformers", "vllm"]:
         pairs = [
             a["tokens_per_s"] / b["tokens_per_s"]

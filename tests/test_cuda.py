@@ -14,6 +14,13 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 PROMPTS = [[5, 17, 33, 8, 90, 41, 7], [200, 3], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23]]
 
 
+def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
+    """transformers' n greedy tokens after the prompt, alone (no EOS stop)."""
+    ids = torch.tensor([prompt], device="cuda")
+    out = hf.generate(ids, max_new_tokens=n, do_sample=False, eos_token_id=hf.config.vocab_size, pad_token_id=0)
+    return out[0, len(prompt) :].tolist()
+
+
 def test_greedy_on_cuda_equals_transformers(tiny_llama):
     hf = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval().cuda()
     engine = make_engine(tiny_llama, device="cuda")
@@ -22,14 +29,7 @@ def test_greedy_on_cuda_equals_transformers(tiny_llama):
         engine.add_request(str(i), p, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
     outs = run_to_completion(engine)
     for i, p in enumerate(PROMPTS):
-        ref = hf.generate(
-            torch.tensor([p], device="cuda"),
-            max_new_tokens=16,
-            do_sample=False,
-            eos_token_id=hf.config.vocab_size,
-            pad_token_id=0,
-        )
-        assert outs[str(i)].token_ids == ref[0, len(p) :].tolist()
+        assert outs[str(i)].token_ids == hf_greedy(hf, p, 16)
 
 
 def test_seeded_sampling_on_cuda_is_reproducible(tiny_llama):
@@ -40,3 +40,30 @@ def test_seeded_sampling_on_cuda_is_reproducible(tiny_llama):
         engine.add_request("x", PROMPTS[0], params)
         runs.append(run_to_completion(engine)["x"].token_ids)
     assert runs[0] == runs[1]
+
+
+def test_default_model_greedy_on_cuda_equals_transformers_in_float32():
+    """The embedded default model in fp32: the engine's greedy tokens, the prompts batched
+    together, equal transformers' for each prompt alone."""
+    from transformers import AutoTokenizer
+
+    from engine.model_source import DEFAULT_MODEL, resolve_model
+
+    try:
+        model_dir = resolve_model(DEFAULT_MODEL)
+    except ValueError as e:  # the package that carries its weights is not installed
+        pytest.skip(str(e))
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    prompts = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], tokenize=True, add_generation_prompt=True, return_dict=True
+        )["input_ids"]
+        for text in ("Write a haiku about the sea.", "What is 12 times 7?", "Name three planets.", "Hi")
+    ]
+    engine = make_engine(model_dir, device="cuda", block_size=16)
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))
+    outs = run_to_completion(engine)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval().cuda()
+    for i, p in enumerate(prompts):
+        assert outs[str(i)].token_ids == hf_greedy(hf, p, 32), f"prompt {i}"

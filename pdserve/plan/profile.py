@@ -182,6 +182,10 @@ async def profile_serving(model: str, dtype: str, device: str, repeat: int, quic
             prefill = PrefillNode(engine, PrefillConfig(port=0))
             decode = DecodeNode(engine, DecodeConfig(port=0, kv_transport=name))
             await prefill.start()
+            if name not in {c.name for c in prefill.senders.capabilities()}:  # shm with the KV on a GPU
+                await prefill.stop(0)
+                _say(f"no hand-off over {name} here: the prefill node does not offer it")
+                break
             await decode.start()
             vocab = prefill.llm.model_config.vocab_size
             router = Router(
@@ -252,15 +256,22 @@ def _line(samples: list[tuple[int, float]]) -> dict:
     return {"fixed_s": fixed, "per_token_s": slope}
 
 
-def profile(model: str, dtype: str, device: str, threads: list[int], repeat: int, quick: bool) -> dict:
-    from engine.hardware import cpu_features
+def machine(device: str) -> dict:
+    """What the profile was measured on: the CPU's class and cores, and the GPU where the engine ran on one."""
+    from engine.hardware import cpu_features, resolve_device
 
+    found = {"isa": cpu_features().isa, "arch": platform.machine(), "cores": os.cpu_count()}
+    where = resolve_device(device)
+    return found | ({"gpu": torch.cuda.get_device_name(where)} if where.type == "cuda" else {})
+
+
+def profile(model: str, dtype: str, device: str, threads: list[int], repeat: int, quick: bool) -> dict:
     began = time.monotonic()
     result = {
         "version": VERSION,
         "model": model,
         "device": device,
-        "machine": {"isa": cpu_features().isa, "arch": platform.machine(), "cores": os.cpu_count()},
+        "machine": machine(device),
         "date": time.strftime("%Y-%m-%d"),
         "engines": {str(t): profile_steps(model, dtype, device, t, repeat, quick) for t in threads},
     }
