@@ -5,10 +5,11 @@
 For each thread count (a node's share of the cores), an engine of this model times its own steps:
 prefills alone over (new tokens, tokens already cached), decode steps over (batch, context), and
 decode steps with a prefill chunk mixed in (a local prefill); the step line (step_model.py) is
-fitted to them. Then, with one torch thread per node, a real prefill node, decode node and router
-on this host's loopback hand KV over each transport (layer-wise where it can): the time from the
-prefill's end to the decode node's admission is fitted as a line over the KV's tokens, and the
-router's own share of TTFT is measured. On CUDA the same command writes a GPU's profile (--device).
+fitted to them. Then a real prefill node and decode node (their own processes, one torch thread
+and one core each, as `pdserve up --pin-cpus` runs them) and a router on this host's loopback hand
+KV over each transport (layer-wise where it can): the time from the prefill's end to the decode
+node's admission is fitted as a line over the KV's tokens, and the router's own share of TTFT and
+what serving adds to a decode step are measured. On CUDA the same command writes a GPU's profile (--device).
 
 Sizes are the default grid (--quick: a smaller one, for tests); each figure is the median of
 --repeat runs. The file records the machine, model, dtype and the raw samples beside the fits.
@@ -161,62 +162,68 @@ def profile_steps(model: str, dtype: str, device: str, threads: int, repeat: int
 
 
 async def profile_serving(model: str, dtype: str, device: str, repeat: int, quick: bool) -> dict:
-    """Through a real prefill node, decode node and router (one torch thread each), per transport
-    (and layer-wise where it streams): seconds from the prefill's end to the decode node's
-    admission over the KV's tokens; the router's share of TTFT; and, over shm, the TPOT of B
-    streams decoding together (what serving adds to a step is this less the step line's)."""
-    from decode_node.config import DecodeConfig
-    from decode_node.server import DecodeNode
+    """Laid out as `pdserve up --prefill 1 --decode 1 --pin-cpus` runs them: a prefill node
+    process on the first core and a decode node process per transport on the last (one torch
+    thread each), the router in this process. Per transport (and layer-wise where it streams):
+    seconds from the prefill's end to the decode node's admission over the KV's tokens; the
+    router's share of TTFT; and, through the first transport, the TPOT of B streams decoding
+    together (what serving adds to a step is this less the step line's)."""
     from kvtransfer import transports
-    from prefill_node.config import PrefillConfig
-    from prefill_node.server import PrefillNode
     from router.client import AsyncClient
     from router.config import RouterConfig
     from router.server import Router
+    from serving.launcher import ServerProcess
 
-    engine = EngineConfig(model=model, dtype=dtype, device=device, num_threads=1, num_kv_blocks=HANDOFF_BLOCKS)
-    rng = random.Random(1)
+    last = str((os.cpu_count() or 1) - 1)
+    common = ["--model", model, "--dtype", dtype, "--device", device, "--num-threads", "1", "--port", "0"]
+    common += ["--num-kv-blocks", str(HANDOFF_BLOCKS)]
+    prefill = ServerProcess(["-m", "prefill_node", *common, "--cpus", "0"])
+    decodes = {
+        name: ServerProcess(["-m", "decode_node", *common, "--cpus", last, "--kv-transport", name])
+        for name in transports.TRANSPORTS
+    }
+    rng, vocab = random.Random(1), _vocab(model)
     out, router_s, streams = {}, [], []
-    for name in transports.TRANSPORTS:
-        for layerwise in ("off", "auto"):  # auto: layer-wise where the transport streams
-            prefill = PrefillNode(engine, PrefillConfig(port=0))
-            decode = DecodeNode(engine, DecodeConfig(port=0, kv_transport=name))
-            await prefill.start()
-            if name not in {c.name for c in prefill.senders.capabilities()}:  # shm with the KV on a GPU
-                await prefill.stop(0)
-                _say(f"no hand-off over {name} here: the prefill node does not offer it")
-                break
-            await decode.start()
-            vocab = prefill.llm.model_config.vocab_size
-            router = Router(
-                model,
-                [prefill.address],
-                [decode.address],
-                RouterConfig(port=0, local_prefill="off", kv_layerwise=layerwise),
-            )
-            await router.start()
-            samples = []
-            try:
-                async with AsyncClient(router.address) as client:
-                    for n in QUICK["handoff"] if quick else HANDOFF_TOKENS:
-                        for _ in range(repeat):
-                            t = (await _streams(client, [_ids(rng, n, vocab)], 2))[0][1]
-                            samples.append((n, t.decode_admitted - t.prefill_end))
-                            router_s.append(t.first_token - t.queued - (t.prefill_end - t.prefill_start))
-                            used = t.kv_transport
-                    if not streams:
-                        for batch in QUICK["streams"] if quick else STREAMS:
+    try:
+        await asyncio.gather(prefill.ready(), *(d.ready() for d in decodes.values()))
+        for name, decode in decodes.items():
+            for layerwise in ("off", "auto"):  # auto: layer-wise where the transport streams
+                config = RouterConfig(port=0, local_prefill="off", kv_layerwise=layerwise)
+                router = Router(model, [prefill.address], [decode.address], config)
+                await router.start()
+                samples, used = [], None
+                try:
+                    async with AsyncClient(router.address) as client:
+                        for n in QUICK["handoff"] if quick else HANDOFF_TOKENS:
+                            for _ in range(repeat):
+                                t = (await _streams(client, [_ids(rng, n, vocab)], 2))[0][1]
+                                samples.append((n, t.decode_admitted - t.prefill_end))
+                                router_s.append(t.first_token - t.queued - (t.prefill_end - t.prefill_start))
+                                used = t.kv_transport
+                        for batch in () if streams else QUICK["streams"] if quick else STREAMS:
                             done = await _streams(client, [_ids(rng, STREAM_PROMPT, vocab) for _ in range(batch)], 48)
                             streams.append((batch, statistics.median(tpot for tpot, _ in done)))
                             _say(f"{batch} stream(s) through the router: TPOT {streams[-1][1] * 1e3:.1f} ms")
-            finally:
-                await router.stop(0)
-                await prefill.stop(0)
-                await decode.stop(0)
-            out.setdefault(used, _line(samples) | {"samples": samples})
-            line = out[used]
-            _say(f"hand-off over {used}: {line['fixed_s'] * 1e3:.1f} ms + {line['per_token_s'] * 1e6:.2f} us/token")
+                except Exception as e:  # shm with the KV on a GPU: the prefill node offers no region
+                    if used is not None:
+                        raise
+                    _say(f"no hand-off over {name} here: {e}")
+                    break
+                finally:
+                    await router.stop(0)
+                out.setdefault(used, _line(samples) | {"samples": samples})
+                line = out[used]
+                _say(f"hand-off over {used}: {line['fixed_s'] * 1e3:.1f} ms + {line['per_token_s'] * 1e6:.2f} us/token")
+    finally:
+        await asyncio.gather(prefill.stopped(10), *(d.stopped(10) for d in decodes.values()))
     return {"handoff": out, "router_s": statistics.median(router_s), "streams": streams}
+
+
+def _vocab(model: str) -> int:
+    from engine.model_config import ModelConfig
+    from engine.model_source import resolve_model
+
+    return ModelConfig.from_dir(resolve_model(model)).vocab_size
 
 
 async def _streams(client, prompts: list[list[int]], max_tokens: int) -> list[tuple[float, object]]:
