@@ -10,6 +10,7 @@ and, in bf16, the prefills as chunked matmuls per sequence (`_attend_matmul`).
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +20,12 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 # On CUDA, not cuDNN's attention: it builds a plan per shape (1.7 ms of CPU each on an H200), and
 # a decode step's key length is new every step (bf16 decode steps ran 3x slower with it).
 CUDA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def attention_backends(device: torch.device) -> contextlib.AbstractContextManager:
+    """Where a forward's SDPA calls may run: CUDA_BACKENDS on a GPU (entered once per forward,
+    not per call: the host bounds a small model's step there), torch's choice elsewhere."""
+    return sdpa_kernel(CUDA_BACKENDS) if device.type == "cuda" else contextlib.nullcontext()
 
 
 @dataclass
@@ -180,12 +187,10 @@ def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: At
     flat = g.slots.view(-1)
     k = k_cache.index_select(0, flat).view(batch, ctx, *k_cache.shape[1:]).transpose(1, 2)  # [B, Hkv, Lk, D]
     v = v_cache.index_select(0, flat).view(batch, ctx, *v_cache.shape[1:]).transpose(1, 2)
-    args = (q.transpose(1, 2), k, v)
-    kwargs = {"attn_mask": g.mask, "is_causal": g.mask is None, "enable_gqa": q.shape[2] != k.shape[1]}
-    if q.is_cuda:
-        with sdpa_kernel(CUDA_BACKENDS):
-            return F.scaled_dot_product_attention(*args, **kwargs).transpose(1, 2)
-    return F.scaled_dot_product_attention(*args, **kwargs).transpose(1, 2)
+    o = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k, v, attn_mask=g.mask, is_causal=g.mask is None, enable_gqa=q.shape[2] != k.shape[1]
+    )
+    return o.transpose(1, 2)
 
 
 def _attend_matmul(

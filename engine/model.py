@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import torch
 
-from engine.attention import AttentionMetadata, paged_attention
+from engine.attention import AttentionMetadata, attention_backends, paged_attention
 from engine.kv_cache import KVCache
 from engine.model_config import ModelConfig
 from engine.ops import Ops, rms_norm
@@ -43,6 +43,10 @@ class LlamaModel:
     ) -> torch.Tensor:
         """input_ids, positions: [T] -> hidden states [T, H] after the final norm.
         layer_done(i), when given, is called once layer i's KV is in the cache."""
+        with attention_backends(input_ids.device):
+            return self._forward(input_ids, positions, meta, kv_cache, layer_done)
+
+    def _forward(self, input_ids, positions, meta, kv_cache, layer_done) -> torch.Tensor:
         cfg, ops, eps = self.cfg, self.ops, self.cfg.rms_norm_eps
         num_tokens = input_ids.shape[0]
         residual = torch.nn.functional.embedding(input_ids, self.w.embed)  # [T, H], the residual stream
