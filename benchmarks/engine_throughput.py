@@ -85,15 +85,17 @@ def run_transformers(prompts: list[list[int]], max_tokens: int, args) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
+    from engine.hardware import resolve_device
     from engine.model_source import resolve_model
 
     model_dir = resolve_model(args.model)
+    device = resolve_device(args.device)  # the device pdserve's engine runs on
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}[args.dtype]
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval().to(device)
     pad = model.config.pad_token_id or 0
     width = max(len(p) for p in prompts)
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])  # left padding: one static batch
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)  # left padding: one batch
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
     eos = model.config.vocab_size  # an id it never produces: all max_tokens steps, like ignore_eos
     with torch.inference_mode():
         model.generate(
@@ -102,7 +104,7 @@ def run_transformers(prompts: list[list[int]], max_tokens: int, args) -> dict:
         start = time.perf_counter()
         out = model.generate(
             ids, attention_mask=mask, max_new_tokens=max_tokens, do_sample=False, eos_token_id=eos, pad_token_id=pad
-        )
+        ).cpu()  # waits for the device
         elapsed = time.perf_counter() - start
     return {
         "elapsed_s": elapsed,
