@@ -18,12 +18,15 @@ Sizes are the default grid (--quick: a smaller one, for tests); each figure is t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import platform
 import random
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -40,14 +43,17 @@ MIXED_GRID = [(4, 640, 64), (4, 640, 640), (16, 640, 256)]  # (batch, context, p
 HANDOFF_TOKENS = (128, 512, 1024)
 NO_OVERHEAD = {"fixed_s": 0.0, "per_sequence_s": 0.0, "samples": []}  # (no one-thread step line to subtract)
 STREAMS = (1, 4, 8, 16)  # streams decoding together through the router
-STREAM_PROMPT = 16
-HANDOFF_BLOCKS = 512  # the hand-off's nodes hold a few prompts (a small KV tensor starts fast)
+STREAM_PROMPT = 600  # the streams' prompts: a served step at the anchor's context, where part of
+# what serving adds overlaps the step's compute (at 16 tokens the step is too short to show it)
+assert STREAM_PROMPT > 16
+HANDOFF_BLOCKS = 1024  # the nodes hold 16 streams of STREAM_PROMPT + 48 tokens (a small KV tensor starts fast)
 QUICK = {
     "prefill": [(16, 0), (64, 0), (16, 64)],
     "decode": [(1, 16), (4, 16)],
     "mixed": [(2, 16, 16)],
     "handoff": (16, 48),
     "streams": (1, 2),
+    "stream_prompt": 16,
 }
 DECODE_STEPS = 6  # timed per decode sample (median)
 
@@ -162,37 +168,33 @@ def profile_steps(model: str, dtype: str, device: str, threads: int, repeat: int
 
 
 async def profile_serving(model: str, dtype: str, device: str, repeat: int, quick: bool) -> dict:
-    """Laid out as `pdserve up --prefill 1 --decode 1 --pin-cpus` runs them: a prefill node
-    process on the first core and a decode node process per transport on the last (one torch
-    thread each), the router in this process. Per transport (and layer-wise where it streams):
-    seconds from the prefill's end to the decode node's admission over the KV's tokens; the
-    router's share of TTFT; and, through the first transport, the TPOT of B streams decoding
-    together (what serving adds to a step is this less the step line's)."""
+    """Laid out as `pdserve up --prefill 1 --decode 1 --pin-cpus` runs them (_node_processes),
+    the router in this process. Per transport (and layer-wise where it streams): seconds from the
+    prefill's end to the decode node's admission over the KV's tokens; the router's share of TTFT;
+    and, through the first transport, the TPOT of B streams decoding together (what serving adds
+    to a step is this less the step line's)."""
     from kvtransfer import transports
     from router.client import AsyncClient
     from router.config import RouterConfig
     from router.server import Router
-    from serving.launcher import ServerProcess
 
-    last = str((os.cpu_count() or 1) - 1)
-    common = ["--model", model, "--dtype", dtype, "--device", device, "--num-threads", "1", "--port", "0"]
-    common += ["--num-kv-blocks", str(HANDOFF_BLOCKS)]
-    prefill = ServerProcess(["-m", "prefill_node", *common, "--cpus", "0"])
-    decodes = {
-        name: ServerProcess(["-m", "decode_node", *common, "--cpus", last, "--kv-transport", name])
-        for name in transports.TRANSPORTS
-    }
     rng, vocab = random.Random(1), _vocab(model)
+    stream_prompt = QUICK["stream_prompt"] if quick else STREAM_PROMPT
     out, router_s, streams = {}, [], []
-    try:
-        await asyncio.gather(prefill.ready(), *(d.ready() for d in decodes.values()))
+    async with _node_processes(model, dtype, device, list(transports.TRANSPORTS)) as (prefill, decodes):
         for name, decode in decodes.items():
             for layerwise in ("off", "auto"):  # auto: layer-wise where the transport streams
                 config = RouterConfig(port=0, local_prefill="off", kv_layerwise=layerwise)
                 router = Router(model, [prefill.address], [decode.address], config)
                 await router.start()
-                samples, used = [], None
                 try:
+                    ends = (router.prefill_pool.endpoints[0], router.decode_pool.endpoints[0])
+                    if Router.kv_read(*ends) is None:  # shm with the KV on a GPU: no region offered
+                        _say(f"no hand-off over {name} here: the prefill node does not offer it")
+                        break
+                    if layerwise == "auto" and not router.layerwise(*ends):
+                        break  # the same hand-off as "off"
+                    samples = []
                     async with AsyncClient(router.address) as client:
                         for n in QUICK["handoff"] if quick else HANDOFF_TOKENS:
                             for _ in range(repeat):
@@ -200,23 +202,59 @@ async def profile_serving(model: str, dtype: str, device: str, repeat: int, quic
                                 samples.append((n, t.decode_admitted - t.prefill_end))
                                 router_s.append(t.first_token - t.queued - (t.prefill_end - t.prefill_start))
                                 used = t.kv_transport
-                        for batch in () if streams else QUICK["streams"] if quick else STREAMS:
-                            done = await _streams(client, [_ids(rng, STREAM_PROMPT, vocab) for _ in range(batch)], 48)
-                            streams.append((batch, statistics.median(tpot for tpot, _ in done)))
-                            _say(f"{batch} stream(s) through the router: TPOT {streams[-1][1] * 1e3:.1f} ms")
-                except Exception as e:  # shm with the KV on a GPU: the prefill node offers no region
-                    if used is not None:
-                        raise
-                    _say(f"no hand-off over {name} here: {e}")
-                    break
+                        if not streams:
+                            streams = await _served_steps(client, rng, vocab, stream_prompt, quick)
                 finally:
                     await router.stop(0)
-                out.setdefault(used, _line(samples) | {"samples": samples})
-                line = out[used]
+                line = out[used] = _line(samples) | {"samples": samples}
                 _say(f"hand-off over {used}: {line['fixed_s'] * 1e3:.1f} ms + {line['per_token_s'] * 1e6:.2f} us/token")
+    if not out:
+        raise RuntimeError("pdserve plan profile: no KV transport worked between the two nodes")
+    return {
+        "handoff": out,
+        "router_s": statistics.median(router_s),
+        "streams": streams,
+        "stream_prompt": stream_prompt,
+    }
+
+
+@contextlib.asynccontextmanager
+async def _node_processes(model: str, dtype: str, device: str, transports: list[str]):
+    """A prefill node process on the first core this process may use and a decode node process
+    per transport on the last, one torch thread each, stopped by PID at the end. Their logs go to
+    an owner-only temporary directory, kept (and named) when something failed."""
+    from pdserve.up import READY_TIMEOUT_S
+    from serving.launcher import ServerProcess
+    from serving.process import PARENT_ENV
+
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    common = ["--model", model, "--dtype", dtype, "--device", device, "--num-threads", "1", "--port", "0"]
+    common += ["--num-kv-blocks", str(HANDOFF_BLOCKS)]
+    logs = Path(tempfile.mkdtemp(prefix="pdserve-profile-"))
+    started, ok = [], False
+
+    def spawn(role: str, *extra: str) -> ServerProcess:
+        log = os.open(logs / f"{role}-{len(started)}.log", os.O_WRONLY | os.O_CREAT, 0o600)
+        with os.fdopen(log, "w") as stderr:  # the child keeps its own descriptor
+            started.append(
+                ServerProcess(
+                    ["-m", f"{role}_node", *common, *extra], stderr=stderr, env={PARENT_ENV: str(os.getpid())}
+                )
+            )
+        return started[-1]
+
+    try:
+        prefill = spawn("prefill", "--cpus", str(cores[0]))
+        decodes = {name: spawn("decode", "--cpus", str(cores[-1]), "--kv-transport", name) for name in transports}
+        await asyncio.wait_for(asyncio.gather(*(p.ready() for p in started)), READY_TIMEOUT_S)
+        yield prefill, decodes
+        ok = True
     finally:
-        await asyncio.gather(prefill.stopped(10), *(d.stopped(10) for d in decodes.values()))
-    return {"handoff": out, "router_s": statistics.median(router_s), "streams": streams}
+        await asyncio.gather(*(p.stopped(10) for p in started))
+        if ok:
+            shutil.rmtree(logs, ignore_errors=True)
+        else:
+            _say(f"pdserve plan profile: the nodes' logs are in {logs}")
 
 
 def _vocab(model: str) -> int:
@@ -224,6 +262,20 @@ def _vocab(model: str) -> int:
     from engine.model_source import resolve_model
 
     return ModelConfig.from_dir(resolve_model(model)).vocab_size
+
+
+async def _served_steps(client, rng: random.Random, vocab: int, prompt: int, quick: bool) -> list[tuple[int, float]]:
+    """(B, median TPOT) of B streams decoding together. Their prompts share all but 16 tokens,
+    cached on the prefill node by a first request, so that they start decoding together rather
+    than a prefill apart."""
+    shared = _ids(rng, prompt - 16, vocab)
+    await _streams(client, [shared + _ids(rng, 16, vocab)], 2)
+    streams = []
+    for batch in QUICK["streams"] if quick else STREAMS:
+        done = await _streams(client, [shared + _ids(rng, 16, vocab) for _ in range(batch)], 48)
+        streams.append((batch, statistics.median(tpot for tpot, _ in done)))
+        _say(f"{batch} stream(s) of {prompt} prompt tokens through the router: TPOT {streams[-1][1] * 1e3:.1f} ms")
+    return streams
 
 
 async def _streams(client, prompts: list[list[int]], max_tokens: int) -> list[tuple[float, object]]:
@@ -240,10 +292,10 @@ async def _streams(client, prompts: list[list[int]], max_tokens: int) -> list[tu
     return await asyncio.gather(*(one(p) for p in prompts))
 
 
-def serving_overhead(streams: list[tuple[int, float]], step: StepModel) -> dict:
+def serving_overhead(streams: list[tuple[int, float]], step: StepModel, prompt: int) -> dict:
     """What serving adds to each decode step (streaming, the router's relay, the nodes' event
     loops), as fixed + per sequence: the streams' TPOT less the step line's decode step."""
-    context = STREAM_PROMPT + 24  # the streams' mean context while they decode
+    context = prompt + 24  # the streams' mean context while they decode
     extra = [(batch, max(0.0, tpot - step.seconds(Step([], [context] * batch)))) for batch, tpot in streams]
     line = _line(extra)
     return {"fixed_s": line["fixed_s"], "per_sequence_s": line["per_token_s"], "samples": extra}
@@ -283,8 +335,11 @@ def profile(model: str, dtype: str, device: str, threads: list[int], repeat: int
         "engines": {str(t): profile_steps(model, dtype, device, t, repeat, quick) for t in threads},
     }
     result |= asyncio.run(profile_serving(model, dtype, device, repeat, quick))
-    streams, one_thread = result.pop("streams"), result["engines"].get("1")  # the nodes ran one thread each
-    result["serving"] = serving_overhead(streams, StepModel(**one_thread["step"])) if one_thread else NO_OVERHEAD
+    streams, prompt = result.pop("streams"), result.pop("stream_prompt")
+    one_thread = result["engines"].get("1")  # the nodes ran one thread each
+    result["serving"] = (
+        serving_overhead(streams, StepModel(**one_thread["step"]), prompt) if one_thread else NO_OVERHEAD
+    )
     result["seconds"] = round(time.monotonic() - began, 1)
     return result
 
