@@ -43,7 +43,7 @@ from prefill_node.config import PrefillConfig
 from router.config import RouterConfig
 from serving.launcher import NotReady, ServerProcess
 from serving.options import add_options, from_args, options, to_argv
-from serving.process import PARENT_ENV, ProcessConfig
+from serving.process import PARENT_ENV, ProcessConfig, usable_cores
 
 READY_TIMEOUT_S = 600.0  # the first start converts the model
 STOP_GRACE_S = 10.0
@@ -218,10 +218,7 @@ class Spawner:
 
     def __init__(self, args, log_dir: Path):
         self.args, self.log_dir = args, log_dir
-        # The cores this process may use (--cpus pinned it to them; macOS has no affinity: all)
-        self.cores = (
-            sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
-        )
+        self.cores = usable_cores()
         self.threads = args.num_threads or max(1, len(self.cores) // (args.prefill + args.decode))
         self.slots = [
             (role, i) for role, count in (("prefill", args.prefill), ("decode", args.decode)) for i in range(count)

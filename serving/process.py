@@ -123,13 +123,16 @@ def setup_logging(level: str = "INFO") -> None:
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
+def usable_cores() -> list[int]:
+    """The cores this process may use (--cpus pinned it to them; macOS has no affinity: all)."""
+    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+
+
 def pin_cpus(spec: str | None) -> None:
     """Restricts this process (and the processes it starts) to the given cores ('0', '0,1',
     '2-3'); None leaves it free. A spec that names no core of this machine is a ValueError."""
     if not spec:
         return
-    import os
-
     cores = set()
     try:
         for part in spec.split(","):

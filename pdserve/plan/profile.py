@@ -225,9 +225,9 @@ async def _node_processes(model: str, dtype: str, device: str, transports: list[
     an owner-only temporary directory, kept (and named) when something failed."""
     from pdserve.up import READY_TIMEOUT_S
     from serving.launcher import ServerProcess
-    from serving.process import PARENT_ENV
+    from serving.process import PARENT_ENV, usable_cores
 
-    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    cores = usable_cores()
     common = ["--model", model, "--dtype", dtype, "--device", device, "--num-threads", "1", "--port", "0"]
     common += ["--num-kv-blocks", str(HANDOFF_BLOCKS)]
     logs = Path(tempfile.mkdtemp(prefix="pdserve-profile-"))
