@@ -12,6 +12,7 @@ from decode_node.server import DecodeNode
 from engine import EngineConfig
 from kvtransfer.security import SecurityConfig
 from serving.metrics import Metrics
+from serving.rates import Rates
 from serving.replica import Replica
 
 
@@ -47,6 +48,15 @@ class DecodeDeployment:
                 "pdserve_decode_tokens_per_second": ("Generated tokens per second", self._tokens_per_second),
             },
         )
+        self.rates = Rates(
+            {
+                "requests": lambda: node.num_requests,
+                "local_prefills": lambda: node.num_local_prefills,
+                "local_new_tokens": lambda: node.local_new_tokens,
+                "local_cached_tokens": lambda: node.local_cached_tokens,
+                "generated_tokens": lambda: node.llm.num_generated_tokens,
+            }
+        )
         await self.replica.start()
 
     def _kv_utilization(self) -> float:
@@ -62,7 +72,10 @@ class DecodeDeployment:
         return self.node.address
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
-        return {"running_sequences": float(self.node.num_active), "kv_utilization": self._kv_utilization()}
+        """The threshold policy's signals (running sequences, KV utilization) and the planner's:
+        requests, local prefills and their tokens, generated tokens, per second."""
+        held = {"running_sequences": float(self.node.num_active), "kv_utilization": self._kv_utilization()}
+        return held | self.rates.read()
 
     async def check_health(self) -> None:
         self.replica.check_health()

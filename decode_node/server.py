@@ -77,6 +77,9 @@ class DecodeNode(EngineServer, nodes_pb2_grpc.DecodeNodeServicer):
         self.fault_delay_transfer_s = float(os.environ.get("PDSERVE_FAULT_DELAY_TRANSFER_S", "0"))
         self.fault_delay_message_s = float(os.environ.get("PDSERVE_FAULT_DELAY_MESSAGE_S", "0"))
         self.num_active = 0  # Decode streams open: transferring or decoding
+        # Totals for the planner's autoscaling (pdserve/autoscaling.py): requests taken, and the
+        # prompts prefilled here (local prefills are prefill demand too), their computed and cached tokens
+        self.num_requests = self.num_local_prefills = self.local_new_tokens = self.local_cached_tokens = 0
 
     def num_open(self) -> int:
         return self.num_active
@@ -95,6 +98,7 @@ class DecodeNode(EngineServer, nodes_pb2_grpc.DecodeNodeServicer):
                 grpc.StatusCode.RESOURCE_EXHAUSTED, f"decode node at capacity ({self.num_active} streams open)"
             )
         self.num_active += 1
+        self.num_requests += 1
         try:
             params = await self._check(request, context)
             stream = self._prefill_here if request.prefill_locally else self._decode_imported
@@ -275,6 +279,9 @@ class DecodeNode(EngineServer, nodes_pb2_grpc.DecodeNodeServicer):
                 if first:
                     msg.prefill_start, msg.prefill_end = start, time.time()
                     msg.decode_admitted, msg.cached_tokens = start, out.num_cached_tokens
+                    self.num_local_prefills += 1
+                    self.local_new_tokens += len(request.prompt_token_ids) + len(prior) - out.num_cached_tokens
+                    self.local_cached_tokens += out.num_cached_tokens
                     first = False
                 yield msg
         except ValueError as e:  # refused at admission: names what is wrong

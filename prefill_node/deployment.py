@@ -12,6 +12,7 @@ from kvtransfer.security import SecurityConfig
 from prefill_node.config import PrefillConfig
 from prefill_node.server import PrefillNode
 from serving.metrics import Metrics
+from serving.rates import Rates
 from serving.replica import Replica
 
 
@@ -47,13 +48,24 @@ class PrefillDeployment:
             },
             counters={"pdserve_prefill_requests_total": ("Prefills answered", lambda: node.num_prefilled)},
         )
+        cache = node.llm.prefix_cache_stats
+        self.rates = Rates(
+            {
+                "prefills": lambda: node.num_prefilled,
+                "new_tokens": lambda: cache()["query_tokens"] - cache()["hit_tokens"],
+                "cached_tokens": lambda: cache()["hit_tokens"],
+            }
+        )
         await self.replica.start()
 
     async def address(self) -> str:
         return self.node.address
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
-        return {"pending_tokens": float(self.node.pending_tokens), "pending_requests": float(self.node.num_pending)}
+        """The threshold policy's signals (pending tokens and requests) and the planner's: prefills,
+        and the prompt tokens they computed and found cached, per second (pdserve/autoscaling.py)."""
+        pending = {"pending_tokens": float(self.node.pending_tokens), "pending_requests": float(self.node.num_pending)}
+        return pending | self.rates.read()
 
     async def check_health(self) -> None:
         self.replica.check_health()

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import json
+import random
 import threading
 import time
 
@@ -120,14 +122,15 @@ def test_replicas_run_at_normal_priority(deployed):
     assert nice == {"Router": 0, "Prefill": 0, "Decode": 0}, nice
 
 
-def run_load(address: str, concurrency: int, stop: threading.Event, prompt: list[int], **params) -> list:
+def run_load(address: str, concurrency: int, stop: threading.Event, prompt, **params) -> list:
+    """prompt: the token ids every request sends, or a function that makes each request's."""
     errors: list = []
 
     async def worker():
         async with AsyncClient(address, timeout=HANG_S) as client:
             while not stop.is_set():
                 try:
-                    await client.generate(prompt, **params)
+                    await client.generate(prompt() if callable(prompt) else prompt, **params)
                 except grpc.aio.AioRpcError as e:
                     errors.append(e)
                     await asyncio.sleep(0.1)
@@ -167,6 +170,43 @@ def test_each_pool_scales_on_its_own_signal(deployed):
         direct, PROMPT, dict(max_tokens=600, ignore_eos=True), lambda c: c["Decode"] == 2, "decode to scale up"
     )
     assert all(c["Prefill"] == 1 for c in seen), seen
+
+
+def test_the_planner_policy_sizes_both_pools_from_one_model(deployed, tmp_path):
+    """The application-level PlannerPolicy (pdserve/autoscaling.py) in place of the two threshold
+    policies, on a step line written for this test: decoding costs 22 ms a sequence against a
+    10 ms TPOT SLO (one replica holds ~40 tokens/s), a prompt 2 ms a token against a 10 s TTFT
+    (one replica ~0.5 of these long prompts a second). A decode-heavy load grows Decode and not
+    Prefill; a prefill-heavy one Prefill and not Decode: one model sets both from what the pools
+    report."""
+    config, direct, _ = deployed
+    step = {"fixed": 0.001, "per_token": 0.002, "per_pair": 0.0, "per_context": 0.0, "per_sequence": 0.02}
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps({"version": 2, "engines": {"1": {"step": step}}}))
+    planned = copy.deepcopy(config)
+    planned["applications"][0]["autoscaling_policy"] = {
+        "policy_function": "pdserve.autoscaling:PlannerPolicy",
+        "policy_kwargs": {"profile": str(profile), "slo_ttft_s": 10.0, "slo_tpot_s": 0.01, "max_kv_utilization": 1.0},
+    }
+    one_each = {"Router": 1, "Prefill": 1, "Decode": 1}
+    try:
+        serve_config.deploy(serve_config.validate(planned))
+        wait_running(["pdserve"], HANG_S)
+        wait_until(lambda: replica_counts() == one_each, HANG_S, "one replica a pool", last=replica_counts)
+        seen = under_load(
+            direct, PROMPT, dict(max_tokens=600, ignore_eos=True), lambda c: c["Decode"] == 2, "decode to scale up"
+        )
+        assert all(c["Prefill"] == 1 for c in seen), seen
+        wait_until(lambda: replica_counts() == one_each, HANG_S, "decode back to one", last=replica_counts)
+        # Prompts of 900 new tokens each (one prompt sent again would come from the prefix cache,
+        # which the planner counts as the cheap prefill it is)
+        rng = random.Random(0)
+        new_prompts = lambda: [rng.randrange(1, 300) for _ in range(900)]  # noqa: E731
+        seen = under_load(direct, new_prompts, dict(max_tokens=1), lambda c: c["Prefill"] == 2, "prefill to scale up")
+        assert all(c["Decode"] == 1 for c in seen), seen
+    finally:
+        serve_config.deploy(serve_config.validate(config))
+        wait_running(["pdserve"], HANG_S)
 
 
 def test_scale_down_during_streaming_loses_no_token(deployed, tiny_llama):

@@ -15,7 +15,7 @@ import random
 from engine.config import DTYPES, EngineConfig
 from pdserve.bench import length_sampler
 from pdserve.bench_stats import format_report
-from pdserve.plan import memory, profile, search
+from pdserve.plan import memory, profile, profile_file, search
 from pdserve.plan.simulator import Deployment, Workload, conversations, simulate, synthetic
 from router.placement import MODES
 from serving.options import HelpFormatter
@@ -105,10 +105,10 @@ def main(args) -> int:
         if not threads or min(threads) < 1 or args.repeat < 1:
             raise ValueError("--threads must list thread counts >= 1 and --repeat be >= 1")
         result = profile.profile(args.model, args.dtype, args.device, threads, args.repeat, args.quick)
-        profile.write(result, args.out)
+        profile_file.write(result, args.out)
         print(f"wrote {args.out}: engines of {args.threads} thread(s), hand-off over {', '.join(result['handoff'])}")
         return 0
-    prof = profile.load(args.profile)
+    prof = profile_file.load(args.profile)
     if args.plan == "simulate":
         dep = Deployment(
             "simulated",

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import platform
 import random
@@ -34,9 +33,9 @@ from pathlib import Path
 import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams
+from pdserve.plan.profile_file import VERSION
 from pdserve.plan.step_model import Step, StepModel
 
-VERSION = 2
 PREFILL_GRID = [(n, 0) for n in (16, 64, 256, 640, 1280, 2560)] + [(n, 1024) for n in (16, 64, 256, 640)]
 DECODE_GRID = [(1, 64), (1, 1024), (4, 64), (4, 640), (16, 64), (16, 640), (64, 64), (64, 640)]
 MIXED_GRID = [(4, 640, 64), (4, 640, 640), (16, 640, 256)]  # (batch, context, prefill chunk)
@@ -344,15 +343,6 @@ def profile(model: str, dtype: str, device: str, threads: list[int], repeat: int
     return result
 
 
-def write(result: dict, path: str | Path) -> None:
-    """Owner-only, replaced whole."""
-    tmp = Path(f"{path}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump(result, f, indent=1)
-    os.replace(tmp, path)
-
-
 def provenance(prof: dict, began: float) -> dict:
     """What a result computed from a profile says of how it was made (began: time.monotonic())."""
     return {
@@ -362,10 +352,3 @@ def provenance(prof: dict, began: float) -> dict:
         "profile": {k: prof[k] for k in ("model", "machine", "date")}
         | {"dtype": next(iter(prof["engines"].values()))["dtype"]},
     }
-
-
-def load(path: str | Path) -> dict:
-    data = json.loads(Path(path).read_text())
-    if data.get("version") != VERSION:
-        raise ValueError(f"{path}: a profile of version {data.get('version')!r}; this pdserve reads {VERSION}")
-    return data
