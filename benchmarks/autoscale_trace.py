@@ -8,9 +8,10 @@ model (float32 where --dtype auto picks it), one torch thread an engine, each po
 rate steps low -> burst -> low (--phases), prompts of --prompt-len tokens, --output-len tokens
 out. The thresholds are the shipped ones (deploy/serve_config.yaml); the planner's policy
 (pdserve.autoscaling:PlannerPolicy) reads the profile `pdserve plan profile` measured here
-(--profile) and the SLOs. Measured per policy: SLO attainment (requests within both SLOs /
-requests sent), TTFT and TPOT percentiles, and replica-seconds of Prefill and Decode (running or
-starting replicas, sampled each second from serve.status()).
+(--profile), the SLOs and the core budget (--cores, this machine's by default). Measured per
+policy: SLO attainment (requests within both SLOs / requests sent), TTFT and TPOT percentiles,
+and replica-seconds of Prefill and Decode (running or starting replicas, sampled each second
+from serve.status()).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import argparse
 import asyncio
 import copy
 import json
+import os
 import random
 import sys
 import threading
@@ -26,10 +28,12 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import grpc
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
-from ray_cluster import free_port, replica_counts, start_ray, stop_ray, wait_until  # noqa: E402
+from ray_cluster import default_model_config, replica_counts, start_ray, stop_ray, wait_until  # noqa: E402
 
 from pdserve import serve_config  # noqa: E402
 from pdserve.bench import length_sampler, one_request  # noqa: E402
@@ -39,21 +43,6 @@ from router.client import AsyncClient, Client  # noqa: E402
 
 POOLS = ("Prefill", "Decode")
 HELD = ("STARTING", "RUNNING", "UPDATING", "STOPPING")  # replica states that hold an engine's cores/memory
-
-
-def base_config(args) -> dict:
-    """The shipped config on this machine's ports (chosen once: Serve keeps its proxies' ports)."""
-    config = serve_config.load()
-    config["http_options"]["port"] = free_port()
-    config["grpc_options"]["port"] = free_port()
-    app = config["applications"][0]
-    app["args"]["router"]["direct_port"] = free_port()
-    for pool in ("prefill", "decode"):
-        app["args"][pool]["engine"].update(num_threads=1, kv_cache_bytes=256 << 20)
-    for dep in app["deployments"]:
-        if "autoscaling_config" in dep:
-            dep["autoscaling_config"].update(min_replicas=1, max_replicas=args.max_replicas)
-    return config
 
 
 def config_for(policy: str, base: dict, args) -> dict:
@@ -66,6 +55,7 @@ def config_for(policy: str, base: dict, args) -> dict:
                 "profile": str(Path(args.profile).resolve()),
                 "slo_ttft_s": args.slo_ttft,
                 "slo_tpot_s": args.slo_tpot,
+                "cores": args.cores,
             },
         }
     return config
@@ -84,6 +74,14 @@ def trace(args) -> list[tuple[float, list[int], int]]:
             t += rng.expovariate(rate)
         start += seconds
     return out
+
+
+def serves(address: str) -> bool:
+    try:
+        Client(address, timeout=60).generate([5, 6, 7], max_tokens=2)
+        return True
+    except grpc.RpcError:
+        return False
 
 
 def sample_replicas(stop: threading.Event, samples: list) -> None:
@@ -114,7 +112,7 @@ def run_policy(policy: str, base: dict, requests, args) -> dict:
     serve_config.deploy(serve_config.validate(config))
     wait_running(["pdserve"], 900)
     direct = f"127.0.0.1:{config['applications'][0]['args']['router']['direct_port']}"
-    wait_until(lambda: Client(direct, timeout=60).generate([5, 6, 7], max_tokens=1) is not None, 600, "the router")
+    wait_until(lambda: serves(direct), 600, "the router to discover both pools")
     wait_until(lambda: replica_counts() == {"Router": 1, "Prefill": 1, "Decode": 1}, 900, "one replica a pool")
     stop, samples = threading.Event(), []
     sampler = threading.Thread(target=sample_replicas, args=(stop, samples), daemon=True)
@@ -157,6 +155,7 @@ def main() -> int:
     ap.add_argument("--slo-ttft", type=float, default=8.0, help="seconds")
     ap.add_argument("--slo-tpot", type=float, default=0.15, help="seconds per output token")
     ap.add_argument("--max-replicas", type=int, default=2, help="per pool")
+    ap.add_argument("--cores", type=int, default=os.cpu_count(), help="the planner's budget (its `cores`)")
     ap.add_argument("--policies", default="threshold,planner")
     ap.add_argument("--timeout", type=float, default=600.0, help="a request's deadline (a guard against hangs)")
     ap.add_argument("--seed", type=int, default=0)
@@ -167,7 +166,8 @@ def main() -> int:
     tmp = Path(f"/tmp/autoscale-trace-{time.time_ns()}")
     tmp.mkdir(mode=0o700)
     start_ray(tmp)
-    results, base = [], base_config(args)
+    # the shipped config on ports chosen once (Serve keeps its proxies' ports across deploys)
+    results, base = [], default_model_config(min_replicas=1, max_replicas=args.max_replicas)
     try:
         for policy in args.policies.split(","):
             results.append(run_policy(policy, base, requests, args))
@@ -180,6 +180,8 @@ def main() -> int:
         | {"requests": len(requests)},
         "slo_ttft_s": args.slo_ttft,
         "slo_tpot_s": args.slo_tpot,
+        "max_replicas_per_pool": args.max_replicas,
+        "planner_cores": args.cores,
         "results": results,
     }
     if args.json:

@@ -26,7 +26,7 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
-from ray_cluster import free_port, replica_counts, wait_until  # noqa: E402
+from ray_cluster import default_model_config, free_port, replica_counts, wait_until  # noqa: E402
 
 from pdserve import serve_config  # noqa: E402
 from pdserve.ray_serve import wait_running  # noqa: E402
@@ -36,23 +36,16 @@ PROMPT = "Write a long story about a lighthouse keeper and a storm."
 
 
 def ray_config() -> dict:
-    config = serve_config.load()
-    config["http_options"]["port"] = free_port()
-    config["grpc_options"]["port"] = free_port()
-    app = config["applications"][0]
-    app["args"]["router"]["direct_port"] = free_port()
-    for pool in ("prefill", "decode"):
-        app["args"][pool]["engine"].update(num_threads=1, kv_cache_bytes=256 << 20)
-    for dep in app["deployments"]:
+    config = default_model_config(
+        min_replicas=1,
+        max_replicas=2,
+        upscale_delay_s=1,
+        downscale_delay_s=600,
+        metrics_interval_s=0.5,
+        look_back_period_s=2,
+    )
+    for dep in config["applications"][0]["deployments"]:
         if "autoscaling_config" in dep:
-            dep["autoscaling_config"].update(
-                min_replicas=1,
-                max_replicas=2,
-                upscale_delay_s=1,
-                downscale_delay_s=600,
-                metrics_interval_s=0.5,
-                look_back_period_s=2,
-            )
             dep["autoscaling_config"]["policy"]["policy_kwargs"] = (
                 {"target_pending_requests": 2} if dep["name"] == "Prefill" else {"target_running_sequences": 4}
             )

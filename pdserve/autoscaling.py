@@ -124,6 +124,7 @@ def size_pools(
     slo_tpot_s: float,
     max_replicas: int = 64,
     max_kv_utilization: float = 0.8,
+    max_engines: int | None = None,
 ) -> Sizing:
     """The fewest prefill and decode replicas whose modelled TTFT and TPOT meet the SLOs.
 
@@ -135,7 +136,10 @@ def size_pools(
     Decode: a replica decoding b sequences of the mean context steps a + c b seconds (the step
     line plus what serving adds), and Little's law holds b = generated tokens/s x TPOT / D; the
     share of its time the local prefills take stretches the step. TPOT = a / (1 - u - c G / D):
-    the smallest D at which it meets the SLO and the KV held is under max_kv_utilization."""
+    the smallest D at which it meets the SLO and the KV held is under max_kv_utilization.
+    max_engines (the cores a budget has, over threads an engine): P + D never more; a pool that
+    needs any keeps at least one, and the rest is shared in proportion to need (an engine beyond
+    the cores adds contention, not capacity)."""
     # An idle pool asks for none (Serve's min_replicas decide); a request answered by its prefill
     # alone (one output token) never reaches the decode pool; means are over Serve's look-back window.
     t = busy = rho = 0.0
@@ -163,6 +167,9 @@ def size_pools(
                 decode, tpot = d, a / slack
                 break
     decode = min(max_replicas, max(decode, math.ceil(demand.kv_utilization / max_kv_utilization)))
+    if max_engines is not None and prefill + decode > max_engines:
+        share = max(min(1, prefill), math.floor(max_engines * prefill / (prefill + decode)))
+        prefill, decode = share, max(min(1, decode), max_engines - share)
     return Sizing(prefill, decode, t, busy, rho, tpot)
 
 
@@ -177,6 +184,7 @@ class PlannerPolicy:
         slo_tpot_s: float,
         threads: int = 1,
         max_kv_utilization: float = 0.8,
+        cores: int | None = None,
         prefill: str = "Prefill",
         decode: str = "Decode",
     ):
@@ -191,6 +199,7 @@ class PlannerPolicy:
         self.serving = prof.get("serving", {})
         self.slo_ttft_s, self.slo_tpot_s, self.max_kv_utilization = slo_ttft_s, slo_tpot_s, max_kv_utilization
         self.names = (prefill, decode)
+        self.max_engines = None if cores is None else max(2, cores // threads)
         self.last = (-1, -1)
 
     def __call__(self, contexts: dict) -> tuple[dict, dict]:
@@ -202,7 +211,14 @@ class PlannerPolicy:
         demand = Demand.observed(p_ctx, d_ctx)
         most = max(p_ctx.capacity_adjusted_max_replicas, d_ctx.capacity_adjusted_max_replicas)
         sizing = size_pools(
-            demand, self.step, self.serving, self.slo_ttft_s, self.slo_tpot_s, most, self.max_kv_utilization
+            demand,
+            self.step,
+            self.serving,
+            self.slo_ttft_s,
+            self.slo_tpot_s,
+            most,
+            self.max_kv_utilization,
+            self.max_engines,
         )
         why = {"demand": asdict(demand), "sizing": asdict(sizing)}
         if (sizing.prefill, sizing.decode) != self.last:  # in the Serve controller's log

@@ -52,6 +52,22 @@ def tiny_config(model, **autoscaling) -> dict:
     return config
 
 
+def default_model_config(**autoscaling) -> dict:
+    """deploy/serve_config.yaml on the default model, free ports, one-thread engines of 256 MiB of
+    KV, each deployment's autoscaling_config updated with `autoscaling` (the benchmarks' setup)."""
+    config = serve_config.load()
+    config["http_options"]["port"] = free_port()
+    config["grpc_options"]["port"] = free_port()
+    app = config["applications"][0]
+    app["args"]["router"]["direct_port"] = free_port()
+    for pool in ("prefill", "decode"):
+        app["args"][pool]["engine"].update(num_threads=1, kv_cache_bytes=256 << 20)
+    for dep in app["deployments"]:
+        if "autoscaling_config" in dep:
+            dep["autoscaling_config"].update(autoscaling)
+    return config
+
+
 def start_ray(tmp_path, attempts: int = 3) -> None:
     """Start a private local cluster. On a loaded machine a raylet can miss Ray's fixed 30 s
     registration window ("The current node timed out during startup"); then the processes that

@@ -76,6 +76,17 @@ def test_decode_is_the_fewest_replicas_that_meet_tpot_and_hold_the_kv(rate, prom
         assert fewer.decode == s.decode - 1 and fewer.decode_tpot_s > SLO_TPOT
 
 
+@settings(max_examples=300, deadline=None)
+@given(rates, st.integers(16, 2000), st.integers(1, 400), shares, st.floats(0.0, 3.0), st.integers(2, 16))
+def test_a_core_budget_caps_both_pools_together(rate, prompt, output, local, kv, engines):
+    d = demand(rate, prompt, output, local=local, kv=kv)
+    free, capped = size(d), size(d, max_engines=engines)
+    assert capped.prefill + capped.decode <= max(engines, free.prefill + free.decode)
+    assert capped.prefill + capped.decode <= engines or (capped.prefill, capped.decode) == (free.prefill, free.decode)
+    assert min(1, free.prefill) <= capped.prefill <= free.prefill  # a pool in need keeps a replica
+    assert min(1, free.decode) <= capped.decode <= free.decode
+
+
 def test_idle_pools_go_to_their_minimum_but_keep_the_kv_they_hold():
     s = size(Demand(0, 0, 0, 0, 0, 0, kv_utilization=1.7))
     assert (s.prefill, s.decode) == (0, 3)
