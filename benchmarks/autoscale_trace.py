@@ -4,14 +4,14 @@
 
 A private local Ray cluster (this machine's cores); deploy/serve_config.yaml with the default
 model (float32 where --dtype auto picks it), one torch thread an engine, each pool between 1 and
---max-replicas replicas. The same trace runs once per policy, in one window: Poisson arrivals whose
-rate steps low -> burst -> low (--phases), prompts of --prompt-len tokens, --output-len tokens
-out. The thresholds are the shipped ones (deploy/serve_config.yaml); the planner's policy
-(pdserve.autoscaling:PlannerPolicy) reads the profile `pdserve plan profile` measured here
-(--profile), the SLOs and the core budget (--cores, this machine's by default). Measured per
-policy: SLO attainment (requests within both SLOs / requests sent), TTFT and TPOT percentiles,
-and replica-seconds of Prefill and Decode (running or starting replicas, sampled each second
-from serve.status()).
+--max-replicas replicas. The same trace runs once per policy, in one window, each on a fresh
+deployment: Poisson arrivals whose rate steps low -> burst -> low (--phases), prompts of
+--prompt-len tokens, --output-len tokens out. The thresholds are the shipped ones
+(deploy/serve_config.yaml); the planner's policy (pdserve.autoscaling:PlannerPolicy) reads the
+profile `pdserve plan profile` measured here (--profile), the SLOs and the core budget (--cores,
+this machine's by default). Measured per policy: SLO attainment (requests within both SLOs /
+requests sent), TTFT and TPOT percentiles, and replica-seconds of Prefill and Decode (running or
+starting replicas, sampled each second from serve.status()).
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def config_for(policy: str, base: dict, args) -> dict:
                 "profile": str(Path(args.profile).resolve()),
                 "slo_ttft_s": args.slo_ttft,
                 "slo_tpot_s": args.slo_tpot,
-                "cores": args.cores,
+                "cores": args.cores or None,
             },
         }
     return config
@@ -108,6 +108,12 @@ async def send(address: str, requests, timeout: float):
 
 
 def run_policy(policy: str, base: dict, requests, args) -> dict:
+    """On a fresh deployment: the trace's prompts are the same for every policy, and replicas
+    kept from the previous run would hold them in their prefix caches."""
+    from ray import serve
+
+    if "pdserve" in serve.status().applications:
+        serve.delete("pdserve")
     config = config_for(policy, base, args)
     serve_config.deploy(serve_config.validate(config))
     wait_running(["pdserve"], 900)
@@ -155,7 +161,7 @@ def main() -> int:
     ap.add_argument("--slo-ttft", type=float, default=8.0, help="seconds")
     ap.add_argument("--slo-tpot", type=float, default=0.15, help="seconds per output token")
     ap.add_argument("--max-replicas", type=int, default=2, help="per pool")
-    ap.add_argument("--cores", type=int, default=os.cpu_count(), help="the planner's budget (its `cores`)")
+    ap.add_argument("--cores", type=int, default=os.cpu_count(), help="the planner's budget (its `cores`; 0: none)")
     ap.add_argument("--policies", default="threshold,planner")
     ap.add_argument("--timeout", type=float, default=600.0, help="a request's deadline (a guard against hangs)")
     ap.add_argument("--seed", type=int, default=0)
