@@ -37,7 +37,10 @@ from disagg_vs_colocated import wait_line  # noqa: E402
 
 from engine import EngineConfig  # noqa: E402
 from pdserve.plan import profile as profiles  # noqa: E402
-from pdserve.plan import search  # noqa: E402
+from pdserve.plan import (
+    profile_file,  # noqa: E402
+    search,  # noqa: E402
+)
 from pdserve.plan.simulator import Deployment, Item, Workload, simulate  # noqa: E402
 from serving.launcher import ServerProcess  # noqa: E402
 
@@ -122,10 +125,10 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     began = time.monotonic()
     if args.profile:
-        prof = profiles.load(args.profile)
+        prof = profile_file.load(args.profile)
     else:
         prof = profiles.profile(EngineConfig.model, EngineConfig.dtype, "cpu", [1, 2], 3, quick=False)
-        profiles.write(prof, args.out / "plan_profile.json")
+        profile_file.write(prof, args.out / "plan_profile.json")
     rows = []
     with tempfile.TemporaryDirectory(prefix="pdserve-plan-") as tmp:
         for wname in args.only.split(","):

@@ -27,6 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pdserve.plan import profile as profiles  # noqa: E402
+from pdserve.plan import profile_file  # noqa: E402
 from pdserve.plan.simulator import Deployment, simulate, synthetic  # noqa: E402
 from pdserve.plan.step_model import Step, StepModel  # noqa: E402
 
@@ -84,7 +85,7 @@ def main() -> int:
     ap.add_argument("--transport", default="shm")
     ap.add_argument("--json", type=Path, default=Path("docs/bench/plan_scale.json"))
     args = ap.parse_args()
-    prof = profiles.load(args.profile)
+    prof = profile_file.load(args.profile)
     threads = sorted(int(t) for t in prof["engines"])
     one = StepModel(**prof["engines"]["1"]["step"])
     prefill_s, step_s = one.seconds(Step([(610, 0)], [])), one.seconds(Step([], [610]))

@@ -73,8 +73,14 @@ class DecodeDeployment:
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """The threshold policy's signals (running sequences, KV utilization) and the planner's:
-        requests, local prefills and their tokens, generated tokens, per second."""
-        held = {"running_sequences": float(self.node.num_active), "kv_utilization": self._kv_utilization()}
+        KV tokens held; requests, local prefills and their tokens, generated tokens, per second."""
+        load = self.node.llm.load()
+        used = load["num_total_blocks"] - load["num_free_blocks"]
+        held = {
+            "running_sequences": float(self.node.num_active),
+            "kv_utilization": used / load["num_total_blocks"],
+            "kv_tokens": float(used * load["block_size"]),
+        }
         return held | self.rates.read()
 
     async def check_health(self) -> None:

@@ -77,7 +77,7 @@ class DecodeNode(EngineServer, nodes_pb2_grpc.DecodeNodeServicer):
         self.fault_delay_transfer_s = float(os.environ.get("PDSERVE_FAULT_DELAY_TRANSFER_S", "0"))
         self.fault_delay_message_s = float(os.environ.get("PDSERVE_FAULT_DELAY_MESSAGE_S", "0"))
         self.num_active = 0  # Decode streams open: transferring or decoding
-        # Totals for the planner's autoscaling (pdserve/autoscaling.py): requests taken, and the
+        # Totals for the planner's autoscaling (pdserve/autoscaling.py): requests streaming, and the
         # prompts prefilled here (local prefills are prefill demand too), their computed and cached tokens
         self.num_requests = self.num_local_prefills = self.local_new_tokens = self.local_cached_tokens = 0
 
@@ -98,11 +98,13 @@ class DecodeNode(EngineServer, nodes_pb2_grpc.DecodeNodeServicer):
                 grpc.StatusCode.RESOURCE_EXHAUSTED, f"decode node at capacity ({self.num_active} streams open)"
             )
         self.num_active += 1
-        self.num_requests += 1
         try:
             params = await self._check(request, context)
             stream = self._prefill_here if request.prefill_locally else self._decode_imported
+            started = False
             async for msg in stream(request, params, context):
+                if not started:  # counted once it streams: not when refused, nor twice when retried
+                    self.num_requests, started = self.num_requests + 1, True
                 if self.fault_delay_message_s:
                     await asyncio.sleep(self.fault_delay_message_s)
                 yield msg

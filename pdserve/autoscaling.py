@@ -82,14 +82,19 @@ MIN_PREFILL_UTILIZATION = 0.25
 
 @dataclass
 class Demand:
-    """What the pools observed, per second, summed over their replicas."""
+    """What the pools observed, per second (running_sequences and kv_* as held), summed over their
+    replicas. Prompts prefilled on prefill nodes are remote; on decode nodes, local."""
 
-    requests: float  # requests the decode pool took
-    prefills: float  # prompts prefilled: on prefill nodes and locally on decode nodes
+    requests: float  # streams the decode pool started
+    remote_prefills: float
+    remote_new_tokens: float  # prompt tokens those prefills computed
+    remote_cached_tokens: float  # and found in the prefix cache
     local_prefills: float
-    new_tokens: float  # prompt tokens those prefills computed
-    cached_tokens: float  # and found in the prefix cache
+    local_new_tokens: float
+    local_cached_tokens: float
     generated_tokens: float
+    running_sequences: float
+    kv_tokens: float  # tokens whose KV the decode replicas hold
     kv_utilization: float  # decode replicas' used KV share, summed
 
     @classmethod
@@ -97,11 +102,15 @@ class Demand:
         p, d = (lambda m: _total(prefill_ctx, m)), (lambda m: _total(decode_ctx, m))
         return cls(
             requests=d("requests"),
-            prefills=p("prefills") + d("local_prefills"),
+            remote_prefills=p("prefills"),
+            remote_new_tokens=p("new_tokens"),
+            remote_cached_tokens=p("cached_tokens"),
             local_prefills=d("local_prefills"),
-            new_tokens=p("new_tokens") + d("local_new_tokens"),
-            cached_tokens=p("cached_tokens") + d("local_cached_tokens"),
+            local_new_tokens=d("local_new_tokens"),
+            local_cached_tokens=d("local_cached_tokens"),
             generated_tokens=d("generated_tokens"),
+            running_sequences=d("running_sequences"),
+            kv_tokens=d("kv_tokens"),
             kv_utilization=d("kv_utilization"),
         )
 
@@ -110,10 +119,17 @@ class Demand:
 class Sizing:
     prefill: int
     decode: int
-    prefill_seconds: float  # one prompt's prefill on the step line
+    prefill_seconds: float  # the mean prompt's prefill on the step line (remote and local)
     prefill_busy: float  # replica-seconds of prefill per second (local prefills included)
     prefill_utilization: float  # the most each prefill replica may be busy and meet the TTFT SLO
     decode_tpot_s: float  # the step line's TPOT at `decode` replicas
+
+
+def _prefill_seconds(step: StepModel, prefills: float, new: float, cached: float) -> float:
+    """One mean prompt of these prefills on the step line (0 without any)."""
+    if prefills <= 0:
+        return 0.0
+    return step.seconds(Step([(max(1, round(new / prefills)), round(cached / prefills))], []))
 
 
 def size_pools(
@@ -124,42 +140,49 @@ def size_pools(
     slo_tpot_s: float,
     max_replicas: int = 64,
     max_kv_utilization: float = 0.8,
-    max_engines: int | None = None,
 ) -> Sizing:
     """The fewest prefill and decode replicas whose modelled TTFT and TPOT meet the SLOs.
 
-    Prefill: the mean prompt's time t on the step line; the pool is busy prefills/s x t
-    replica-seconds a second, local prefills included (they are prefill demand the prefill pool
-    should take); each replica may be busy up to the utilization at which an M/D/1 queue's TTFT,
-    t + rho t / (2 (1 - rho)), meets the SLO (at most 0.9; a prompt too long for the SLO at any
-    size: MIN_PREFILL_UTILIZATION, queueing a sixth of its own time).
-    Decode: a replica decoding b sequences of the mean context steps a + c b seconds (the step
-    line plus what serving adds), and Little's law holds b = generated tokens/s x TPOT / D; the
-    share of its time the local prefills take stretches the step. TPOT = a / (1 - u - c G / D):
-    the smallest D at which it meets the SLO and the KV held is under max_kv_utilization.
-    max_engines (the cores a budget has, over threads an engine): P + D never more; a pool that
-    needs any keeps at least one, and the rest is shared in proportion to need (an engine beyond
-    the cores adds contention, not capacity)."""
-    # An idle pool asks for none (Serve's min_replicas decide); a request answered by its prefill
-    # alone (one output token) never reaches the decode pool; means are over Serve's look-back window.
-    t = busy = rho = 0.0
-    prefill, prompt = 0, 0.0
-    if demand.prefills > 0:
-        new, cached = demand.new_tokens / demand.prefills, demand.cached_tokens / demand.prefills
-        prompt = new + cached
-        t = step.seconds(Step([(max(1, round(new)), round(cached))], []))
-        busy = demand.prefills * t
+    Prefill: remote and local prompts each priced on the step line (a local prefill is often a
+    short suffix on a cached history); the pool is busy their sum, replica-seconds a second, local
+    prefills included (prefill demand the prefill pool should take); each replica may be busy up
+    to the utilization at which an M/D/1 queue's TTFT, t + rho t / (2 (1 - rho)), meets the SLO (at
+    most 0.9; a prompt too long for the SLO at any size: MIN_PREFILL_UTILIZATION).
+    Decode: a replica decoding b sequences of the mean context (KV tokens held / sequences) steps
+    a + c b seconds (the step line plus what serving adds); Little's law holds b = generated
+    tokens/s x TPOT / D; the share of its time the local prefills take stretches the step:
+    TPOT = a / (1 - u - c G / D), the smallest D at which it meets the SLO and the KV held is
+    under max_kv_utilization. An idle pool asks for none (Serve's min_replicas decide); a request
+    answered by its prefill alone (one output token) never reaches the decode pool."""
+    t_remote = _prefill_seconds(step, demand.remote_prefills, demand.remote_new_tokens, demand.remote_cached_tokens)
+    t_local = _prefill_seconds(step, demand.local_prefills, demand.local_new_tokens, demand.local_cached_tokens)
+    prefills = demand.remote_prefills + demand.local_prefills
+    busy = demand.remote_prefills * t_remote + demand.local_prefills * t_local
+    t = busy / prefills if prefills > 0 else 0.0
+    prefill, rho = 0, 0.0
+    if prefills > 0:
         rho = MIN_PREFILL_UTILIZATION
         if t < slo_ttft_s:
             rho = min(0.9, max(rho, 2 * (slo_ttft_s - t) / (2 * slo_ttft_s - t)))
         prefill = min(max_replicas, math.ceil(busy / rho))
 
     decode, tpot = 0, 0.0
-    if demand.generated_tokens > 0 or demand.local_prefills > 0:  # long streams: no new request in a window
-        context = prompt + (demand.generated_tokens / demand.requests / 2 if demand.requests > 0 else 0.0)
+    if demand.generated_tokens > 0 or demand.local_prefills > 0:
+        prompt = (
+            (
+                demand.remote_new_tokens
+                + demand.remote_cached_tokens
+                + demand.local_new_tokens
+                + demand.local_cached_tokens
+            )
+            / prefills
+            if prefills > 0
+            else 0.0
+        )
+        context = demand.kv_tokens / demand.running_sequences if demand.running_sequences > 0 else prompt
         a = step.fixed + serving.get("fixed_s", 0.0)
         c = step.per_token + step.per_sequence + serving.get("per_sequence_s", 0.0) + step.per_context * context / 1e3
-        local_busy = demand.local_prefills * t
+        local_busy = demand.local_prefills * t_local
         decode, tpot = max_replicas, math.inf
         for d in range(1, max_replicas + 1):
             slack = 1 - local_busy / d - c * demand.generated_tokens / d
@@ -167,15 +190,31 @@ def size_pools(
                 decode, tpot = d, a / slack
                 break
     decode = min(max_replicas, max(decode, math.ceil(demand.kv_utilization / max_kv_utilization)))
-    if max_engines is not None and prefill + decode > max_engines:
-        share = max(min(1, prefill), math.floor(max_engines * prefill / (prefill + decode)))
-        prefill, decode = share, max(min(1, decode), max_engines - share)
     return Sizing(prefill, decode, t, busy, rho, tpot)
 
 
+def fit_budget(
+    prefill: int, decode: int, prefill_bounds: tuple[int, int], decode_bounds: tuple[int, int], max_engines: int | None
+) -> tuple[int, int]:
+    """Each pool within its (min, max) replicas; with a budget of max_engines engines, what is
+    above the two minimums is shared in proportion to what each pool asks above its minimum (an
+    engine beyond the cores adds contention, not capacity)."""
+    p, d = (min(hi, max(lo, n)) for n, (lo, hi) in ((prefill, prefill_bounds), (decode, decode_bounds)))
+    if max_engines is None or p + d <= max_engines:
+        return p, d
+    lo_p, lo_d = prefill_bounds[0], decode_bounds[0]
+    if lo_p + lo_d >= max_engines:
+        return lo_p, lo_d
+    spare, want_p, want_d = max_engines - lo_p - lo_d, p - lo_p, d - lo_d
+    extra_p = math.floor(spare * want_p / (want_p + want_d))
+    return lo_p + extra_p, lo_d + min(want_d, spare - extra_p)
+
+
 class PlannerPolicy:
-    """Application-level: sets Prefill and Decode together (size_pools) from the pools' observed
-    demand and the profile's step line for engines of `threads` threads."""
+    """Application-level: sets Prefill and Decode together (size_pools, then fit_budget) from the
+    pools' observed demand and the profile's step line for engines of `threads` threads. `cores`:
+    the budget (Prefill + Decode engines x threads); Serve's upscale and downscale delays still
+    apply per pool, so a pool shrinking and the other growing can overlap for a while."""
 
     def __init__(
         self,
@@ -190,6 +229,8 @@ class PlannerPolicy:
     ):
         if slo_ttft_s <= 0 or slo_tpot_s <= 0 or not 0 < max_kv_utilization <= 1:
             raise ValueError("PlannerPolicy: slo_ttft_s and slo_tpot_s must be > 0, max_kv_utilization in (0, 1]")
+        if threads < 1 or (cores is not None and cores < threads):
+            raise ValueError(f"PlannerPolicy: threads must be >= 1 and cores >= threads, got {threads}, {cores}")
         prof = profile_file.load(profile)
         if str(threads) not in prof["engines"]:
             raise ValueError(
@@ -199,10 +240,21 @@ class PlannerPolicy:
         self.serving = prof.get("serving", {})
         self.slo_ttft_s, self.slo_tpot_s, self.max_kv_utilization = slo_ttft_s, slo_tpot_s, max_kv_utilization
         self.names = (prefill, decode)
-        self.max_engines = None if cores is None else max(2, cores // threads)
-        self.last = (-1, -1)
+        self.max_engines = None if cores is None else cores // threads
+        self.last: tuple | str = ()
 
     def __call__(self, contexts: dict) -> tuple[dict, dict]:
+        """Never raises: an error inside Serve's control loop would stall every application's
+        updates; it is logged (once while it repeats) and the targets stay as they are."""
+        try:
+            return self._decide(contexts)
+        except Exception as e:
+            if self.last != repr(e):
+                self.last = repr(e)
+                log.exception("PlannerPolicy: targets left as they are")
+            return {}, {}
+
+    def _decide(self, contexts: dict) -> tuple[dict, dict]:
         by_name = {ctx.deployment_name: (dep_id, ctx) for dep_id, ctx in contexts.items()}
         missing = [n for n in self.names if n not in by_name]
         if missing:
@@ -211,17 +263,12 @@ class PlannerPolicy:
         demand = Demand.observed(p_ctx, d_ctx)
         most = max(p_ctx.capacity_adjusted_max_replicas, d_ctx.capacity_adjusted_max_replicas)
         sizing = size_pools(
-            demand,
-            self.step,
-            self.serving,
-            self.slo_ttft_s,
-            self.slo_tpot_s,
-            most,
-            self.max_kv_utilization,
-            self.max_engines,
+            demand, self.step, self.serving, self.slo_ttft_s, self.slo_tpot_s, most, self.max_kv_utilization
         )
-        why = {"demand": asdict(demand), "sizing": asdict(sizing)}
-        if (sizing.prefill, sizing.decode) != self.last:  # in the Serve controller's log
-            self.last = (sizing.prefill, sizing.decode)
-            log.info("PlannerPolicy: Prefill %d, Decode %d replicas for %s", *self.last, json.dumps(why))
-        return {p_id: sizing.prefill, d_id: sizing.decode}, {p_id: why, d_id: why}
+        bounds = [(c.capacity_adjusted_min_replicas, c.capacity_adjusted_max_replicas) for c in (p_ctx, d_ctx)]
+        targets = fit_budget(sizing.prefill, sizing.decode, *bounds, self.max_engines)
+        why = {"demand": asdict(demand), "sizing": asdict(sizing), "targets": targets}
+        if targets != self.last:  # in the Serve controller's log
+            self.last = targets
+            log.info("PlannerPolicy: Prefill %d, Decode %d replicas for %s", *targets, json.dumps(why))
+        return {p_id: targets[0], d_id: targets[1]}, {p_id: why, d_id: why}

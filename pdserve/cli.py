@@ -135,7 +135,7 @@ def cmd_serve(args) -> int:
 
 
 def cmd_plan(args) -> int:
-    from pdserve import plan
+    from pdserve.plan import cli as plan
 
     return plan.main(args)
 
@@ -203,7 +203,7 @@ def parser() -> argparse.ArgumentParser:
         "`plan profile` (measure this machine), `plan simulate` (predict a deployment), `plan best` "
         "(the deployment for a workload, SLOs and cores)",
     )
-    from pdserve.plan import add_args as add_plan_args
+    from pdserve.plan.cli import add_args as add_plan_args
 
     add_plan_args(p)
     p.set_defaults(func=cmd_plan)

@@ -15,6 +15,7 @@ from pydantic import BaseModel
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "deploy" / "serve_config.yaml"
 PDSERVE_BUILDER = "pdserve.ray_app:build_app"
+PLANNER_POLICY = "pdserve.autoscaling:PlannerPolicy"
 
 
 def _models_in(annotation) -> list[type[BaseModel]]:
@@ -66,9 +67,24 @@ def validate(config: dict):
         if app.import_path == PDSERVE_BUILDER:
             try:
                 parse_args(app.args)
+                _check_planner_policy(app.autoscaling_policy or {})
             except ValueError as e:
                 raise ValueError(f"application {app.name!r}: {e}") from None
     return schema
+
+
+def _check_planner_policy(policy: dict) -> None:
+    """The planner's policy built here first: Serve's controller builds it where a bad argument or
+    a missing profile would leave the application on its deployments' policies, unsaid. (The
+    profile's path must also exist on the Ray head, where the controller runs.)"""
+    if policy.get("policy_function") != PLANNER_POLICY:
+        return
+    from pdserve.autoscaling import PlannerPolicy
+
+    try:
+        PlannerPolicy(**policy.get("policy_kwargs", {}))
+    except (OSError, TypeError, KeyError) as e:
+        raise ValueError(f"autoscaling_policy {PLANNER_POLICY}: {e}") from None
 
 
 # Serve's controller gives a starting proxy 5 s to say it is ready, three times, then kills it and

@@ -48,12 +48,13 @@ class PrefillDeployment:
             },
             counters={"pdserve_prefill_requests_total": ("Prefills answered", lambda: node.num_prefilled)},
         )
-        cache = node.llm.prefix_cache_stats
+        cache = node.llm.block_manager  # totals read unlocked: a reading torn between the engine's
+        # two updates (query, then hit tokens) is made up by the next one
         self.rates = Rates(
             {
                 "prefills": lambda: node.num_prefilled,
-                "new_tokens": lambda: cache()["query_tokens"] - cache()["hit_tokens"],
-                "cached_tokens": lambda: cache()["hit_tokens"],
+                "cached_tokens": lambda: cache.num_hit_tokens,
+                "new_tokens": lambda: cache.num_query_tokens - cache.num_hit_tokens,
             }
         )
         await self.replica.start()

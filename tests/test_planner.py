@@ -18,7 +18,7 @@ import router.placement
 import router.pool
 from pdserve.cli import parser
 from pdserve.plan import profile as profiles
-from pdserve.plan import search
+from pdserve.plan import profile_file, search
 from pdserve.plan.simulator import Deployment, Item, Workload, simulate, synthetic
 from pdserve.plan.step_model import Step, StepModel
 
@@ -30,7 +30,7 @@ def hand_profile(**step) -> dict:
     line = {"fixed": FIXED, "per_token": PER_TOKEN, "per_pair": 0.0, "per_context": 0.0, "per_sequence": 0.0} | step
     engine = {"block_size": 16, "max_num_batched_tokens": 4096, "num_kv_blocks": 10_000, "step": line}
     return {
-        "version": profiles.VERSION,
+        "version": profile_file.VERSION,
         "router_s": ROUTER_S,
         "engines": {"1": engine, "2": engine | {"step": {**line, "per_token": PER_TOKEN / 2}}},
         "handoff": {"shm": {"fixed_s": HANDOFF, "per_token_s": 0.0}},
@@ -138,7 +138,7 @@ def test_profile_simulate_and_best_end_to_end(tiny_llama, tmp_path):
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert stat.S_IMODE(os.stat(out).st_mode) == 0o600
-    prof = profiles.load(out)
+    prof = profile_file.load(out)
     assert {"shm", "tcp", "grpc"} <= set(prof["handoff"])
     assert prof["serving"]["fixed_s"] >= 0 and len(prof["serving"]["samples"]) == 2  # 1 and 2 streams
     engine = prof["engines"]["1"]
@@ -169,7 +169,7 @@ def test_profile_simulate_and_best_end_to_end(tiny_llama, tmp_path):
 )
 def test_bad_input_is_one_line_naming_it(tmp_path, args, says):
     path = tmp_path / "p.json"
-    profiles.write(hand_profile(), path)
+    profile_file.write(hand_profile(), path)
     if "--profile" not in args and args[0] != "profile":
         args = [*args, "--profile", str(path)]
     done = subprocess.run(

@@ -4,11 +4,14 @@ cannot work (no Ray cluster needed)."""
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 
 from pdserve import serve_config
 from pdserve.ray_app import parse_args
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture
@@ -107,3 +110,20 @@ def test_speculative_decoding_is_an_engine_setting(config):
 def test_builder_fills_in_the_model(config):
     a = parse_args(config["applications"][0]["args"])
     assert a.prefill.engine.model == a.decode.engine.model == "smollm2-135m"
+
+
+def test_the_planner_policy_is_checked_before_deploying(config, tmp_path):
+    """An application-level PlannerPolicy is built by the check: a missing profile or a bad
+    argument is named here, not left for Serve's controller to swallow."""
+    app = config["applications"][0]
+    app["autoscaling_policy"] = {
+        "policy_function": "pdserve.autoscaling:PlannerPolicy",
+        "policy_kwargs": {"profile": str(tmp_path / "missing.json"), "slo_ttft_s": 8.0, "slo_tpot_s": 0.15},
+    }
+    with pytest.raises(ValueError, match="missing.json"):
+        serve_config.validate(config)
+    app["autoscaling_policy"]["policy_kwargs"]["profile"] = str(ROOT / "docs/bench/plan_profile.json")
+    serve_config.validate(config)
+    app["autoscaling_policy"]["policy_kwargs"]["slo_tpot"] = 0.1
+    with pytest.raises(ValueError, match="slo_tpot"):
+        serve_config.validate(config)

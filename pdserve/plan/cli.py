@@ -1,0 +1,150 @@
+"""`pdserve plan`, the command: size a deployment before running it.
+
+pdserve plan memory    weights, KV per token, tokens a node holds (memory.py)
+pdserve plan profile   measure this hardware and model (profile.py)
+pdserve plan simulate  predict one deployment on a workload (simulator.py)
+pdserve plan best      the best deployment for a workload, SLOs and a core budget (search.py)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+
+from engine.config import DTYPES, EngineConfig
+from pdserve.bench import length_sampler
+from pdserve.bench_stats import format_report
+from pdserve.plan import memory, profile, profile_file, search
+from pdserve.plan.simulator import Deployment, Workload, conversations, simulate, synthetic
+from router.placement import MODES
+from serving.options import HelpFormatter
+
+PERCENTILES = ("p50", "p95", "p99")
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="plan", required=True)
+    memory.add_args(sub)
+
+    m = sub.add_parser(
+        "profile",
+        help="measure step times and KV hand-off on this machine",
+        description=profile.__doc__.split("\n\n", 2)[2].replace("\n", " "),
+        formatter_class=HelpFormatter,
+    )
+    m.add_argument("--model", default=EngineConfig.model, help="as the engine's --model")
+    m.add_argument("--dtype", default=EngineConfig.dtype, choices=DTYPES, help="as the engine's --dtype")
+    m.add_argument("--device", default=EngineConfig.device, help="as the engine's --device")
+    m.add_argument("--threads", default="1,2", help="comma-separated torch thread counts, one engine profile each")
+    m.add_argument("--repeat", type=int, default=3, help="runs per measured size (median)")
+    m.add_argument("--quick", action="store_true", help="a small grid (tests)")
+    m.add_argument("--out", required=True, help="the profile file to write (JSON)")
+
+    s = sub.add_parser(
+        "simulate", help="predict one deployment's TTFT, TPOT and goodput on a workload", formatter_class=HelpFormatter
+    )
+    _workload_args(s)
+    s.add_argument("--colocated", type=int, default=0, help="colocated engines (else --prefill and --decode)")
+    s.add_argument("--prefill", type=int, default=1, help="prefill nodes")
+    s.add_argument("--decode", type=int, default=1, help="decode nodes")
+    s.add_argument("--threads", type=int, default=1, help="torch threads per engine (a thread count profiled)")
+    s.add_argument("--local-prefill", default="auto", choices=MODES, help="the router's placement mode")
+    s.add_argument("--max-local-prefill-tokens", type=int, default=search.Deployment.max_local_tokens)
+    s.add_argument("--transport", default="shm", help="the hand-off measured for this transport")
+
+    b = sub.add_parser(
+        "best",
+        help="the best deployment for a workload, SLOs and a core budget, and the runner-up",
+        description=search.__doc__.split("\n\n", 1)[1].replace("\n", " "),
+        formatter_class=HelpFormatter,
+    )
+    _workload_args(b)
+    b.add_argument("--cores", type=int, required=True, help="cores to spend (each engine: its threads' worth)")
+    b.add_argument("--percentile", default="p95", choices=PERCENTILES, help="where the SLOs apply")
+    b.add_argument("--transport", default="shm", help="the KV hand-off between nodes (a profiled one)")
+    b.add_argument("--top", type=int, default=2, help="deployments shown")
+
+
+def _workload_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--profile", required=True, help="a file written by `pdserve plan profile`")
+    p.add_argument("--num-requests", type=int, default=32, help="requests (or conversations, with --turns)")
+    p.add_argument("--prompt-len", default="uniform:590:630", help="N, uniform:A:B or normal:MEAN:STD tokens")
+    p.add_argument("--output-len", default="64", help="N, uniform:A:B or normal:MEAN:STD tokens")
+    p.add_argument("--turns", type=int, default=0, help="multi-turn chat: turns per conversation (0: single prompts)")
+    p.add_argument("--system-len", type=int, default=0, help="multi-turn: a system prompt every conversation shares")
+    p.add_argument("--concurrency", type=int, default=8, help="closed loop: requests in flight")
+    p.add_argument("--rate", type=float, default=None, help="open loop: requests/s (Poisson), instead")
+    p.add_argument("--slo-ttft", type=float, default=None, help="seconds")
+    p.add_argument("--slo-tpot", type=float, default=None, help="seconds per output token")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def workload(args) -> Workload:
+    loop = {"rate": args.rate} if args.rate else {"concurrency": args.concurrency}
+    if args.num_requests < 1:
+        raise ValueError(f"--num-requests must be >= 1, got {args.num_requests}")
+    if not args.turns:
+        return synthetic(args.num_requests, args.prompt_len, args.output_len, args.seed, **loop)
+    rng = random.Random(args.seed)
+    system = [rng.randrange(1, 1 << 30) for _ in range(args.system_len)]
+    turn_len, answer_len = length_sampler(args.prompt_len, rng), length_sampler(args.output_len, rng)
+    convs = [
+        [(system if k == 0 else []) + [rng.randrange(1, 1 << 30) for _ in range(turn_len())] for k in range(args.turns)]
+        for _ in range(args.num_requests)
+    ]
+    return conversations(convs, answer_len(), seed=args.seed, **loop)
+
+
+def main(args) -> int:
+    if args.plan == "memory":
+        return memory.main(args)
+    if args.plan == "profile":
+        threads = [int(t) for t in args.threads.split(",")]
+        if not threads or min(threads) < 1 or args.repeat < 1:
+            raise ValueError("--threads must list thread counts >= 1 and --repeat be >= 1")
+        result = profile.profile(args.model, args.dtype, args.device, threads, args.repeat, args.quick)
+        profile_file.write(result, args.out)
+        print(f"wrote {args.out}: engines of {args.threads} thread(s), hand-off over {', '.join(result['handoff'])}")
+        return 0
+    prof = profile_file.load(args.profile)
+    if args.plan == "simulate":
+        dep = Deployment(
+            "simulated",
+            colocated=args.colocated,
+            prefill=0 if args.colocated else args.prefill,
+            decode=0 if args.colocated else args.decode,
+            threads=args.threads,
+            local_prefill=args.local_prefill,
+            max_local_tokens=args.max_local_prefill_tokens,
+            transport=args.transport,
+        )
+        rep = simulate(prof, dep, workload(args), args.slo_ttft, args.slo_tpot)
+        print(json.dumps(rep.to_dict()) if args.json else format_report(rep, f"{dep.describe()}: "))
+        return 0
+    ranked = search.rank(
+        prof, workload(args), args.cores, args.slo_ttft, args.slo_tpot, args.percentile, args.transport
+    )
+    top = ranked[: max(1, args.top)]
+    if args.json:
+        print(
+            json.dumps(
+                [
+                    {
+                        "deployment": s.deployment.describe(),
+                        "command": search.command(s.deployment),
+                        "meets_slos": s.meets,
+                        "report": s.report.to_dict(),
+                    }
+                    for s in top
+                ]
+            )
+        )
+        return 0
+    print(f"{len(ranked)} deployments of <= {args.cores} cores simulated; {sum(s.meets for s in ranked)} meet the SLOs")
+    for place, s in zip(("best", "runner-up", *(f"#{i}" for i in range(3, 100))), top):
+        verdict = "meets the SLOs" if s.meets else "misses the SLOs (closest)"
+        print(f"{place}: {s.deployment.describe()} ({verdict})\n  run: {search.command(s.deployment)}")
+        print(format_report(s.report, "  "))
+    return 0
