@@ -37,10 +37,7 @@ from disagg_vs_colocated import wait_line  # noqa: E402
 
 from engine import EngineConfig  # noqa: E402
 from pdserve.plan import profile as profiles  # noqa: E402
-from pdserve.plan import (
-    profile_file,  # noqa: E402
-    search,  # noqa: E402
-)
+from pdserve.plan import profile_file, search  # noqa: E402
 from pdserve.plan.simulator import Deployment, Item, Workload, simulate  # noqa: E402
 from serving.launcher import ServerProcess  # noqa: E402
 
