@@ -204,9 +204,10 @@ def test_the_planner_policy_sizes_both_pools_from_one_model(deployed, tmp_path):
         new_prompts = lambda: [rng.randrange(1, 300) for _ in range(900)]  # noqa: E731
         seen = under_load(direct, new_prompts, dict(max_tokens=1), lambda c: c["Prefill"] == 2, "prefill to scale up")
         assert all(c["Decode"] == 1 for c in seen), seen
-    finally:
+    finally:  # the thresholds back, and the pools back to one replica each, for the tests after
         serve_config.deploy(serve_config.validate(config))
         wait_running(["pdserve"], HANG_S)
+        wait_until(lambda: replica_counts() == one_each, HANG_S, "one replica a pool again", last=replica_counts)
 
 
 def test_scale_down_during_streaming_loses_no_token(deployed, tiny_llama):
