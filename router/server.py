@@ -118,8 +118,12 @@ class Router(Frontend):
         await asyncio.gather(self.prefill_pool.close(), self.decode_pool.close())
 
     def health(self) -> dict:
+        """Unavailable while a pool it needs has no healthy node: the decode pool always, the
+        prefill pool only with local prefill off (else the decode node prefills, as _place does;
+        `pdserve up --prefill 0` has no prefill node at all)."""
         pools = (self.prefill_pool, self.decode_pool)
-        missing = [p.no_healthy_node() for p in pools if not p.healthy()]
+        needed = pools if self.placement.mode == "off" else (self.decode_pool,)
+        missing = [p.no_healthy_node() for p in needed if not p.healthy()]
         report = {"status": "unavailable" if missing else "ok"}
         if missing:
             report["message"] = "; ".join(missing)

@@ -494,7 +494,7 @@ def test_overload_is_429_and_no_node_is_503(tiny_llama):
     asyncio.run(scenario())
 
 
-def test_health_is_503_and_not_serving_without_a_healthy_node_in_a_pool(tiny_llama):
+def test_health_is_503_and_not_serving_without_a_healthy_node_in_a_pool_it_needs(tiny_llama):
     async def grpc_health(address: str, service: str = "") -> str:
         async with grpc.aio.insecure_channel(address) as channel:
             reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service))
@@ -521,6 +521,7 @@ def test_health_is_503_and_not_serving_without_a_healthy_node_in_a_pool(tiny_lla
             assert await grpc_health(router.address, "liveness") == "SERVING"  # the process itself runs
             await prefills[0].server.stop(0)  # the prefill node's port goes away too
             await until(lambda: not router.prefill_pool.healthy())
+            router.placement.mode = "off"  # every prefill remote: the prefill pool is needed
             r = await http.get("/health")
             assert "no healthy prefill node" in r.json()["message"]
             assert "no healthy decode node" in r.json()["message"]
@@ -528,5 +529,13 @@ def test_health_is_503_and_not_serving_without_a_healthy_node_in_a_pool(tiny_lla
             await until(lambda: router.decode_pool.healthy())
             assert (await http.get("/health")).status_code == 503
             assert await grpc_health(router.address) == "NOT_SERVING"
+            router.placement.mode = "auto"  # the decode node prefills when no prefill node can
+            r = await http.get("/health")
+            assert r.status_code == 200 and r.json()["prefill"] == {"healthy": 0, "nodes": 1}
+            await router._follow_pools()  # (what a pool's change would call)
+            assert await grpc_health(router.address) == "SERVING"
+            body = {"model": router.model_id, "prompt": [5, 6, 7], "max_tokens": 3, "ignore_eos": True}
+            r = await http.post("/v1/completions", json=body)
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
 
     asyncio.run(scenario())
