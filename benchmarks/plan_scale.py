@@ -1,15 +1,16 @@
 """Where xPyD beats colocated, predicted from a measured profile (DistServe's methodology): for each
-core budget, every deployment that uses all of it, the highest Poisson arrival rate at which 90%
-of requests meet both SLOs, per core.
+budget of cores (of GPUs, from a GPU's profile), every deployment that uses all of it, the highest
+Poisson arrival rate at which 90% of requests meet both SLOs, per core (per GPU).
 
     python benchmarks/plan_scale.py --profile docs/bench/plan_profile.json [--budgets 2,4,8,16]
 
 Workload: the anchor's requests (590-630 prompt tokens, 64 output tokens), 120 per run, Poisson
 arrivals. SLOs are scales of what one request alone costs on one engine of one thread (DistServe
 scales its SLOs the same way): TTFT within --ttft-scale x its prefill, TPOT within --tpot-scale x
-a decode step of one sequence. Deployments: k colocated engines, and P prefill + D decode nodes with
-local prefill off or auto (at most 1,024 local tokens), engines of 1 or 2 threads, the KV handed
-over shared memory (one host) or, with --transport tcp-layerwise, as between hosts.
+a decode step of one sequence. Deployments: `pdserve plan best`'s candidates that spend the whole
+budget (k colocated engines; P prefill + D decode nodes with local prefill off, or auto at each of
+its local-token caps; engines of each profiled thread count, or one GPU each), the KV handed over
+what --kv-transport auto takes on one host (shared memory; TCP for a KV on a GPU) or --transport.
 
 A prediction, not a measurement: it assumes each engine's cores run as they did when profiled
 (no memory-bandwidth or cache contention between engines, which a real many-core host has), that
@@ -27,7 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pdserve.plan import profile as profiles  # noqa: E402
-from pdserve.plan import profile_file  # noqa: E402
+from pdserve.plan import profile_file, search  # noqa: E402
 from pdserve.plan.simulator import Deployment, simulate, synthetic  # noqa: E402
 from pdserve.plan.step_model import Step, StepModel  # noqa: E402
 
@@ -35,27 +36,10 @@ ATTAINMENT = 0.9
 REQUESTS = 120
 
 
-def full_budget(cores: int, threads: list[int], transport: str) -> list[Deployment]:
-    out = []
-    for t in threads:
-        engines = cores // t
-        if engines * t != cores:
-            continue
-        out.append(Deployment(f"colocated-{engines}x{t}", colocated=engines, threads=t))
-        for p in range(1, engines):
-            d = engines - p
-            for local in ("off", "auto"):
-                out.append(
-                    Deployment(
-                        f"{p}P{d}D-{t}-{local}",
-                        prefill=p,
-                        decode=d,
-                        threads=t,
-                        local_prefill=local,
-                        transport=transport,
-                    )
-                )
-    return out
+def full_budget(budget: int, prof: dict, transport: str) -> list[Deployment]:
+    """`pdserve plan best`'s candidates that spend the whole budget."""
+    threads = sorted(int(t) for t in prof["engines"])
+    return [d for d in search.candidates(budget, threads, transport, search.on_gpu(prof)) if d.spends == budget]
 
 
 def max_rate(prof: dict, dep: Deployment, slo: tuple[float, float], seed: int = 0) -> float:
@@ -79,45 +63,50 @@ def max_rate(prof: dict, dep: Deployment, slo: tuple[float, float], seed: int = 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--profile", required=True)
-    ap.add_argument("--budgets", default="2,4,8,16")
+    ap.add_argument("--budgets", default="2,4,8,16", help="cores (GPUs for a GPU's profile)")
     ap.add_argument("--ttft-scale", type=float, default=4.0)
     ap.add_argument("--tpot-scale", default="1.5,3", help="comma-separated: one sweep each")
-    ap.add_argument("--transport", default="shm")
+    ap.add_argument("--transport", default=None, help="default: what --kv-transport auto takes on one host")
     ap.add_argument("--json", type=Path, default=Path("docs/bench/plan_scale.json"))
     args = ap.parse_args()
     prof = profile_file.load(args.profile)
-    threads = sorted(int(t) for t in prof["engines"])
+    transport, unit = args.transport or search.default_transport(prof), "gpu" if search.on_gpu(prof) else "core"
     one = StepModel(**prof["engines"]["1"]["step"])
     prefill_s, step_s = one.seconds(Step([(610, 0)], [])), one.seconds(Step([], [610]))
     began, rows = time.monotonic(), []
     for tpot_scale in (float(x) for x in args.tpot_scale.split(",")):
         slo = (args.ttft_scale * prefill_s, tpot_scale * step_s)
-        for cores in (int(c) for c in args.budgets.split(",")):
-            rates = {dep: max_rate(prof, dep, slo) for dep in full_budget(cores, threads, args.transport)}
+        for budget in (int(c) for c in args.budgets.split(",")):
+            deployments = full_budget(budget, prof, transport)
+            if all(d.colocated for d in deployments):
+                raise SystemExit(f"--budgets: {budget} {unit}(s) hold no prefill and decode node pair")
+            rates = {dep: max_rate(prof, dep, slo) for dep in deployments}
             colocated = max((d for d in rates if d.colocated), key=rates.get)
             disagg = max((d for d in rates if not d.colocated), key=rates.get)
             row = {
-                "cores": cores,
+                "budget": budget,
+                "unit": unit,
                 "slo_ttft_s": slo[0],
                 "slo_tpot_s": slo[1],
                 "tpot_scale": tpot_scale,
                 "best_colocated": colocated.describe(),
-                "colocated_rps_per_core": rates[colocated] / cores,
+                "colocated_rps_per_unit": rates[colocated] / budget,
                 "best_disaggregated": disagg.describe(),
-                "disaggregated_rps_per_core": rates[disagg] / cores,
+                "disaggregated_rps_per_unit": rates[disagg] / budget,
                 "ratio": rates[disagg] / rates[colocated] if rates[colocated] else None,
                 "deployments": len(rates),
             }
             rows.append(row)
             print(
-                f"TPOT <= {slo[1] * 1e3:.0f} ms, {cores:2d} cores: "
-                f"colocated {row['colocated_rps_per_core']:.3f} req/s/core ({row['best_colocated']}), "
-                f"xPyD {row['disaggregated_rps_per_core']:.3f} ({row['best_disaggregated']}), ratio {row['ratio']:.2f}",
+                f"TPOT <= {slo[1] * 1e3:.0f} ms, {budget:2d} {unit}s: "
+                f"colocated {row['colocated_rps_per_unit']:.3f} req/s/{unit} ({row['best_colocated']}), "
+                f"xPyD {row['disaggregated_rps_per_unit']:.3f} ({row['best_disaggregated']}), ratio {row['ratio']:.2f}",
                 flush=True,
             )
     result = {
         **profiles.provenance(prof, began),
         "requests": REQUESTS,
+        "transport": transport,
         "attainment": ATTAINMENT,
         "rows": rows,
     }

@@ -73,6 +73,11 @@ class UpConfig:
         "minutes; one more exit stops everything (0: the first exit does)",
     )
     pin_cpus: bool = option(False, "give each node process its own core (round robin over --cpus, or all cores)")
+    pin_gpus: bool = option(
+        False,
+        "give each node process its own GPU (round robin over the visible GPUs, through its "
+        "CUDA_VISIBLE_DEVICES; with --device cuda)",
+    )
     log_dir: str | None = option(
         None,
         "each node's log (its stderr) goes to <role>-<index>.log here (default: a new "
@@ -223,6 +228,7 @@ class Spawner:
         self.slots = [
             (role, i) for role, count in (("prefill", args.prefill), ("decode", args.decode)) for i in range(count)
         ]
+        self.gpus = visible_gpus() if args.pin_gpus else []  # check_options: some when asked
         self.num_restarts = 0  # a temporary log dir is kept when a node had to be restarted
 
     def argv(self, role: str, index: int) -> list[str]:
@@ -241,11 +247,18 @@ class Spawner:
             *to_argv(args, *NODE_OPTIONS[role], EngineConfig, SecurityConfig, skip=(NODE_THREADS,)),
         ]
 
+    def env(self, role: str, index: int) -> dict[str, str]:
+        """What the node's environment adds: its parent's PID, and its own GPU with --pin-gpus."""
+        env = {PARENT_ENV: str(os.getpid())}
+        if self.gpus:
+            env["CUDA_VISIBLE_DEVICES"] = self.gpus[self.slots.index((role, index)) % len(self.gpus)]
+        return env
+
     def spawn(self, role: str, index: int, restart: bool = False) -> Node:
         log = self.log_dir / f"{role}-{index}.log"
         mode = os.O_APPEND if restart else os.O_TRUNC  # a restart keeps the crash's log above its own
         with open(os.open(log, os.O_WRONLY | os.O_CREAT | mode, 0o600), "ab") as stderr:  # the child keeps its own
-            process = ServerProcess(self.argv(role, index), stderr=stderr, env={PARENT_ENV: str(os.getpid())})
+            process = ServerProcess(self.argv(role, index), stderr=stderr, env=self.env(role, index))
         return Node(role, index, process, log)
 
 
@@ -274,6 +287,17 @@ async def start_nodes(spawner: Spawner, stop: asyncio.Event) -> list[Node]:
     return []
 
 
+def visible_gpus() -> list[str]:
+    """The GPUs this process may give its nodes: CUDA_VISIBLE_DEVICES's entries where it is set,
+    else every GPU torch sees."""
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is not None:
+        return [g.strip() for g in listed.split(",") if g.strip() and not g.strip().startswith("-")]
+    import torch
+
+    return [str(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+
+
 def check_options(args) -> None:
     """Every option as its config checks it, before anything starts (a ValueError names the
     field); the security files are read (an OSError names a missing one)."""
@@ -281,6 +305,8 @@ def check_options(args) -> None:
         from_args(cls, args)
     from_args(SecurityConfig, args).security()
     from_args(RouterConfig, args).public_security()
+    if args.pin_gpus and not visible_gpus():
+        raise ValueError("--pin-gpus: no GPU is visible here (CUDA_VISIBLE_DEVICES, torch.cuda)")
 
 
 async def up(args) -> int:

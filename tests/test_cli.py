@@ -311,6 +311,32 @@ def test_up_refuses_a_bad_option_before_starting_anything(tiny_llama, tmp_path, 
     assert not (tmp_path / "logs").exists()
 
 
+def test_up_pin_gpus_gives_each_node_its_own_gpu_round_robin(monkeypatch, tmp_path):
+    """--pin-gpus: each node process gets one visible GPU through its CUDA_VISIBLE_DEVICES, in
+    node order, round robin; with none visible, one line before anything starts."""
+    from pdserve.cli import parser
+    from pdserve.up import Spawner
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3, 5")
+    args = parser().parse_args(["up", "--prefill", "1", "--decode", "2", "--pin-gpus"])
+    spawner = Spawner(args, tmp_path)
+    gpus = [spawner.env(role, i).get("CUDA_VISIBLE_DEVICES") for role, i in spawner.slots]
+    assert gpus == ["3", "5", "3"]
+    assert "CUDA_VISIBLE_DEVICES" not in Spawner(parser().parse_args(["up"]), tmp_path).env("decode", 0)
+    r = subprocess.run(
+        [*UP, "--log-dir", str(tmp_path / "logs"), "--pin-gpus"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
+    )
+    assert (
+        r.returncode == 2
+        and r.stderr == "pdserve: error: --pin-gpus: no GPU is visible here (CUDA_VISIBLE_DEVICES, torch.cuda)\n"
+    )
+    assert not (tmp_path / "logs").exists()
+
+
 @pytest.mark.parametrize(
     "flag, host", [("--port", "127.0.0.1"), ("--http-port", "127.0.0.1"), ("--metrics-port", "0.0.0.0")]
 )

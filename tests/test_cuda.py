@@ -67,3 +67,55 @@ def test_default_model_greedy_on_cuda_equals_transformers_in_float32():
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval().cuda()
     for i, p in enumerate(prompts):
         assert outs[str(i)].token_ids == hf_greedy(hf, p, 32), f"prompt {i}"
+
+
+def test_up_pin_gpus_runs_each_node_on_a_gpu_and_answers_as_the_engine_alone(tiny_llama, tmp_path):
+    """`pdserve up --device cuda --pin-gpus` (what `pdserve plan best --gpus` prints): every node
+    process gets a GPU of its own through CUDA_VISIBLE_DEVICES (round robin over what is visible)
+    and runs its engine there; the KV goes over TCP (a KV on a GPU offers no shared memory); the
+    greedy tokens equal the engine alone on the GPU, in fp32."""
+    import json
+    import signal
+    import subprocess
+    import sys
+    import threading
+
+    import psutil
+
+    up = subprocess.Popen(
+        [sys.executable, "-m", "pdserve", "up", "--port", "0", "--dtype", "float32", "--device", "cuda"]
+        + ["--pin-gpus", "--prefill", "1", "--decode", "2", "--model", str(tiny_llama), "--log-dir", str(tmp_path)],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        address = None
+        for line in up.stderr:
+            if line.startswith("pdserve up: router on "):
+                address = line.split()[4]
+                break
+        assert address, "pdserve up did not come up"
+        threading.Thread(target=up.stderr.read, daemon=True).start()
+        children = psutil.Process(up.pid).children(recursive=True)
+        gpus = [str(i) for i in range(torch.cuda.device_count())]
+        assert sorted(c.environ()["CUDA_VISIBLE_DEVICES"] for c in children) == sorted(
+            gpus[i % len(gpus)] for i in range(3)
+        )
+        out = subprocess.run(
+            [sys.executable, "-m", "pdserve", "generate", "--addr", address, "--json", "--raw"]
+            + ["--max-tokens", "8", "--temperature", "0", "Hello world"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert out.returncode == 0, out.stderr
+        result = json.loads(out.stdout.strip().splitlines()[-1])
+        engine = make_engine(tiny_llama, device="cuda")
+        engine.add_request("x", "Hello world", SamplingParams(max_tokens=8, temperature=0))
+        assert result["token_ids"] == run_to_completion(engine)["x"].token_ids
+        # one host, yet not shared memory: the prefill node offers no region for a KV on a GPU
+        assert result["timings"]["kv_transport"] in ("tcp", "tcp-layerwise")
+        assert all(c.cmdline()[c.cmdline().index("--device") + 1] == "cuda" for c in children)
+    finally:
+        up.send_signal(signal.SIGTERM)
+        assert up.wait(timeout=120) == 0

@@ -113,7 +113,7 @@ def test_follow_ups_hit_the_cache_of_the_node_holding_their_history():
 def test_best_meets_the_slos_with_the_most_goodput_and_its_command_parses():
     prof = hand_profile(per_context=0.01)
     work = synthetic(24, "uniform:400:800", "32", concurrency=8)
-    ranked = search.rank(prof, work, cores=2, slo_ttft=5.0, slo_tpot=0.2)
+    ranked = search.rank(prof, work, budget=2, slo_ttft=5.0, slo_tpot=0.2)
     assert {s.deployment.cores for s in ranked} <= {1, 2}
     assert len(ranked) == len(search.candidates(2, [1, 2]))
     best, runner_up = ranked[0], ranked[1]
@@ -123,6 +123,66 @@ def test_best_meets_the_slos_with_the_most_goodput_and_its_command_parses():
         cmd = shlex.split(search.command(s.deployment))
         assert cmd[0] == "pdserve"
         parser().parse_args(cmd[1:])  # every command it may print is one pdserve takes
+
+
+def gpu_profile() -> dict:
+    """A GPU's profile: engines of one host thread, KV handed over TCP (no shared memory)."""
+    prof = hand_profile()
+    return prof | {
+        "engines": {"1": prof["engines"]["1"]},
+        "handoff": {"tcp": prof["handoff"]["shm"], "grpc": prof["handoff"]["shm"]},
+        "machine": {"gpu": "a GPU"},
+    }
+
+
+def test_a_gpu_budget_spends_one_gpu_an_engine_over_tcp_and_its_commands_parse():
+    prof = gpu_profile()
+    assert search.on_gpu(prof) and not search.on_gpu(hand_profile())
+    assert search.default_transport(prof) == "tcp" and search.default_transport(hand_profile()) == "shm"
+    work = synthetic(16, "uniform:400:800", "16", concurrency=8)
+    ranked = search.rank(prof, work, 3, slo_ttft=5.0, slo_tpot=0.2, transport="tcp", gpu=True)
+    assert len(ranked) == len(search.candidates(3, [1], "tcp", gpu=True))
+    assert {s.deployment.spends for s in ranked} == {1, 2, 3}  # GPUs, one an engine
+    assert {(s.deployment.prefill, s.deployment.decode) for s in ranked if not s.deployment.colocated} == {
+        (1, 1),
+        (1, 2),
+        (2, 1),
+    }
+    assert all(s.deployment.gpu and s.report.extra["gpus"] == s.deployment.spends for s in ranked)
+    for s in ranked:
+        cmd = shlex.split(search.command(s.deployment))
+        assert "--device" in cmd and "--num-threads" not in cmd and "--pin-cpus" not in cmd
+        assert ("--pin-gpus" in cmd) == (cmd[1] == "up")
+        parser().parse_args(cmd[1:])
+
+
+@pytest.mark.parametrize(
+    "budget, gpu_profile_given, says",
+    [
+        (
+            ["--gpus", "2"],
+            False,
+            "--gpus needs a profile measured on a GPU; {path} was measured on CPU cores (use --cores)",
+        ),
+        (
+            ["--cores", "2"],
+            True,
+            "--cores needs a profile measured on CPU cores; {path} was measured on a GPU (use --gpus)",
+        ),
+        (["--gpus", "0"], True, "--gpus must be >= 1, got 0"),
+        (["--cores", "2", "--gpus", "2"], False, "argument --gpus: not allowed with argument --cores"),
+    ],
+)
+def test_the_budget_must_match_the_profile(tmp_path, budget, gpu_profile_given, says):
+    path = tmp_path / "p.json"
+    profile_file.write(gpu_profile() if gpu_profile_given else hand_profile(), path)
+    done = subprocess.run(
+        [sys.executable, "-m", "pdserve", "plan", "best", "--profile", str(path), *budget],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
+    assert done.returncode != 0 and says.format(path=path) in done.stderr, done.stderr
 
 
 def test_profile_simulate_and_best_end_to_end(tiny_llama, tmp_path):

@@ -3,7 +3,7 @@
 pdserve plan memory    weights, KV per token, tokens a node holds (memory.py)
 pdserve plan profile   measure this hardware and model (profile.py)
 pdserve plan simulate  predict one deployment on a workload (simulator.py)
-pdserve plan best      the best deployment for a workload, SLOs and a core budget (search.py)
+pdserve plan best      the best deployment for a workload, SLOs and a budget of cores or GPUs (search.py)
 """
 
 from __future__ import annotations
@@ -21,6 +21,25 @@ from router.placement import MODES
 from serving.options import HelpFormatter
 
 PERCENTILES = ("p50", "p95", "p99")
+TRANSPORT_HELP = (
+    "the KV hand-off between nodes, one the profile measured (default: what --kv-transport auto "
+    "takes on one host, the first of " + ", ".join(search.TRANSPORTS) + " in the profile)"
+)
+
+
+def budget(args, prof: dict) -> tuple[int, bool]:
+    """(budget, in GPUs): --cores for a CPU's profile, --gpus for a GPU's."""
+    gpu = args.gpus is not None
+    if gpu != search.on_gpu(prof):
+        measured = prof["machine"]["gpu"] if search.on_gpu(prof) else "CPU cores"
+        raise ValueError(
+            f"--{'gpus' if gpu else 'cores'} needs a profile measured on {'a GPU' if gpu else 'CPU cores'}; "
+            f"{args.profile} was measured on {measured} (use --{'cores' if gpu else 'gpus'})"
+        )
+    n = args.gpus if gpu else args.cores
+    if n < 1:
+        raise ValueError(f"--{'gpus' if gpu else 'cores'} must be >= 1, got {n}")
+    return n, gpu
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -51,18 +70,20 @@ def add_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--threads", type=int, default=1, help="torch threads per engine (a thread count profiled)")
     s.add_argument("--local-prefill", default="auto", choices=MODES, help="the router's placement mode")
     s.add_argument("--max-local-prefill-tokens", type=int, default=search.Deployment.max_local_tokens)
-    s.add_argument("--transport", default="shm", help="the hand-off measured for this transport")
+    s.add_argument("--transport", default=None, help=TRANSPORT_HELP)
 
     b = sub.add_parser(
         "best",
-        help="the best deployment for a workload, SLOs and a core budget, and the runner-up",
+        help="the best deployment for a workload, SLOs and a budget of cores or GPUs, and the runner-up",
         description=search.__doc__.split("\n\n", 1)[1].replace("\n", " "),
         formatter_class=HelpFormatter,
     )
     _workload_args(b)
-    b.add_argument("--cores", type=int, required=True, help="cores to spend (each engine: its threads' worth)")
+    budget = b.add_mutually_exclusive_group(required=True)
+    budget.add_argument("--cores", type=int, help="cores to spend (each engine: its threads' worth; a CPU's profile)")
+    budget.add_argument("--gpus", type=int, help="GPUs to spend (each engine: one; a GPU's profile)")
     b.add_argument("--percentile", default="p95", choices=PERCENTILES, help="where the SLOs apply")
-    b.add_argument("--transport", default="shm", help="the KV hand-off between nodes (a profiled one)")
+    b.add_argument("--transport", default=None, help=TRANSPORT_HELP)
     b.add_argument("--top", type=int, default=2, help="deployments shown")
 
 
@@ -118,13 +139,22 @@ def main(args) -> int:
             threads=args.threads,
             local_prefill=args.local_prefill,
             max_local_tokens=args.max_local_prefill_tokens,
-            transport=args.transport,
+            transport=args.transport or search.default_transport(prof),
+            gpu=search.on_gpu(prof),
         )
         rep = simulate(prof, dep, workload(args), args.slo_ttft, args.slo_tpot)
         print(json.dumps(rep.to_dict()) if args.json else format_report(rep, f"{dep.describe()}: "))
         return 0
+    n, gpu = budget(args, prof)
     ranked = search.rank(
-        prof, workload(args), args.cores, args.slo_ttft, args.slo_tpot, args.percentile, args.transport
+        prof,
+        workload(args),
+        n,
+        args.slo_ttft,
+        args.slo_tpot,
+        args.percentile,
+        args.transport or search.default_transport(prof),
+        gpu,
     )
     top = ranked[: max(1, args.top)]
     if args.json:
@@ -142,7 +172,10 @@ def main(args) -> int:
             )
         )
         return 0
-    print(f"{len(ranked)} deployments of <= {args.cores} cores simulated; {sum(s.meets for s in ranked)} meet the SLOs")
+    print(
+        f"{len(ranked)} deployments of <= {n} {'GPUs' if gpu else 'cores'} simulated; "
+        f"{sum(s.meets for s in ranked)} meet the SLOs"
+    )
     for place, s in zip(("best", "runner-up", *(f"#{i}" for i in range(3, 100))), top):
         verdict = "meets the SLOs" if s.meets else "misses the SLOs (closest)"
         print(f"{place}: {s.deployment.describe()} ({verdict})\n  run: {search.command(s.deployment)}")

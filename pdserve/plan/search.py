@@ -1,43 +1,51 @@
-"""`pdserve plan`: every deployment a core budget allows, simulated on the workload; the best that
-meets the SLOs, and the runner-up.
+"""`pdserve plan`: every deployment a budget of cores or GPUs allows, simulated on the workload;
+the best that meets the SLOs, and the runner-up.
 
-Candidates (threads per engine: the thread counts the profile measured): k colocated engines, and
-P prefill + D decode nodes with the router's local prefill on (auto, at each local-token cap) or
-off, using every core or fewer. A candidate meets the SLOs when its TTFT and TPOT at the given
-percentile are within them; among those the best has the highest goodput (tokens/s of requests
-within both SLOs), then the fewest cores. With none meeting them, the best goodput is shown as
-the closest miss.
+Candidates: k colocated engines, and P prefill + D decode nodes with the router's local prefill
+on (auto, at each local-token cap) or off, using the whole budget or less. Of cores, each engine
+takes its threads' worth (the thread counts the profile measured); of GPUs (a GPU's profile), one
+GPU each. A candidate meets the SLOs when its TTFT and TPOT at the given percentile are within
+them; among those the best has the highest goodput (tokens/s of requests within both SLOs), then
+spends the least. With none meeting them, the best goodput is shown as the closest miss.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvtransfer.transports import TRANSPORTS
 from pdserve.bench_stats import Report
 from pdserve.plan.simulator import Deployment, Workload, simulate
 
 LOCAL_CAPS = (256, 1024, 4096)  # max_local_prefill_tokens tried with local prefill auto
 
 
-def candidates(cores: int, threads: list[int], transport: str = "shm") -> list[Deployment]:
+def candidates(budget: int, threads: list[int], transport: str = "shm", gpu: bool = False) -> list[Deployment]:
+    """Every deployment within `budget` cores (or GPUs, with gpu: one an engine, at the first
+    thread count)."""
     out = []
-    for t in threads:
-        engines = cores // t
+    for t in threads[:1] if gpu else threads:
+        engines = budget if gpu else budget // t
         for k in range(1, engines + 1):
-            out.append(Deployment(f"colocated-{k}x{t}", colocated=k, threads=t))
+            out.append(Deployment(f"colocated-{k}x{t}", colocated=k, threads=t, gpu=gpu))
         for p in range(1, engines):
             for d in range(1, engines - p + 1):
                 name = f"{p}P{d}D-{t}"
-                out.append(
-                    Deployment(f"{name}-off", prefill=p, decode=d, threads=t, local_prefill="off", transport=transport)
-                )
-                out += [
-                    Deployment(
-                        f"{name}-local{cap}", prefill=p, decode=d, threads=t, max_local_tokens=cap, transport=transport
-                    )
-                    for cap in LOCAL_CAPS
-                ]
+                each = dict(prefill=p, decode=d, threads=t, transport=transport, gpu=gpu)
+                out.append(Deployment(f"{name}-off", local_prefill="off", **each))
+                out += [Deployment(f"{name}-local{cap}", max_local_tokens=cap, **each) for cap in LOCAL_CAPS]
     return out
+
+
+def on_gpu(profile: dict) -> bool:
+    """Whether the profile's engines ran on a GPU (its budget is then GPUs)."""
+    return "gpu" in profile.get("machine", {})
+
+
+def default_transport(profile: dict) -> str:
+    """The hand-off --kv-transport auto takes between two nodes of one host, of those the profile
+    measured (a KV on a GPU offers no shared memory: TCP)."""
+    return next((t for t in TRANSPORTS if t in profile["handoff"]), next(iter(profile["handoff"]), "shm"))
 
 
 @dataclass
@@ -47,7 +55,7 @@ class Scored:
     meets: bool
 
     def key(self):
-        return (self.meets, round(self.report.goodput_tps, 1), -self.deployment.cores)
+        return (self.meets, round(self.report.goodput_tps, 1), -self.deployment.spends)
 
 
 def within(rep: Report, slo_ttft: float | None, slo_tpot: float | None, percentile: str) -> bool:
@@ -59,29 +67,34 @@ def within(rep: Report, slo_ttft: float | None, slo_tpot: float | None, percenti
 def rank(
     profile: dict,
     workload: Workload,
-    cores: int,
+    budget: int,
     slo_ttft: float | None,
     slo_tpot: float | None,
     percentile: str = "p95",
     transport: str = "shm",
+    gpu: bool = False,
 ) -> list[Scored]:
+    """Every candidate within `budget` cores (GPUs, with gpu), best first."""
     threads = sorted(int(t) for t in profile["engines"])
     scored = []
-    for dep in candidates(cores, threads, transport):
+    for dep in candidates(budget, threads, transport, gpu):
         rep = simulate(profile, dep, workload, slo_ttft, slo_tpot)
         scored.append(Scored(dep, rep, within(rep, slo_ttft, slo_tpot, percentile)))
     return sorted(scored, key=Scored.key, reverse=True)
 
 
 def command(dep: Deployment) -> str:
-    """The command that runs a deployment on this host."""
+    """The command that runs a deployment on this host (its KV hand-off: what --kv-transport auto
+    takes, shared memory for KV in host memory, else TCP)."""
+    place = "--device cuda" if dep.gpu else f"--num-threads {dep.threads}"
     if dep.colocated == 1:
-        return f"pdserve colocated --num-threads {dep.threads}"
+        return f"pdserve colocated {place}"
+    place += " --pin-gpus" if dep.gpu else " --pin-cpus"
     if dep.colocated:
-        return f"pdserve up --prefill 0 --decode {dep.colocated} --num-threads {dep.threads} --pin-cpus"
+        return f"pdserve up --prefill 0 --decode {dep.colocated} {place}"
     local = (
         "--local-prefill off"
         if dep.local_prefill == "off"
         else f"--local-prefill auto --max-local-prefill-tokens {dep.max_local_tokens}"
     )
-    return f"pdserve up --prefill {dep.prefill} --decode {dep.decode} --num-threads {dep.threads} --pin-cpus {local}"
+    return f"pdserve up --prefill {dep.prefill} --decode {dep.decode} {place} {local}"

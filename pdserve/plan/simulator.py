@@ -45,16 +45,27 @@ class Deployment:
     local_prefill: str = "auto"  # the router's placement mode (colocated: always)
     max_local_tokens: int = MAX_LOCAL_TOKENS
     transport: str = "shm"  # a key of the profile's handoff
+    gpu: bool = False  # each engine on a GPU of its own (a GPU's profile)
+
+    @property
+    def engines(self) -> int:
+        return self.colocated + self.prefill + self.decode
 
     @property
     def cores(self) -> int:
-        return self.threads * (self.colocated + self.prefill + self.decode)
+        return self.threads * self.engines
+
+    @property
+    def spends(self) -> int:
+        """What it takes of a budget: GPUs (one an engine), or cores (each engine its threads')."""
+        return self.engines if self.gpu else self.cores
 
     def describe(self) -> str:
+        each = "1 GPU" if self.gpu else f"{self.threads} thread(s)"
         if self.colocated:
-            return f"{self.colocated} colocated x {self.threads} thread(s)"
+            return f"{self.colocated} colocated x {each}"
         return (
-            f"{self.prefill}P{self.decode}D x {self.threads} thread(s), local prefill {self.local_prefill}"
+            f"{self.prefill}P{self.decode}D x {each}, local prefill {self.local_prefill}"
             + (f" (<= {self.max_local_tokens} tokens)" if self.local_prefill == "auto" else "")
             + f", {self.transport}"
         )
@@ -263,7 +274,7 @@ class Simulation:
         engines = self.prefills + self.decodes
         rep.extra = {
             "deployment": self.deployment.describe(),
-            "cores": self.deployment.cores,
+            ("gpus" if self.deployment.gpu else "cores"): self.deployment.spends,
             "utilization": {e.endpoint.address: round(e.busy_s / duration, 3) for e in engines} if duration else {},
         }
         return rep
