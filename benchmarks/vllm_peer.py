@@ -87,7 +87,7 @@ def load(url: str, model: str, tag: str, out: Path, vllm_python: str) -> dict:
     return json.loads(out.read_text())["summary"]
 
 
-def run_vllm(model_dir: str, venv: Path, logs: Path, tag: str) -> dict:
+def run_vllm(model_dir: str, venv: Path, logs: Path, tag: str, dtype: str) -> dict:
     env = {
         **os.environ,
         "PEER_DIR": str(PEER),
@@ -103,7 +103,7 @@ def run_vllm(model_dir: str, venv: Path, logs: Path, tag: str) -> dict:
         for role, kv_role in (("prefill", "kv_producer"), ("decode", "kv_consumer")):
             procs.append(
                 subprocess.Popen(
-                    ["bash", str(PEER / "start_pd.sh"), role, "nixl"],
+                    ["bash", str(PEER / "start_pd.sh"), role, "nixl", "--dtype", dtype],
                     env={**env, "NIXL_ROLE": kv_role},
                     stdout=open(logs / f"vllm_{role}.log", "w"),
                     stderr=subprocess.STDOUT,
@@ -128,10 +128,10 @@ def run_vllm(model_dir: str, venv: Path, logs: Path, tag: str) -> dict:
         stop(procs)
 
 
-def run_vllm_single(model_dir: str, venv: Path, logs: Path, tag: str) -> dict:
+def run_vllm_single(model_dir: str, venv: Path, logs: Path, tag: str, dtype: str) -> dict:
     env = {**os.environ, "PEER_DIR": str(PEER), "VLLM_VENV": str(venv), "MODEL_DIR": model_dir}
     proc = subprocess.Popen(
-        ["bash", str(PEER / "start_single.sh"), "8100", "auto"],
+        ["bash", str(PEER / "start_single.sh"), "8100", "auto", "--dtype", dtype],
         env=env,
         stdout=open(logs / "vllm_single.log", "w"),
         stderr=subprocess.STDOUT,
@@ -189,23 +189,35 @@ def main() -> int:
         help="also run pdserve with these `pdserve up` flags, e.g. '--max-num-batched-tokens 1024'",
     )
     ap.add_argument("--single", action="store_true", help="also run vLLM as one instance on both cores")
+    ap.add_argument(
+        "--dtype",
+        default=None,
+        choices=("float32", "bfloat16"),
+        help="both systems' dtype (default: what pdserve's --dtype auto picks on this CPU: bf16 where it "
+        "is native, else fp32; the model directory says bf16, which vLLM would otherwise run emulated)",
+    )
     args = ap.parse_args()
+    import torch
+
+    from engine.hardware import cpu_features, resolve_dtype
     from engine.model_source import resolve_model
+
+    dtype = args.dtype or str(resolve_dtype("auto", torch.device("cpu"))).removeprefix("torch.")
 
     model_dir = str(resolve_model("smollm2-135m"))
     logs = Path(args.logs)
     (logs / "kvstore").mkdir(parents=True, exist_ok=True)
     venv = Path(args.vllm_venv)
     systems = {
-        "vllm-pd": lambda tag: run_vllm(model_dir, venv, logs, tag),
-        "pdserve-pd": lambda tag: run_pdserve(logs, tag, str(venv / "bin" / "python"), []),
+        "vllm-pd": lambda tag: run_vllm(model_dir, venv, logs, tag, dtype),
+        "pdserve-pd": lambda tag: run_pdserve(logs, tag, str(venv / "bin" / "python"), ["--dtype", dtype]),
     }
     if args.also_args:
         systems["pdserve-pd " + args.also_args] = lambda tag: run_pdserve(
-            logs, tag.replace(" ", "_"), str(venv / "bin" / "python"), args.also_args.split()
+            logs, tag.replace(" ", "_"), str(venv / "bin" / "python"), ["--dtype", dtype, *args.also_args.split()]
         )
     if args.single:
-        systems["vllm-single"] = lambda tag: run_vllm_single(model_dir, venv, logs, tag)
+        systems["vllm-single"] = lambda tag: run_vllm_single(model_dir, venv, logs, tag, dtype)
     runs: dict[str, list[dict]] = {name: [] for name in systems}
     for r in range(args.rounds):
         for name, run in systems.items():
@@ -229,7 +241,9 @@ def main() -> int:
                 f"median {statistics.median(ratios[name]):.2f}",
                 flush=True,
             )
-    Path(args.json).write_text(json.dumps({"runs": runs, "medians": med, "tps_ratio_per_round": ratios}, indent=1))
+    result = {"command": " ".join(["python", *sys.argv]), "date": time.strftime("%Y-%m-%d"), "dtype": dtype}
+    result |= {"cpu": cpu_features().isa, "runs": runs, "medians": med, "tps_ratio_per_round": ratios}
+    Path(args.json).write_text(json.dumps(result, indent=1))
     return 0
 
 
