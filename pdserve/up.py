@@ -292,7 +292,12 @@ def visible_gpus() -> list[str]:
     else every GPU torch sees."""
     listed = os.environ.get("CUDA_VISIBLE_DEVICES")
     if listed is not None:
-        return [g.strip() for g in listed.split(",") if g.strip() and not g.strip().startswith("-")]
+        gpus = []
+        for g in (g.strip() for g in listed.split(",")):
+            if not g or g.startswith("-"):
+                break  # CUDA ignores the entries after an invalid one
+            gpus.append(g)
+        return gpus
     import torch
 
     return [str(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
@@ -305,6 +310,8 @@ def check_options(args) -> None:
         from_args(cls, args)
     from_args(SecurityConfig, args).security()
     from_args(RouterConfig, args).public_security()
+    if args.pin_gpus and args.device not in ("cuda", "cuda:0"):
+        raise ValueError(f"--pin-gpus needs --device cuda (each node sees its own GPU as cuda:0), got {args.device}")
     if args.pin_gpus and not visible_gpus():
         raise ValueError("--pin-gpus: no GPU is visible here (CUDA_VISIBLE_DEVICES, torch.cuda)")
 

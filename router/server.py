@@ -132,8 +132,8 @@ class Router(Frontend):
         return report
 
     async def _follow_pools(self) -> None:
-        """The gRPC health ("" and the Generation service) says NOT_SERVING while a pool has no
-        healthy node; `liveness` stays SERVING (serving/grpc_server.py)."""
+        """The gRPC health ("" and the Generation service) says NOT_SERVING while `health` says
+        unavailable; `liveness` stays SERVING (serving/grpc_server.py)."""
         serving = self.health()["status"] == "ok"
         if serving != self._serving:
             self._serving = serving

@@ -317,24 +317,25 @@ def test_up_pin_gpus_gives_each_node_its_own_gpu_round_robin(monkeypatch, tmp_pa
     from pdserve.cli import parser
     from pdserve.up import Spawner
 
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3, 5")
-    args = parser().parse_args(["up", "--prefill", "1", "--decode", "2", "--pin-gpus"])
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3, 5,-1,7")  # CUDA stops at the invalid entry
+    args = parser().parse_args(["up", "--prefill", "1", "--decode", "2", "--pin-gpus", "--device", "cuda"])
     spawner = Spawner(args, tmp_path)
     gpus = [spawner.env(role, i).get("CUDA_VISIBLE_DEVICES") for role, i in spawner.slots]
     assert gpus == ["3", "5", "3"]
     assert "CUDA_VISIBLE_DEVICES" not in Spawner(parser().parse_args(["up"]), tmp_path).env("decode", 0)
-    r = subprocess.run(
-        [*UP, "--log-dir", str(tmp_path / "logs"), "--pin-gpus"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
-    )
-    assert (
-        r.returncode == 2
-        and r.stderr == "pdserve: error: --pin-gpus: no GPU is visible here (CUDA_VISIBLE_DEVICES, torch.cuda)\n"
-    )
-    assert not (tmp_path / "logs").exists()
+    for device, error in (
+        ("cuda", "--pin-gpus: no GPU is visible here (CUDA_VISIBLE_DEVICES, torch.cuda)"),
+        ("cuda:1", "--pin-gpus needs --device cuda (each node sees its own GPU as cuda:0), got cuda:1"),
+    ):
+        r = subprocess.run(
+            [*UP, "--log-dir", str(tmp_path / "logs"), "--pin-gpus", "--device", device],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
+        )
+        assert r.returncode == 2 and r.stderr == f"pdserve: error: {error}\n"
+        assert not (tmp_path / "logs").exists()
 
 
 @pytest.mark.parametrize(

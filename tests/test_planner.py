@@ -149,6 +149,10 @@ def test_a_gpu_budget_spends_one_gpu_an_engine_over_tcp_and_its_commands_parse()
         (2, 1),
     }
     assert all(s.deployment.gpu and s.report.extra["gpus"] == s.deployment.spends for s in ranked)
+    grpc = search.command(Deployment("g", prefill=1, decode=1, transport="grpc", gpu=True))
+    assert grpc.endswith(" --kv-transport grpc --local-prefill auto --max-local-prefill-tokens 1024")
+    assert "--kv-transport" not in search.command(Deployment("s", prefill=1, decode=1, transport="shm"))
+    parser().parse_args(shlex.split(grpc)[1:])
     for s in ranked:
         cmd = shlex.split(search.command(s.deployment))
         assert "--device" in cmd and "--num-threads" not in cmd and "--pin-cpus" not in cmd

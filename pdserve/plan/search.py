@@ -84,14 +84,17 @@ def rank(
 
 
 def command(dep: Deployment) -> str:
-    """The command that runs a deployment on this host (its KV hand-off: what --kv-transport auto
-    takes, shared memory for KV in host memory, else TCP)."""
+    """The command that runs a deployment on this host (--kv-transport where auto would take
+    another: auto takes shared memory for a KV in host memory, TCP for one on a GPU)."""
     place = "--device cuda" if dep.gpu else f"--num-threads {dep.threads}"
     if dep.colocated == 1:
         return f"pdserve colocated {place}"
     place += " --pin-gpus" if dep.gpu else " --pin-cpus"
     if dep.colocated:
         return f"pdserve up --prefill 0 --decode {dep.colocated} {place}"
+    transport = dep.transport.removesuffix("-layerwise")
+    if transport != ("tcp" if dep.gpu else "shm"):
+        place += f" --kv-transport {transport}"
     local = (
         "--local-prefill off"
         if dep.local_prefill == "off"

@@ -206,7 +206,8 @@ class Simulation:
                 f"the profile measured no {deployment.transport!r} hand-off (it has {sorted(profile['handoff'])})"
             )
         self.handoff = profile["handoff"].get(deployment.transport, {"fixed_s": 0.0, "per_token_s": 0.0})
-        self.partial = deployment.transport == "shm"
+        # the reads that leave out the blocks the decode node holds (their Capabilities' partial)
+        self.partial = deployment.transport.split("-")[0] in ("shm", "tcp")
         self.router_s, self.serving = profile["router_s"], profile["serving"]
         self.now = 0.0
         self._events: list = []
