@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -241,7 +242,7 @@ def main() -> int:
                 f"median {statistics.median(ratios[name]):.2f}",
                 flush=True,
             )
-    result = {"command": " ".join(["python", *sys.argv]), "date": time.strftime("%Y-%m-%d"), "dtype": dtype}
+    result = {"command": shlex.join(["python", *sys.argv]), "date": time.strftime("%Y-%m-%d"), "dtype": dtype}
     result |= {"cpu": cpu_features().isa, "runs": runs, "medians": med, "tps_ratio_per_round": ratios}
     Path(args.json).write_text(json.dumps(result, indent=1))
     return 0
