@@ -30,15 +30,15 @@ TRANSPORT_HELP = (
 def budget(args, prof: dict) -> tuple[int, bool]:
     """(budget, in GPUs): --cores for a CPU's profile, --gpus for a GPU's."""
     gpu = args.gpus is not None
+    flag, other, unit = ("gpus", "cores", "a GPU") if gpu else ("cores", "gpus", "CPU cores")
     if gpu != search.on_gpu(prof):
         measured = prof["machine"]["gpu"] if search.on_gpu(prof) else "CPU cores"
         raise ValueError(
-            f"--{'gpus' if gpu else 'cores'} needs a profile measured on {'a GPU' if gpu else 'CPU cores'}; "
-            f"{args.profile} was measured on {measured} (use --{'cores' if gpu else 'gpus'})"
+            f"--{flag} needs a profile measured on {unit}; {args.profile} was measured on {measured} (use --{other})"
         )
-    n = args.gpus if gpu else args.cores
+    n = getattr(args, flag)
     if n < 1:
-        raise ValueError(f"--{'gpus' if gpu else 'cores'} must be >= 1, got {n}")
+        raise ValueError(f"--{flag} must be >= 1, got {n}")
     return n, gpu
 
 
