@@ -67,6 +67,12 @@ def test_one_request_alone_costs_what_the_profile_says():
     served = simulate(prof, Deployment("c", colocated=1), one(100, 5))
     assert served.ttft_s["p50"] == colocated.ttft_s["p50"]  # the prefill step streams nothing yet
     assert served.tpot_s["p50"] == pytest.approx(FIXED + PER_TOKEN + 0.002 + 0.0005)
+    # `pdserve colocated` serves in the engine's own process, measured apart per thread count
+    prof["colocated_serving"] = {"1": {"fixed_s": 0.004, "per_sequence_s": 0.001}}
+    alone = simulate(prof, Deployment("c", colocated=1), one(100, 5))
+    assert alone.tpot_s["p50"] == pytest.approx(FIXED + PER_TOKEN + 0.004 + 0.001)
+    nodes = simulate(prof, Deployment("c", colocated=2), one(100, 5))  # `up --prefill 0 --decode 2`
+    assert nodes.tpot_s["p50"] == served.tpot_s["p50"]
 
 
 def test_a_closed_loop_keeps_its_concurrency_and_every_request_ends():
@@ -205,6 +211,7 @@ def test_profile_simulate_and_best_end_to_end(tiny_llama, tmp_path):
     prof = profile_file.load(out)
     assert {"shm", "tcp", "grpc"} <= set(prof["handoff"])
     assert prof["serving"]["fixed_s"] >= 0 and len(prof["serving"]["samples"]) == 2  # 1 and 2 streams
+    assert len(prof["colocated_serving"]["1"]["samples"]) == 2  # `pdserve colocated --num-threads 1`
     engine = prof["engines"]["1"]
     assert engine["dtype"] == "float32" and engine["step"]["fixed"] > 0 and len(engine["samples"]) >= 8
     workload = ["--profile", str(out), "--num-requests", "8", "--prompt-len", "40", "--output-len", "6", "--json"]

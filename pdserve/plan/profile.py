@@ -9,7 +9,9 @@ fitted to them. Then a real prefill node and decode node (their own processes, o
 and one core each, as `pdserve up --pin-cpus` runs them) and a router on this host's loopback hand
 KV over each transport (layer-wise where it can): the time from the prefill's end to the decode
 node's admission is fitted as a line over the KV's tokens, and the router's own share of TTFT and
-what serving adds to a decode step are measured. On CUDA the same command writes a GPU's profile (--device).
+what serving adds to a decode step are measured. What serving adds is measured again for
+`pdserve colocated` at each thread count, where the serving threads take time from the cores the
+engine computes on. On CUDA the same command writes a GPU's profile (--device).
 
 Sizes are the default grid (--quick: a smaller one, for tests); each figure is the median of
 --repeat runs. The file records the machine, model, dtype and the raw samples beside the fits.
@@ -166,12 +168,14 @@ def profile_steps(model: str, dtype: str, device: str, threads: int, repeat: int
     }
 
 
-async def profile_serving(model: str, dtype: str, device: str, repeat: int, quick: bool) -> dict:
+async def profile_serving(model: str, dtype: str, device: str, threads: list[int], repeat: int, quick: bool) -> dict:
     """Laid out as `pdserve up --prefill 1 --decode 1 --pin-cpus` runs them (_node_processes),
     the router in this process. Per transport (and layer-wise where it streams): seconds from the
     prefill's end to the decode node's admission over the KV's tokens; the router's share of TTFT;
     and, through the first transport, the TPOT of B streams decoding together (what serving adds
-    to a step is this less the step line's)."""
+    to a step is this less the step line's). Then the same streams from `pdserve colocated` at
+    each thread count: one process whose serving threads share the cores its engine's compute
+    threads use."""
     from kvtransfer import transports
     from router.client import AsyncClient
     from router.config import RouterConfig
@@ -180,8 +184,9 @@ async def profile_serving(model: str, dtype: str, device: str, repeat: int, quic
     rng, vocab = random.Random(1), _vocab(model)
     stream_prompt = QUICK["stream_prompt"] if quick else STREAM_PROMPT
     out, router_s, streams = {}, [], []
-    async with _node_processes(model, dtype, device, list(transports.TRANSPORTS)) as (prefill, decodes):
-        for name, decode in decodes.items():
+    async with _node_processes(model, dtype, device, list(transports.TRANSPORTS)) as nodes:
+        prefill = nodes.pop("prefill")
+        for name, decode in nodes.items():
             for layerwise in ("off", "auto"):  # auto: layer-wise where the transport streams
                 config = RouterConfig(port=0, local_prefill="off", kv_layerwise=layerwise)
                 router = Router(model, [prefill.address], [decode.address], config)
@@ -209,51 +214,63 @@ async def profile_serving(model: str, dtype: str, device: str, repeat: int, quic
                 _say(f"hand-off over {used}: {line['fixed_s'] * 1e3:.1f} ms + {line['per_token_s'] * 1e6:.2f} us/token")
     if not out:
         raise RuntimeError("pdserve plan profile: no KV transport worked between the two nodes")
+    colocated = {}
+    for t in threads:
+        args = ["-m", "pdserve", "colocated", *_engine_args(model, dtype, device, t)]
+        async with _processes({"colocated": args}) as servers:
+            async with AsyncClient(servers["colocated"].address) as client:
+                colocated[str(t)] = await _served_steps(client, rng, vocab, stream_prompt, quick, f"colocated x {t}")
     return {
         "handoff": out,
         "router_s": statistics.median(router_s),
         "streams": streams,
+        "colocated_streams": colocated,
         "stream_prompt": stream_prompt,
     }
 
 
-@contextlib.asynccontextmanager
-async def _node_processes(model: str, dtype: str, device: str, transports: list[str]):
+def _engine_args(model: str, dtype: str, device: str, threads: int) -> list[str]:
+    args = ["--model", model, "--dtype", dtype, "--device", device, "--num-threads", str(threads)]
+    return args + ["--port", "0", "--num-kv-blocks", str(HANDOFF_BLOCKS)]
+
+
+def _node_processes(model: str, dtype: str, device: str, transports: list[str]):
     """A prefill node process on the first core this process may use and a decode node process
-    per transport on the last, one torch thread each, stopped by PID at the end. Their logs go to
-    an owner-only temporary directory, kept (and named) when something failed."""
+    per transport on the last, one torch thread each."""
+    from serving.process import usable_cores
+
+    cores, common = usable_cores(), _engine_args(model, dtype, device, 1)
+    specs = {"prefill": ["-m", "prefill_node", *common, "--cpus", str(cores[0])]}
+    for name in transports:
+        specs[name] = ["-m", "decode_node", *common, "--cpus", str(cores[-1]), "--kv-transport", name]
+    return _processes(specs)
+
+
+@contextlib.asynccontextmanager
+async def _processes(specs: dict[str, list[str]]):
+    """{name: server process} started from {name: python's arguments}, ready, and stopped by PID
+    at the end. Their logs go to an owner-only temporary directory, kept (and named) when
+    something failed."""
     from pdserve.up import READY_TIMEOUT_S
     from serving.launcher import ServerProcess
-    from serving.process import PARENT_ENV, usable_cores
+    from serving.process import PARENT_ENV
 
-    cores = usable_cores()
-    common = ["--model", model, "--dtype", dtype, "--device", device, "--num-threads", "1", "--port", "0"]
-    common += ["--num-kv-blocks", str(HANDOFF_BLOCKS)]
     logs = Path(tempfile.mkdtemp(prefix="pdserve-profile-"))
-    started, ok = [], False
-
-    def spawn(role: str, *extra: str) -> ServerProcess:
-        log = os.open(logs / f"{role}-{len(started)}.log", os.O_WRONLY | os.O_CREAT, 0o600)
-        with os.fdopen(log, "w") as stderr:  # the child keeps its own descriptor
-            started.append(
-                ServerProcess(
-                    ["-m", f"{role}_node", *common, *extra], stderr=stderr, env={PARENT_ENV: str(os.getpid())}
-                )
-            )
-        return started[-1]
-
+    started, ok = {}, False
     try:
-        prefill = spawn("prefill", "--cpus", str(cores[0]))
-        decodes = {name: spawn("decode", "--cpus", str(cores[-1]), "--kv-transport", name) for name in transports}
-        await asyncio.wait_for(asyncio.gather(*(p.ready() for p in started)), READY_TIMEOUT_S)
-        yield prefill, decodes
+        for name, args in specs.items():
+            log = os.open(logs / f"{name}.log", os.O_WRONLY | os.O_CREAT, 0o600)
+            with os.fdopen(log, "w") as stderr:  # the child keeps its own descriptor
+                started[name] = ServerProcess(args, stderr=stderr, env={PARENT_ENV: str(os.getpid())})
+        await asyncio.wait_for(asyncio.gather(*(p.ready() for p in started.values())), READY_TIMEOUT_S)
+        yield dict(started)  # the caller may take some out; all of them stop
         ok = True
     finally:
-        await asyncio.gather(*(p.stopped(10) for p in started))
+        await asyncio.gather(*(p.stopped(10) for p in started.values()))
         if ok:
             shutil.rmtree(logs, ignore_errors=True)
         else:
-            _say(f"pdserve plan profile: the nodes' logs are in {logs}")
+            _say(f"pdserve plan profile: the processes' logs are in {logs}")
 
 
 def _vocab(model: str) -> int:
@@ -263,7 +280,9 @@ def _vocab(model: str) -> int:
     return ModelConfig.from_dir(resolve_model(model)).vocab_size
 
 
-async def _served_steps(client, rng: random.Random, vocab: int, prompt: int, quick: bool) -> list[tuple[int, float]]:
+async def _served_steps(
+    client, rng: random.Random, vocab: int, prompt: int, quick: bool, through: str = "the router"
+) -> list[tuple[int, float]]:
     """(B, median TPOT) of B streams decoding together. Their prompts share all but 16 tokens,
     cached on the prefill node by a first request, so that they start decoding together rather
     than a prefill apart."""
@@ -273,7 +292,7 @@ async def _served_steps(client, rng: random.Random, vocab: int, prompt: int, qui
     for batch in QUICK["streams"] if quick else STREAMS:
         done = await _streams(client, [shared + _ids(rng, 16, vocab) for _ in range(batch)], 48)
         streams.append((batch, statistics.median(tpot for tpot, _ in done)))
-        _say(f"{batch} stream(s) of {prompt} prompt tokens through the router: TPOT {streams[-1][1] * 1e3:.1f} ms")
+        _say(f"{batch} stream(s) of {prompt} prompt tokens through {through}: TPOT {streams[-1][1] * 1e3:.1f} ms")
     return streams
 
 
@@ -333,12 +352,17 @@ def profile(model: str, dtype: str, device: str, threads: list[int], repeat: int
         "date": time.strftime("%Y-%m-%d"),
         "engines": {str(t): profile_steps(model, dtype, device, t, repeat, quick) for t in threads},
     }
-    result |= asyncio.run(profile_serving(model, dtype, device, repeat, quick))
+    result |= asyncio.run(profile_serving(model, dtype, device, threads, repeat, quick))
     streams, prompt = result.pop("streams"), result.pop("stream_prompt")
-    one_thread = result["engines"].get("1")  # the nodes ran one thread each
+    engines = result["engines"]
+    one_thread = engines.get("1")  # the nodes ran one thread each
     result["serving"] = (
         serving_overhead(streams, StepModel(**one_thread["step"]), prompt) if one_thread else NO_OVERHEAD
     )
+    result["colocated_serving"] = {
+        t: serving_overhead(s, StepModel(**engines[t]["step"]), prompt)
+        for t, s in result.pop("colocated_streams").items()
+    }
     result["seconds"] = round(time.monotonic() - began, 1)
     return result
 

@@ -87,7 +87,7 @@ def command(dep: Deployment) -> str:
     """The command that runs a deployment on this host (--kv-transport where auto would take
     another: auto takes shared memory for a KV in host memory, TCP for one on a GPU)."""
     place = "--device cuda" if dep.gpu else f"--num-threads {dep.threads}"
-    if dep.colocated == 1:
+    if dep.single_process:
         return f"pdserve colocated {place}"
     place += " --pin-gpus" if dep.gpu else " --pin-cpus"
     if dep.colocated:

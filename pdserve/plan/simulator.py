@@ -56,6 +56,11 @@ class Deployment:
         return self.threads * self.engines
 
     @property
+    def single_process(self) -> bool:
+        """One colocated engine runs as `pdserve colocated`: no router, its serving in its own process."""
+        return self.colocated == 1
+
+    @property
     def spends(self) -> int:
         """What it takes of a budget: GPUs (one an engine), or cores (each engine its threads')."""
         return self.engines if self.gpu else self.cores
@@ -209,6 +214,8 @@ class Simulation:
         # the reads that leave out the blocks the decode node holds (their Capabilities' partial)
         self.partial = deployment.transport.split("-")[0] in ("shm", "tcp")
         self.router_s, self.serving = profile["router_s"], profile["serving"]
+        if deployment.single_process:  # (a profile without this figure: the nodes')
+            self.serving = profile.get("colocated_serving", {}).get(key, self.serving)
         self.now = 0.0
         self._events: list = []
         self._order = itertools.count()
