@@ -37,6 +37,9 @@ class Request:
         prefill's tokens is a sample's)."""
         return not self.several and self.params.max_tokens <= len(self.generated) + 1
 
+    def past_deadline(self) -> bool:
+        return bool(self.deadline) and time.time() >= self.deadline
+
     @property
     def several(self) -> bool:
         """n > 1 or beams: the samples (beams) fork on the decode node, each drawing its first token there."""
@@ -82,7 +85,8 @@ class Request:
 
 
 class PrefillFailed(Exception):
-    """A layer-wise prefill failed after it had described its KV."""
+    """A prefill failed before anything streamed: a layer-wise one after it had described its KV,
+    or every prefill node the request tried was unreachable."""
 
     def __init__(self, code: grpc.StatusCode, details: str, node: Endpoint):
         super().__init__(details)

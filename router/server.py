@@ -31,7 +31,7 @@ from serving.protocol import sampling_to_proto
 
 log = logging.getLogger(__name__)
 MIGRATIONS = 3  # times one request may move to another decode node
-PREFILL_ATTEMPTS = 3  # prefill nodes tried for one prefill, while they cannot be reached
+PREFILL_ATTEMPTS = 3  # prefill nodes one attempt tries while they cannot be reached
 GENERATION = generate_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 # A decode call's failures that move the request elsewhere: a dead node, KV unreadable or corrupt;
 # CANCELLED: the node cancelled it (a node stopping at once; a cancel of ours never gets here).
@@ -169,9 +169,11 @@ class Router(Frontend):
                         if msg.finished:
                             return
                 raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, None, None, "decode stream ended early")
-            except PrefillFailed as e:  # layer-wise, after the descriptor: nothing streamed yet
-                if e.code != grpc.StatusCode.UNAVAILABLE or attempt == MIGRATIONS:
-                    raise RequestError(e.code, f"prefill: {e.details}") from None
+            except PrefillFailed as e:  # nothing streamed yet; the next attempt places the prefill anew
+                stuck = self.placement.mode == "off" and not self.prefill_pool.healthy({e.node.address})
+                if e.code != grpc.StatusCode.UNAVAILABLE or attempt == MIGRATIONS or stuck or r.past_deadline():
+                    more = f" ({self.prefill_pool.no_healthy_node()})" if stuck else ""
+                    raise RequestError(e.code, f"prefill: {e.details}{more}") from None
                 log.warning("request %s: prefill on %s failed (%s); retrying", r.rid, e.node.address, e.details)
                 e.node.healthy = False  # until a health check passes again
             except grpc.aio.AioRpcError as e:
@@ -261,7 +263,7 @@ class Router(Frontend):
                 f"({e.details()}); requests with n, best_of or beam_width > 1 do not "
                 "migrate (every sample forked there): retry the request",
             ) from None
-        if e.code() not in MIGRATE_ON or attempt == MIGRATIONS or (r.deadline and time.time() >= r.deadline):
+        if e.code() not in MIGRATE_ON or attempt == MIGRATIONS or r.past_deadline():
             raise RequestError(e.code(), f"decode: {e.details()}") from None
         log.warning(
             "request %s: decode on %s failed (%s: %s) after %d tokens; migrating",
@@ -283,7 +285,9 @@ class Router(Frontend):
         it ran alone there). prefill: the node to try first (None: pick one, cache-aware);
         num_tokens: what it computes; stream: layer by layer where the two nodes do (layerwise).
         Prefill has no effect but a lease that expires, so a node that cannot be reached (gone,
-        restarting) is retried on another; other errors are the request's."""
+        restarting) is retried on another; with none left, PrefillFailed: the request's next
+        attempt places it anew (on the decode node, unless local prefill is off). Other errors
+        are the request's."""
         tried: set[str] = set()
         tokens = list(ask.prompt_token_ids) + list(ask.output_token_ids)
         while True:
@@ -295,11 +299,15 @@ class Router(Frontend):
                     replies = prefill.stub.StreamPrefill(ask, timeout=remaining(ask.deadline))
                     return prefill, await next_reply(replies, prefill, raw=True), replies, alone
             except grpc.aio.AioRpcError as e:
-                if e.code() != grpc.StatusCode.UNAVAILABLE or len(tried) + 1 >= PREFILL_ATTEMPTS:
+                if e.code() != grpc.StatusCode.UNAVAILABLE:
                     raise RequestError(e.code(), f"prefill: {e.details()}") from None
-                log.warning("prefill node %s unreachable (%s); retrying elsewhere", prefill.address, e.details())
                 prefill.healthy = False  # until a health check passes again
                 tried.add(prefill.address)
+                if len(tried) >= PREFILL_ATTEMPTS or not self.prefill_pool.healthy(tried):
+                    raise PrefillFailed(
+                        e.code(), e.details(), prefill
+                    ) from None  # the next attempt may prefill locally
+                log.warning("prefill node %s unreachable (%s); retrying elsewhere", prefill.address, e.details())
                 prefill = None
 
     async def _place(self, decode: Endpoint, tokens: list[int], salt: str):

@@ -368,6 +368,32 @@ def test_an_unreachable_prefill_node_is_retried_on_another(tiny_llama, reference
     asyncio.run(scenario())
 
 
+@pytest.mark.parametrize("local_prefill", ["auto", "off"])
+def test_with_the_last_prefill_node_unreachable_the_decode_node_prefills_where_it_may(
+    tiny_llama, reference, local_prefill
+):
+    """auto: the first request tries the prefill node (nothing measured yet), finds it gone and
+    prefills on the decode node; so do the rest. off: a clear UNAVAILABLE."""
+
+    async def scenario():
+        async with local_cluster(tiny_llama, check_interval_s=60, local_prefill=local_prefill) as (router, prefills, _):
+            await prefills[0].stop(0)  # gone, and the router has not noticed yet
+            async with AsyncClient(router.address) as client:
+                if local_prefill == "off":
+                    with pytest.raises(grpc.aio.AioRpcError) as err:
+                        await client.generate(PROMPTS[0], **GREEDY)
+                    details = err.value.details()  # the cause, and that no other node is left
+                    assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "no healthy prefill node" in details
+                    assert details.startswith("prefill: ") and len(details) > len("prefill:  (no healthy")
+                    return
+                results = [await client.generate(p, **GREEDY) for p in PROMPTS]
+            assert [r.token_ids for r in results] == reference  # fp32
+            assert all(r.timings.get("local_prefill") for r in results)
+            assert not router.prefill_pool.endpoints[0].healthy
+
+    asyncio.run(scenario())
+
+
 # ---- layer-wise KV streaming -----------------------------------------------------------------
 def slow_layers(node, seconds: float) -> None:
     """Each layer of the node's forward takes `seconds` longer: time to act inside a prefill."""
