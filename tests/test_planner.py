@@ -73,6 +73,8 @@ def test_one_request_alone_costs_what_the_profile_says():
     assert alone.tpot_s["p50"] == pytest.approx(FIXED + PER_TOKEN + 0.004 + 0.001)
     nodes = simulate(prof, Deployment("c", colocated=2), one(100, 5))  # `up --prefill 0 --decode 2`
     assert nodes.tpot_s["p50"] == served.tpot_s["p50"]
+    unmeasured = simulate(prof, Deployment("c", colocated=1, threads=2), one(100, 5))  # no "2": the nodes' figure
+    assert unmeasured.tpot_s["p50"] == pytest.approx(FIXED + PER_TOKEN / 2 + 0.002 + 0.0005)
 
 
 def test_a_closed_loop_keeps_its_concurrency_and_every_request_ends():

@@ -47,7 +47,7 @@ STREAMS = (1, 4, 8, 16)  # streams decoding together through the router
 STREAM_PROMPT = 600  # the streams' prompts: a served step at the anchor's context, where part of
 # what serving adds overlaps the step's compute (at 16 tokens the step is too short to show it)
 assert STREAM_PROMPT > 16
-HANDOFF_BLOCKS = 1024  # the nodes hold 16 streams of STREAM_PROMPT + 48 tokens (a small KV tensor starts fast)
+HANDOFF_BLOCKS = 1024  # the engines hold 16 streams of STREAM_PROMPT + 48 tokens (a small KV tensor starts fast)
 QUICK = {
     "prefill": [(16, 0), (64, 0), (16, 64)],
     "decode": [(1, 16), (4, 16)],
@@ -180,6 +180,7 @@ async def profile_serving(model: str, dtype: str, device: str, threads: list[int
     from router.client import AsyncClient
     from router.config import RouterConfig
     from router.server import Router
+    from serving.process import usable_cores
 
     rng, vocab = random.Random(1), _vocab(model)
     stream_prompt = QUICK["stream_prompt"] if quick else STREAM_PROMPT
@@ -214,9 +215,10 @@ async def profile_serving(model: str, dtype: str, device: str, threads: list[int
                 _say(f"hand-off over {used}: {line['fixed_s'] * 1e3:.1f} ms + {line['per_token_s'] * 1e6:.2f} us/token")
     if not out:
         raise RuntimeError("pdserve plan profile: no KV transport worked between the two nodes")
-    colocated = {}
-    for t in threads:
+    colocated, cores = {}, usable_cores()
+    for t in threads:  # on the first t cores, as `pdserve plan best` runs it (search.command)
         args = ["-m", "pdserve", "colocated", *_engine_args(model, dtype, device, t)]
+        args += ["--cpus", ",".join(map(str, cores[:t]))]
         async with _processes({"colocated": args}) as servers:
             async with AsyncClient(servers["colocated"].address) as client:
                 colocated[str(t)] = await _served_steps(client, rng, vocab, stream_prompt, quick, f"colocated x {t}")
@@ -284,8 +286,8 @@ async def _served_steps(
     client, rng: random.Random, vocab: int, prompt: int, quick: bool, through: str = "the router"
 ) -> list[tuple[int, float]]:
     """(B, median TPOT) of B streams decoding together. Their prompts share all but 16 tokens,
-    cached on the prefill node by a first request, so that they start decoding together rather
-    than a prefill apart."""
+    cached (on the prefill node, or the colocated engine) by a first request, so that they start
+    decoding together rather than a prefill apart."""
     shared = _ids(rng, prompt - 16, vocab)
     await _streams(client, [shared + _ids(rng, 16, vocab)], 2)
     streams = []
@@ -311,8 +313,9 @@ async def _streams(client, prompts: list[list[int]], max_tokens: int) -> list[tu
 
 
 def serving_overhead(streams: list[tuple[int, float]], step: StepModel, prompt: int) -> dict:
-    """What serving adds to each decode step (streaming, the router's relay, the nodes' event
-    loops), as fixed + per sequence: the streams' TPOT less the step line's decode step."""
+    """What serving adds to each decode step (streaming, the router's relay, the processes'
+    event loops and, in one colocated process, its serving threads' share of the engine's
+    cores), as fixed + per sequence: the streams' TPOT less the step line's decode step."""
     context = prompt + 24  # the streams' mean context while they decode
     extra = [(batch, max(0.0, tpot - step.seconds(Step([], [context] * batch)))) for batch, tpot in streams]
     line = _line(extra)

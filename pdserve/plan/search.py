@@ -87,8 +87,8 @@ def command(dep: Deployment) -> str:
     """The command that runs a deployment on this host (--kv-transport where auto would take
     another: auto takes shared memory for a KV in host memory, TCP for one on a GPU)."""
     place = "--device cuda" if dep.gpu else f"--num-threads {dep.threads}"
-    if dep.single_process:
-        return f"pdserve colocated {place}"
+    if dep.single_process:  # on the first cores of the budget, as profiled
+        return f"pdserve colocated {place}" + ("" if dep.gpu else f" --cpus 0-{dep.threads - 1}")
     place += " --pin-gpus" if dep.gpu else " --pin-cpus"
     if dep.colocated:
         return f"pdserve up --prefill 0 --decode {dep.colocated} {place}"

@@ -57,7 +57,8 @@ class Deployment:
 
     @property
     def single_process(self) -> bool:
-        """One colocated engine runs as `pdserve colocated`: no router, its serving in its own process."""
+        """One colocated engine runs as `pdserve colocated`: its serving threads in the engine's
+        process, on its cores (no router, whose share of TTFT is still counted: a few ms)."""
         return self.colocated == 1
 
     @property
