@@ -303,10 +303,8 @@ class Router(Frontend):
                     raise RequestError(e.code(), f"prefill: {e.details()}") from None
                 prefill.healthy = False  # until a health check passes again
                 tried.add(prefill.address)
-                if len(tried) >= PREFILL_ATTEMPTS or not self.prefill_pool.healthy(tried):
-                    raise PrefillFailed(
-                        e.code(), e.details(), prefill
-                    ) from None  # the next attempt may prefill locally
+                if len(tried) >= PREFILL_ATTEMPTS or not self.prefill_pool.healthy(tried):  # the next attempt
+                    raise PrefillFailed(e.code(), e.details(), prefill) from None  # may prefill locally
                 log.warning("prefill node %s unreachable (%s); retrying elsewhere", prefill.address, e.details())
                 prefill = None
 
