@@ -4,6 +4,7 @@ on a profile measured here (tiny model)."""
 
 from __future__ import annotations
 
+import heapq
 import json
 import os
 import shlex
@@ -19,7 +20,7 @@ import router.pool
 from pdserve.cli import parser
 from pdserve.plan import profile as profiles
 from pdserve.plan import profile_file, search
-from pdserve.plan.simulator import Deployment, Item, Workload, simulate, synthetic
+from pdserve.plan.simulator import Decoding, Deployment, Item, Prefill, Simulation, Workload, simulate, synthetic
 from pdserve.plan.step_model import Step, StepModel
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -75,6 +76,24 @@ def test_one_request_alone_costs_what_the_profile_says():
     assert nodes.tpot_s["p50"] == served.tpot_s["p50"]
     unmeasured = simulate(prof, Deployment("c", colocated=1, threads=2), one(100, 5))  # no "2": the nodes' figure
     assert unmeasured.tpot_s["p50"] == pytest.approx(FIXED + PER_TOKEN / 2 + 0.002 + 0.0005)
+
+
+def test_a_prefill_nodes_prefills_slow_by_the_share_serving_takes_while_streams_decode():
+    prof = hand_profile() | {"prefill_serving": {"fixed": 0.1, "per_sequence": 0.05}}
+    off = Deployment("pd", prefill=1, decode=1, local_prefill="off")
+    alone = simulate(prof, off, one(100, 5))  # no stream decodes while it prefills: the fixed share
+    assert alone.ttft_s["p50"] == pytest.approx(ROUTER_S + (FIXED + 100 * PER_TOKEN) * 1.1)
+    assert alone.tpot_s["p50"] == simulate(hand_profile(), off, one(100, 5)).tpot_s["p50"]  # decode steps: as before
+    assert simulate(prof, Deployment("c", colocated=1), one(100, 5)).ttft_s["p50"] == pytest.approx(
+        ROUTER_S + FIXED + 100 * PER_TOKEN
+    )  # no prefill node
+    sim = Simulation(prof, off, None, None)
+    sim.decodes[0].running = [Decoding([1] * 10, 5, lambda *_: None) for _ in range(4)]  # four streams decode
+    done = []
+    sim.prefills[0].add_prefill(Prefill(list(range(100)), [], lambda now, cached: done.append(now)))
+    sim.now, _, step_done = heapq.heappop(sim._events)
+    step_done()
+    assert done == [pytest.approx((FIXED + 100 * PER_TOKEN) * (1 + 0.1 + 4 * 0.05))]
 
 
 def test_a_closed_loop_keeps_its_concurrency_and_every_request_ends():
@@ -214,6 +233,8 @@ def test_profile_simulate_and_best_end_to_end(tiny_llama, tmp_path):
     assert {"shm", "tcp", "grpc"} <= set(prof["handoff"])
     assert prof["serving"]["fixed_s"] >= 0 and len(prof["serving"]["samples"]) == 2  # 1 and 2 streams
     assert len(prof["colocated_serving"]["1"]["samples"]) == 2  # `pdserve colocated --num-threads 1`
+    share = prof["prefill_serving"]  # a prefill beside 0, 1 and 2 streams, twice each
+    assert share["fixed"] >= 0 and sorted(b for b, _ in share["samples"]) == [0, 0, 1, 1, 2, 2]
     engine = prof["engines"]["1"]
     assert engine["dtype"] == "float32" and engine["step"]["fixed"] > 0 and len(engine["samples"]) >= 8
     workload = ["--profile", str(out), "--num-requests", "8", "--prompt-len", "40", "--output-len", "6", "--json"]

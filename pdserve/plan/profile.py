@@ -9,7 +9,8 @@ fitted to them. Then a real prefill node and decode node (their own processes, o
 and one core each, as `pdserve up --pin-cpus` runs them) and a router on this host's loopback hand
 KV over each transport (layer-wise where it can): the time from the prefill's end to the decode
 node's admission is fitted as a line over the KV's tokens, and the router's own share of TTFT and
-what serving adds to a decode step are measured. What serving adds is measured again for
+what serving adds to a decode step are measured, and what it takes from the prefill node's
+prefills while streams decode beside them. What serving adds is measured again for
 `pdserve colocated` at each thread count, where the serving threads take time from the cores the
 engine computes on. On CUDA the same command writes a GPU's profile (--device).
 
@@ -43,6 +44,7 @@ DECODE_GRID = [(1, 64), (1, 1024), (4, 64), (4, 640), (16, 64), (16, 640), (64, 
 MIXED_GRID = [(4, 640, 64), (4, 640, 640), (16, 640, 256)]  # (batch, context, prefill chunk)
 HANDOFF_TOKENS = (128, 512, 1024)
 NO_OVERHEAD = {"fixed_s": 0.0, "per_sequence_s": 0.0, "samples": []}  # (no one-thread step line to subtract)
+NO_SHARE = {"fixed": 0.0, "per_sequence": 0.0, "samples": []}  # (no one-thread step line to compare with)
 STREAMS = (1, 4, 8, 16)  # streams decoding together through the router
 STREAM_PROMPT = 600  # the streams' prompts: a served step at the anchor's context, where part of
 # what serving adds overlaps the step's compute (at 16 tokens the step is too short to show it)
@@ -57,6 +59,7 @@ QUICK = {
     "stream_prompt": 16,
 }
 DECODE_STEPS = 6  # timed per decode sample (median)
+STREAM_LONG = 256  # tokens a stream may decode while a prefill beside it is timed (it is stopped then)
 
 
 def _ids(rng: random.Random, n: int, vocab: int) -> list[int]:
@@ -184,7 +187,7 @@ async def profile_serving(model: str, dtype: str, device: str, threads: list[int
 
     rng, vocab = random.Random(1), _vocab(model)
     stream_prompt = QUICK["stream_prompt"] if quick else STREAM_PROMPT
-    out, router_s, streams = {}, [], []
+    out, router_s, streams, prefills = {}, [], [], []
     async with _node_processes(model, dtype, device, list(transports.TRANSPORTS)) as nodes:
         prefill = nodes.pop("prefill")
         for name, decode in nodes.items():
@@ -209,6 +212,7 @@ async def profile_serving(model: str, dtype: str, device: str, threads: list[int
                                 used = t.kv_transport
                         if not streams:
                             streams = await _served_steps(client, rng, vocab, stream_prompt, quick)
+                            prefills = await _served_prefills(client, rng, vocab, stream_prompt, repeat, quick)
                 finally:
                     await router.stop(0)
                 line = out[used] = _line(samples) | {"samples": samples}
@@ -226,6 +230,7 @@ async def profile_serving(model: str, dtype: str, device: str, threads: list[int
         "handoff": out,
         "router_s": statistics.median(router_s),
         "streams": streams,
+        "prefills": prefills,
         "colocated_streams": colocated,
         "stream_prompt": stream_prompt,
     }
@@ -298,6 +303,49 @@ async def _served_steps(
     return streams
 
 
+async def _served_prefills(
+    client, rng: random.Random, vocab: int, prompt: int, repeat: int, quick: bool
+) -> list[tuple[int, float]]:
+    """(B, seconds) of a new prompt's prefill on the prefill node while B streams decode through
+    the router (B = 0: alone), from the node's own timings: what the router's relay and the
+    client, unpinned, take from the prefill node's core. The streams run until the prefill ends."""
+    shared = _ids(rng, prompt - 16, vocab)
+    await _streams(client, [shared + _ids(rng, 16, vocab)], 2)  # caches their shared prefix
+    samples = []
+    for batch in (0, *(QUICK["streams"] if quick else STREAMS)):
+        for _ in range(repeat):
+            decoding = 0
+
+            async def stream(ids):
+                nonlocal decoding
+                tokens = 0
+                async for _ in client.stream(ids, max_tokens=STREAM_LONG, ignore_eos=True):
+                    tokens += 1
+                    if tokens == 2:  # its decode node streams it
+                        decoding += 1
+                raise RuntimeError(f"a stream of {STREAM_LONG} tokens ended before the prefill it had to outlast")
+
+            running = [asyncio.ensure_future(stream(shared + _ids(rng, 16, vocab))) for _ in range(batch)]
+            try:
+                while decoding < batch:
+                    await asyncio.wait(running, timeout=0.01)
+                    for task in running:
+                        if task.done():
+                            task.result()  # (raises what ended it)
+                t = (await _streams(client, [_ids(rng, prompt, vocab)], 1))[0][1]
+                for task in running:
+                    if task.done():
+                        task.result()
+            finally:
+                for task in running:
+                    task.cancel()
+                await asyncio.gather(*running, return_exceptions=True)
+            samples.append((batch, t.prefill_end - t.prefill_start))
+        median = statistics.median(s for b, s in samples if b == batch)
+        _say(f"a {prompt}-token prefill beside {batch} stream(s): {median:.3f} s")
+    return samples
+
+
 async def _streams(client, prompts: list[list[int]], max_tokens: int) -> list[tuple[float, object]]:
     """Sends the prompts at once; each one's (TPOT, timings) as the client saw it."""
 
@@ -320,6 +368,14 @@ def serving_overhead(streams: list[tuple[int, float]], step: StepModel, prompt: 
     extra = [(batch, max(0.0, tpot - step.seconds(Step([], [context] * batch)))) for batch, tpot in streams]
     line = _line(extra)
     return {"fixed_s": line["fixed_s"], "per_sequence_s": line["per_token_s"], "samples": extra}
+
+
+def prefill_serving(prefills: list[tuple[int, float]], step: StepModel, prompt: int) -> dict:
+    """What serving takes from a prefill node's prefills, as a share of the step line's time:
+    fixed + per sequence decoding beside it (the router relays their tokens on a core it shares)."""
+    alone = step.seconds(Step([(prompt, 0)], []))
+    line = _line([(batch, seconds / alone - 1) for batch, seconds in prefills])
+    return {"fixed": line["fixed_s"], "per_sequence": line["per_token_s"], "samples": prefills}
 
 
 def _line(samples: list[tuple[int, float]]) -> dict:
@@ -359,8 +415,12 @@ def profile(model: str, dtype: str, device: str, threads: list[int], repeat: int
     streams, prompt = result.pop("streams"), result.pop("stream_prompt")
     engines = result["engines"]
     one_thread = engines.get("1")  # the nodes ran one thread each
+    prefills = result.pop("prefills")
     result["serving"] = (
         serving_overhead(streams, StepModel(**one_thread["step"]), prompt) if one_thread else NO_OVERHEAD
+    )
+    result["prefill_serving"] = (
+        prefill_serving(prefills, StepModel(**one_thread["step"]), prompt) if one_thread else NO_SHARE
     )
     result["colocated_serving"] = {
         t: serving_overhead(s, StepModel(**engines[t]["step"]), prompt)

@@ -121,8 +121,9 @@ class Decoding:
 
 
 class Engine:
-    def __init__(self, sim: Simulation, name: str, model: StepModel, budget: int, capacity: int):
+    def __init__(self, sim: Simulation, name: str, model: StepModel, budget: int, capacity: int, prefill_node=False):
         self.sim, self.model, self.budget, self.capacity = sim, model, budget, capacity
+        self.prefill_node = prefill_node
         self.endpoint = Endpoint(name, None, None, healthy=True, load=common_pb2.NodeLoad(block_size=sim.block_size))
         self.waiting: deque[Prefill] = deque()
         self.running: list[Decoding] = []
@@ -172,6 +173,9 @@ class Engine:
         seconds = self.model.seconds(Step([(n, j.computed) for j, n in chunks], [len(s.tokens) for s in decodes]))
         if decodes:  # what serving adds to a step that streams tokens
             seconds += self.sim.serving["fixed_s"] + self.sim.serving["per_sequence_s"] * len(decodes)
+        if self.prefill_node:  # what the router's relay of the streams decoding elsewhere takes from it
+            share = self.sim.prefill_serving
+            seconds *= 1 + share["fixed"] + share["per_sequence"] * sum(len(e.running) for e in self.sim.decodes)
         self.stepping = True
         self.busy_s += seconds
         self.sim.at(self.sim.now + seconds, lambda: self._step_done(decodes, chunks))
@@ -215,6 +219,7 @@ class Simulation:
         # the reads that leave out the blocks the decode node holds (their Capabilities' partial)
         self.partial = deployment.transport.split("-")[0] in ("shm", "tcp")
         self.router_s, self.serving = profile["router_s"], profile["serving"]
+        self.prefill_serving = profile.get("prefill_serving", {"fixed": 0.0, "per_sequence": 0.0})
         if deployment.single_process:  # (a profile without this figure: the nodes')
             self.serving = profile.get("colocated_serving", {}).get(key, self.serving)
         self.now = 0.0
@@ -229,7 +234,9 @@ class Simulation:
             Engine(self, f"decode-{i}", model, budget, capacity)
             for i in range(deployment.colocated or deployment.decode)
         ]
-        self.prefills = [Engine(self, f"prefill-{i}", model, budget, capacity) for i in range(deployment.prefill)]
+        self.prefills = [
+            Engine(self, f"prefill-{i}", model, budget, capacity, prefill_node=True) for i in range(deployment.prefill)
+        ]
         self.decode_pool.endpoints = [e.endpoint for e in self.decodes]
         self.prefill_pool.endpoints = [e.endpoint for e in self.prefills]
         self.engine_of = {e.endpoint.address: e for e in self.decodes + self.prefills}
