@@ -59,6 +59,11 @@ class EngineConfig:
         "plain torch ops on the CPU (by default C++ attention and fused ops, where they build)",
         flag="--no-cpu-kernels",
     )
+    deterministic: bool = option(
+        False,
+        "batch-invariant numerics: each token's logits and KV the same whatever else is in the batch, how its "
+        "prompt was chunked, what was cached, on whichever node (CPU with the C++ kernels; costs speed)",
+    )
     num_threads: int | None = option(None, "torch threads on CPU (default: torch's choice)")
     seed: int = option(0, "seeds the sampler for requests without their own seed", where=("serve",))
     speculative: dict | None = option(

@@ -12,6 +12,7 @@ from engine import cpu_kernels
 from engine.attention import build_metadata
 from engine.config import EngineConfig
 from engine.kv_cache import KVCache
+from engine.linear import ROW_GROUP
 from engine.model import LlamaModel
 from engine.model_config import ModelConfig
 from engine.ops import Ops
@@ -40,9 +41,17 @@ class ModelRunner:
         self.decode_kernel = self.use_cpu_kernels and cpu_kernels.decode_attention_fits(cfg.head_dim)
         # Prefill attention as chunked matmuls: faster than torch's flash kernel on a CPU in bf16.
         self.prefill_matmul = self.use_cpu_kernels and dtype == torch.bfloat16
-        self.model = LlamaModel(
-            cfg, load_weights(model_dir, cfg, dtype, device), max_model_len, Ops(fused=self.use_cpu_kernels)
-        )
+        # Deterministic: every token a single query through the C++ kernel (its sums run over the
+        # context in blocks of absolute positions), every linear in fixed row groups.
+        self.deterministic = config.deterministic
+        if self.deterministic and not self.decode_kernel:
+            raise ValueError(
+                "deterministic: needs the C++ CPU attention kernel, which this engine does not run "
+                f"(device {device.type}, cpu_kernels {config.cpu_kernels}, kernels built {cpu_kernels.load()}, "
+                f"head_dim {cfg.head_dim})"
+            )
+        weights = load_weights(model_dir, cfg, dtype, device, ROW_GROUP if self.deterministic else None)
+        self.model = LlamaModel(cfg, weights, max_model_len, Ops(fused=self.use_cpu_kernels))
         bytes_per_block = cfg.kv_bytes_per_token(dtype.itemsize) * config.block_size
         num_blocks = config.num_kv_blocks or config.kv_cache_bytes // bytes_per_block
         if num_blocks < 1:
@@ -62,7 +71,10 @@ class ModelRunner:
         logit rows each has (1, or 1 + its drafts: a verification), and those rows [R, V] in fp32."""
         # Decodes and verifications first, as single-token queries: a sequence verifying d drafts
         # is d + 1 queries over the same block table, each seeing the positions up to its own.
-        one_query = [n == 1 or bool(seq.draft_token_ids) for seq, n in zip(batch.seqs, batch.num_scheduled_tokens)]
+        one_query = [
+            n == 1 or bool(seq.draft_token_ids) or self.deterministic
+            for seq, n in zip(batch.seqs, batch.num_scheduled_tokens)
+        ]
         order = sorted(range(len(batch)), key=lambda i: not one_query[i])
         input_ids: list[int] = []
         starts, lens, tables = [], [], []

@@ -26,7 +26,7 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     removed candidates set to -inf. Top-k keeps every token tied with the k-th; top-p then keeps
     the smallest most-likely set whose probability mass reaches top_p (at least one token)."""
     vocab = logits.shape[-1]
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)  # ties: lower id first, in any batch
     k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)
     kth = sorted_logits.gather(1, (k - 1)[:, None])  # [N, 1]
     sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
@@ -84,7 +84,8 @@ class Sampler:
         rows = [i for i, w in enumerate(want) if w]
         logprobs = torch.log_softmax(logits[rows], dim=-1)  # raw model distribution
         n = max(params[i].logprobs or 0 for i in rows)
-        top_vals, top_ids = logprobs.topk(max(n, 1), dim=-1)
+        # the top n by value, ties to the lower id (topk's pick among ties moves with the batch)
+        top_vals, top_ids = (t[:, : max(n, 1)] for t in logprobs.sort(dim=-1, descending=True, stable=True))
         chosen = logprobs.gather(1, token_ids[rows][:, None]).squeeze(1)
         out: list[dict[int, float] | None] = [None] * len(params)
         top_vals, top_ids, chosen = top_vals.tolist(), top_ids.tolist(), chosen.tolist()

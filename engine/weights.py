@@ -46,8 +46,14 @@ def _read_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def load_weights(model_dir: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> ModelWeights:
+def load_weights(
+    model_dir: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, row_group: int | None = None
+) -> ModelWeights:
+    """row_group: each linear's rows in groups of this many (deterministic mode, engine/linear.py)."""
     raw = _read_tensors(model_dir)
+
+    def linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
+        return Linear(weight, bias, row_group)
 
     def take(name: str) -> torch.Tensor:
         if name not in raw:
@@ -64,13 +70,13 @@ def load_weights(model_dir: Path, cfg: ModelConfig, dtype: torch.dtype, device: 
         layers.append(
             LayerWeights(
                 input_norm=take(p + "input_layernorm.weight"),
-                qkv=Linear(torch.cat([take(attn + f"{n}_proj.weight") for n in "qkv"]), qkv_bias),
-                o=Linear(take(attn + "o_proj.weight")),
+                qkv=linear(torch.cat([take(attn + f"{n}_proj.weight") for n in "qkv"]), qkv_bias),
+                o=linear(take(attn + "o_proj.weight")),
                 post_norm=take(p + "post_attention_layernorm.weight"),
-                gate_up=Linear(torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])),
-                down=Linear(take(p + "mlp.down_proj.weight")),
+                gate_up=linear(torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])),
+                down=linear(take(p + "mlp.down_proj.weight")),
             )
         )
     embed = take("model.embed_tokens.weight")
-    lm_head = Linear(embed if cfg.tie_word_embeddings else take("lm_head.weight"))
+    lm_head = linear(embed if cfg.tie_word_embeddings else take("lm_head.weight"))
     return ModelWeights(embed=embed, layers=layers, final_norm=take("model.norm.weight"), lm_head=lm_head)

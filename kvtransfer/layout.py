@@ -31,13 +31,14 @@ class KVLayout:
     dtype: str  # "bfloat16", "float16", "float32"
     block_size: int
     model_fingerprint: str
+    numerics: str = "default"  # or "deterministic": KV from the engine's deterministic mode
 
     @classmethod
-    def of(cls, kv_cache: KVCache, model_fingerprint: str) -> KVLayout:
+    def of(cls, kv_cache: KVCache, model_fingerprint: str, deterministic: bool = False) -> KVLayout:
         layers, _, _, block_size, kv_heads, head_dim = kv_cache.kv.shape
-        return cls(
-            layers, kv_heads, head_dim, str(kv_cache.kv.dtype).removeprefix("torch."), block_size, model_fingerprint
-        )
+        dtype = str(kv_cache.kv.dtype).removeprefix("torch.")
+        numerics = "deterministic" if deterministic else "default"
+        return cls(layers, kv_heads, head_dim, dtype, block_size, model_fingerprint, numerics)
 
     @property
     def itemsize(self) -> int:
@@ -50,7 +51,7 @@ class KVLayout:
         self, other: KVLayout, same_block_size: bool = False, sides: tuple[str, str] = ("decode", "prefill")
     ) -> None:
         """Raises KVLayoutMismatch naming every field that differs (self is sides[0])."""
-        fields = ["model_fingerprint", "num_layers", "num_kv_heads", "head_dim", "dtype"]
+        fields = ["model_fingerprint", "num_layers", "num_kv_heads", "head_dim", "dtype", "numerics"]
         if same_block_size:
             fields.append("block_size")
         diffs = [
@@ -69,11 +70,20 @@ class KVLayout:
             dtype=self.dtype,
             block_size=self.block_size,
             model_fingerprint=self.model_fingerprint,
+            numerics=self.numerics,
         )
 
     @classmethod
     def from_proto(cls, m: nodes_pb2.KVLayout) -> KVLayout:
-        return cls(m.num_layers, m.num_kv_heads, m.head_dim, m.dtype, m.block_size, m.model_fingerprint)
+        return cls(
+            m.num_layers,
+            m.num_kv_heads,
+            m.head_dim,
+            m.dtype,
+            m.block_size,
+            m.model_fingerprint,
+            m.numerics or "default",
+        )
 
 
 def model_fingerprint(model_dir: Path) -> str:

@@ -32,6 +32,7 @@ byte moves, and the receiver hashes each layer as it lands (still in cache) and 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
 import logging
@@ -106,10 +107,7 @@ def _send_json(sock: socket.socket, obj: dict, prefix: bytes = b"") -> None:
 
 
 def _layout_dict(layout: KVLayout) -> dict:
-    return {
-        f: getattr(layout, f)
-        for f in ("num_layers", "num_kv_heads", "head_dim", "dtype", "block_size", "model_fingerprint")
-    }
+    return dataclasses.asdict(layout)
 
 
 def _tune(sock: socket.socket) -> None:

@@ -158,9 +158,24 @@ def result(outs: dict, rid: str) -> list[tuple]:
     ]
 
 
-def run_alone(model, prompt: list[int], params: SamplingParams) -> list[tuple]:
-    """The reference: the request on a fresh engine of its own (no speculation, a pool that holds it)."""
-    engine = make_engine(model)
+@dataclass
+class Reference:
+    """What a mix's answers must equal: each request run alone on a fresh engine of these numerics
+    (no speculation, a pool that holds it), kept by prompt and params. In fp32 logprobs agree to
+    1e-4 (the kernels sum in batch order); in deterministic mode exactly, in either dtype."""
+
+    numerics: dict = field(default_factory=dict)  # engine settings of every engine, e.g. {"deterministic": True}
+    logprob_tolerance: float = 1e-4
+    runs: dict = field(default_factory=dict)
+
+    @classmethod
+    def deterministic(cls, dtype: str) -> Reference:
+        return cls({"dtype": dtype, "deterministic": True}, 0.0)
+
+
+def run_alone(model, prompt: list[int], params: SamplingParams, numerics: dict) -> list[tuple]:
+    """The request on a fresh engine of its own (no speculation, a pool that holds it)."""
+    engine = make_engine(model, **numerics)
     engine.add_request("alone", prompt, params)
     outs: dict = {}
     while engine.has_unfinished():
@@ -168,7 +183,7 @@ def run_alone(model, prompt: list[int], params: SamplingParams) -> list[tuple]:
     return result(outs, "alone")
 
 
-def references(model, reqs: list[Req], reference: dict) -> None:
+def references(model, reqs: list[Req], reference: Reference) -> None:
     """Each request run alone (kept in reference by prompt and params). A follow-up turn's prompt
     is its parent's prompt, the parent's answer alone (sample 0: what the mix must give too) and
     its own new tokens."""
@@ -176,14 +191,13 @@ def references(model, reqs: list[Req], reference: dict) -> None:
     for r in reqs:
         if r.parent:
             parent = by_id[r.parent]
-            r.prompt = parent.prompt + list(reference[tuple(parent.prompt), parent.params][0][1]) + r.turn
-        if (tuple(r.prompt), r.params) not in reference:
-            reference[tuple(r.prompt), r.params] = run_alone(model, r.prompt, r.params)
+            r.prompt = parent.prompt + list(reference.runs[tuple(parent.prompt), parent.params][0][1]) + r.turn
+        if (tuple(r.prompt), r.params) not in reference.runs:
+            reference.runs[tuple(r.prompt), r.params] = run_alone(model, r.prompt, r.params, reference.numerics)
 
 
-def same(got: list[tuple], want: list[tuple], logprobs: bool = True) -> bool:
-    """Tokens, text and finish reasons exactly; logprobs (when asked for) to 1e-4 (fp32 kernels
-    sum in batch order)."""
+def same(got: list[tuple], want: list[tuple], logprobs: bool = True, tolerance: float = 1e-4) -> bool:
+    """Tokens, text and finish reasons exactly; logprobs (when asked for) within tolerance."""
     if [g[:4] for g in got] != [w[:4] for w in want]:
         return False
     for g, w in zip(got, want):
@@ -192,7 +206,7 @@ def same(got: list[tuple], want: list[tuple], logprobs: bool = True) -> bool:
         if (g[4] is None) != (w[4] is None):
             return False
         for a, b in zip(g[4] or [], w[4] or []):
-            if a.keys() != b.keys() or any(abs(a[t] - b[t]) > 1e-4 for t in a):
+            if a.keys() != b.keys() or any(abs(a[t] - b[t]) > tolerance for t in a):
                 return False
     return True
 
@@ -219,12 +233,12 @@ class Report:
             self.kinds[k] = self.kinds.get(k, 0) + 1
 
 
-def engine_mix(model, seed: int, num_requests: int, report: Report, reference: dict) -> None:
+def engine_mix(model, seed: int, num_requests: int, report: Report, reference: Reference) -> None:
     """One mix through one engine; every finished request checked against its run alone."""
     rng = random.Random(seed)
     reqs, settings = random_workload(rng, num_requests), random_engine(rng)
     references(model, reqs, reference)
-    engine = make_engine(model, **settings)
+    engine = make_engine(model, **settings, **reference.numerics)
     outs, done_at, added, aborted, refused, step = {}, {}, {}, set(), set(), 0
     waiting = list(reqs)
     while waiting or engine.has_unfinished():
@@ -261,8 +275,8 @@ def engine_mix(model, seed: int, num_requests: int, report: Report, reference: d
         if r.rid in aborted or r.rid in refused:
             continue
         report.finished += 1
-        got, want = result(outs, r.rid), reference[tuple(r.prompt), r.params]
-        if not same(got, want, r.params.logprobs is not None):
+        got, want = result(outs, r.rid), reference.runs[tuple(r.prompt), r.params]
+        if not same(got, want, r.params.logprobs is not None, reference.logprob_tolerance):
             report.wrong.append(
                 {
                     "seed": seed,
@@ -337,7 +351,7 @@ def completion_result(c) -> list[tuple]:
     return [(i, s.token_ids, s.text, s.finish_reason, s.logprobs or None) for i, s in enumerate(c.samples)]
 
 
-async def cluster_mix(model, seed: int, num_requests: int, report: Report, reference: dict) -> None:
+async def cluster_mix(model, seed: int, num_requests: int, report: Report, reference: Reference) -> None:
     """One mix through a router, a prefill node and two decode nodes (real gRPC servers on
     localhost); with `kill`, a decode node stops abruptly once a third of the requests are in.
     Requests on it migrate (same tokens); n > 1 and beams that already streamed end UNAVAILABLE
@@ -356,11 +370,13 @@ async def cluster_mix(model, seed: int, num_requests: int, report: Report, refer
     reqs, settings = random_workload(rng, num_requests), random_cluster(rng)
     references(model, reqs, reference)
     decode_engine = {"num_kv_blocks": settings["num_kv_blocks"], "speculative": settings["speculative"]}
+    decode_engine |= reference.numerics
     done: dict[str, asyncio.Event] = {r.rid: asyncio.Event() for r in reqs}
     answers: dict[str, object] = {}
     async with local_cluster(
         model,
         num_decode=2,
+        prefill_engine=reference.numerics,
         decode_engine=decode_engine,
         kv_transport=settings["kv_transport"],
         local_prefill=settings["local_prefill"],
@@ -454,8 +470,8 @@ async def cluster_mix(model, seed: int, num_requests: int, report: Report, refer
             )
             continue
         report.finished += 1
-        got, want = completion_result(answer), reference[tuple(r.prompt), r.params]
-        if not same(got, want, r.params.logprobs is not None):
+        got, want = completion_result(answer), reference.runs[tuple(r.prompt), r.params]
+        if not same(got, want, r.params.logprobs is not None, reference.logprob_tolerance):
             report.wrong.append(
                 {
                     "seed": seed,
@@ -475,6 +491,9 @@ def main() -> int:
     ap.add_argument("--first-seed", type=int, default=1000)
     ap.add_argument("--requests", type=int, default=24)
     ap.add_argument("--json", type=Path)
+    ap.add_argument(
+        "--deterministic", choices=("bfloat16", "float32"), help="every engine deterministic, in this dtype"
+    )
     args = ap.parse_args()
     import asyncio
     import logging
@@ -484,7 +503,8 @@ def main() -> int:
 
     logging.basicConfig(level=logging.ERROR)  # migrations log warnings by design
     model = make_tiny_model(Path(tempfile.mkdtemp(prefix="pdserve-combinations-")), "llama")
-    report, reference, began = Report(), {}, time.monotonic()
+    reference = Reference.deterministic(args.deterministic) if args.deterministic else Reference()
+    report, began = Report(), time.monotonic()
     for seed in range(args.first_seed, args.first_seed + args.seeds):
         engine_mix(model, seed, args.requests, report, reference)
     engine_report, report = report, Report()

@@ -294,14 +294,25 @@ def test_ending_a_lease_leaves_another_lease_on_the_same_cached_blocks_readable(
     asyncio.run(scenario())
 
 
-def test_layout_mismatch_is_refused(tiny_llama):
+@pytest.mark.parametrize(
+    "decode_engine, kv_transport, says",
+    [
+        ({"dtype": "bfloat16"}, "auto", "dtype: decode 'bfloat16', prefill 'float32'"),
+        ({"deterministic": True}, "shm", "numerics: decode 'deterministic', prefill 'default'"),
+        ({"deterministic": True}, "tcp", "numerics: decode 'deterministic', prefill 'default'"),
+    ],
+)
+def test_layout_mismatch_is_refused(tiny_llama, decode_engine, kv_transport, says):
+    """Before a byte moves: KV of another dtype, or computed in another numerics mode."""
+
     async def scenario():
-        async with local_cluster(tiny_llama, decode_engine={"dtype": "bfloat16"}) as (router, prefills, decodes):
+        cluster = local_cluster(tiny_llama, decode_engine=decode_engine, kv_transport=kv_transport)
+        async with cluster as (router, prefills, decodes):
             async with AsyncClient(router.address) as client:
                 with pytest.raises(grpc.aio.AioRpcError) as err:
                     await client.generate(PROMPTS[0], max_tokens=4)
                 assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-                assert "dtype: decode 'bfloat16', prefill 'float32'" in err.value.details()
+                assert says in err.value.details()
                 assert "model_fingerprint" not in err.value.details()  # same checkpoint
             await wait_for_no_blocks(prefills + decodes)
 

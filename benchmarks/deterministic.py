@@ -1,0 +1,144 @@
+"""Deterministic mode: what it costs and what it buys, on the default model, measured in one run.
+
+    python benchmarks/deterministic.py [--dtypes bfloat16,float32] [--runs 3] [--json FILE]
+
+1. Throughput: engine_throughput.py's chat prompts (N x M generated tokens, ignore_eos, greedy),
+   the offline engine with the mode off and on, in each dtype. Each run is its own subprocess, the
+   modes interleaved; tokens/s = N x M / the timed generate's wall time (after a warm-up). Reported:
+   the medians and the median of the per-run ratios (on / off).
+2. Batch invariance: benchmarks/speculative.py's 16 prompts, greedy with the chosen token's
+   logprob, each alone and then beside the next prompt (prefix caching off, as batch_variance.py),
+   with the mode off and on, in each dtype: how many outputs' tokens change, and how many change
+   in any logprob bit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+MODES = {"default": False, "deterministic": True}
+
+
+def throughput(dtype: str, deterministic: bool, num_prompts: int, max_tokens: int) -> dict:
+    from engine_throughput import chat_prompts
+
+    from engine import LLM, SamplingParams
+
+    llm = LLM(dtype=dtype, deterministic=deterministic, kv_cache_bytes=1 << 30)
+    prompts = chat_prompts(llm.engine.tokenizer, num_prompts)
+    llm.generate(prompts[:8], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))  # warm-up
+    start = time.perf_counter()
+    outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+    elapsed = time.perf_counter() - start
+    generated = sum(len(o.token_ids) for o in outs)
+    return {"tokens_per_s": generated / elapsed, "elapsed_s": elapsed, "dtype": str(llm.engine.dtype)}
+
+
+def invariance(dtype: str, deterministic: bool, max_tokens: int) -> dict:
+    from speculative import workloads
+
+    from engine import EngineConfig, LLMEngine, SamplingParams
+    from engine.tokenizer import apply_chat_template
+
+    config = EngineConfig(dtype=dtype, deterministic=deterministic, enable_prefix_caching=False, kv_cache_bytes=1 << 28)
+    engine = LLMEngine(config)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, logprobs=0)
+    tok = engine.tokenizer
+    prompts = [tok.encode(apply_chat_template(tok, c)) for w in workloads().values() for c in w]
+
+    def run(batch: list[list[int]]) -> tuple[list[int], list]:
+        for i, p in enumerate(batch):
+            engine.add_request(f"r{i}", p, params)
+        done = {}
+        while engine.has_unfinished():
+            done.update({o.request_id: o for o in engine.step() if o.finished})
+        return done["r0"].token_ids, done["r0"].logprobs
+
+    tokens = logprobs = 0
+    for i, prompt in enumerate(prompts):
+        alone, beside = run([prompt]), run([prompt, prompts[(i + 1) % len(prompts)]])
+        tokens += alone[0] != beside[0]
+        logprobs += alone != beside
+    return {"prompts": len(prompts), "tokens_differ": tokens, "tokens_or_logprobs_differ": logprobs}
+
+
+def child(args) -> dict:
+    import torch
+
+    torch.set_num_threads(args.threads)
+    deterministic = MODES[args.mode]
+    if args.child == "throughput":
+        return throughput(args.dtype, deterministic, args.num_prompts, args.max_tokens)
+    return invariance(args.dtype, deterministic, args.invariance_tokens)
+
+
+def spawn(what: str, dtype: str, mode: str, args) -> dict:
+    cmd = [sys.executable, __file__, "--child", what, "--dtype", dtype, "--mode", mode, "--threads", str(args.threads)]
+    cmd += ["--num-prompts", str(args.num_prompts), "--max-tokens", str(args.max_tokens)]
+    cmd += ["--invariance-tokens", str(args.invariance_tokens)]
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"{what} {dtype} {mode} failed:\n{done.stderr[-3000:]}")
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    print(f"{what} {dtype} {mode}: {result}", file=sys.stderr, flush=True)
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dtypes", default="bfloat16,float32")
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--invariance-tokens", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--child", choices=("throughput", "invariance"), help=argparse.SUPPRESS)
+    ap.add_argument("--dtype", help=argparse.SUPPRESS)
+    ap.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        print(json.dumps(child(args)))
+        return
+    from engine.hardware import cpu_features
+
+    began, dtypes = time.monotonic(), args.dtypes.split(",")
+    out = {
+        "command": " ".join(["python", *sys.argv]),
+        "date": time.strftime("%Y-%m-%d"),
+        "cpu": cpu_features().isa,
+        "threads": args.threads,
+        "workload": f"{args.num_prompts} chat prompts x {args.max_tokens} tokens",
+        "throughput": {},
+        "invariance": {},
+    }
+    for dtype in dtypes:
+        runs = {mode: [] for mode in MODES}
+        for r in range(args.runs):
+            for mode in MODES if r % 2 == 0 else reversed(list(MODES)):
+                runs[mode].append(spawn("throughput", dtype, mode, args)["tokens_per_s"])
+        ratios = [on / off for on, off in zip(runs["deterministic"], runs["default"])]
+        out["throughput"][dtype] = {
+            "tokens_per_s": runs,
+            "median_tokens_per_s": {mode: statistics.median(v) for mode, v in runs.items()},
+            "median_ratio": statistics.median(ratios),
+        }
+        out["invariance"][dtype] = {mode: spawn("invariance", dtype, mode, args) for mode in MODES}
+    out["seconds"] = round(time.monotonic() - began)
+    print(json.dumps(out, indent=1))
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,81 @@
+"""Deterministic mode (EngineConfig.deterministic, `--deterministic`): each token's logits and KV
+the same bits whatever else is in the batch, how its prompt was chunked, which prefix was cached,
+the P/D split (remote or local prefill, shm or tcp), a decode node killed mid-stream, speculation or
+n > 1, in bf16 and in fp32. The check is tests/combinations.py's random mixes: every finished
+request equals itself run alone on a fresh engine, tokens and logprobs exactly. The negative
+control: the same mixes with the mode off find differences."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from combinations import Reference, Report, cluster_mix, engine_mix
+from conftest import make_engine
+
+from engine import cpu_kernels
+from engine.linear import ROW_GROUP, Linear
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.load(), reason="deterministic mode needs the C++ CPU kernels")
+
+DTYPES = ("bfloat16", "float32")
+ENGINE_SEEDS = range(12)  # as tests/test_combinations.py: preemption happens in some
+CLUSTER_SEEDS = range(100, 104)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_linears_rows_are_the_same_bits_whatever_else_is_in_the_batch(dtype):
+    dt = getattr(torch, dtype)
+    linear = Linear(torch.randn(96, 80, dtype=dt), torch.randn(96, dtype=dt), row_group=ROW_GROUP)
+    x = torch.randn(70, 80, dtype=dt)
+    alone = torch.cat([linear(x[i : i + 1]) for i in range(len(x))])
+    for rows in (2, 3, 7, 16, 17, 33, 70):
+        for first in (0, len(x) - rows):
+            assert torch.equal(linear(x[first : first + rows]), alone[first : first + rows]), (rows, first)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_random_mixes_in_one_deterministic_engine_equal_each_request_alone_exactly(tiny_llama, dtype):
+    report, reference = Report(), Reference.deterministic(dtype)
+    for seed in ENGINE_SEEDS:
+        engine_mix(tiny_llama, seed, 16, report, reference)
+    print(report)
+    assert not report.wrong, report.wrong[:3]
+    assert not report.leaked, report.leaked
+    # what the mixes exercised: batches, chunked prefills (16- and 32-token budgets), cache hits,
+    # preemption, speculation, n > 1, seeds, logprobs
+    assert {"greedy", "seeded", "n>1", "logprobs", "follow-up"} <= set(report.kinds)
+    assert report.preemptions and report.cache_hit_tokens and report.spec_accepted
+
+
+def test_random_mixes_through_a_deterministic_cluster_equal_each_request_alone_exactly(tiny_llama):
+    """bf16 through the router, a prefill node and two decode nodes: shm or tcp, remote or local
+    prefill, speculation on the decode nodes, a decode node killed mid-run (its streams migrate)."""
+    report, reference = Report(), Reference.deterministic("bfloat16")
+    for seed in CLUSTER_SEEDS:
+        asyncio.run(cluster_mix(tiny_llama, seed, 24, report, reference))
+    print(report)
+    assert not report.wrong, report.wrong[:3]
+    assert not report.leaked, report.leaked
+    assert report.kills and report.finished > report.requests // 2
+    assert report.cache_hit_tokens and report.spec_accepted
+
+
+def test_without_the_mode_the_same_mixes_find_differences(tiny_llama):
+    """The negative control. Which dtype parts depends on the CPU's kernels (on an AVX2-only CPU
+    fp32's logprobs move with the batch; on CPUs with native bf16, bf16's tokens), so the
+    control holds when either does."""
+    wrong = {}
+    for dtype in DTYPES:
+        report, reference = Report(), Reference({"dtype": dtype}, logprob_tolerance=0.0)
+        for seed in ENGINE_SEEDS:
+            engine_mix(tiny_llama, seed, 16, report, reference)
+        wrong[dtype] = len(report.wrong)
+    print(wrong)
+    assert any(wrong.values()), wrong
+
+
+def test_the_mode_needs_the_cpu_attention_kernel_and_says_so(tiny_llama):
+    with pytest.raises(ValueError, match=r"deterministic: needs the C\+\+ CPU attention kernel.*cpu_kernels False"):
+        make_engine(tiny_llama, deterministic=True, cpu_kernels=False)
