@@ -78,19 +78,29 @@ def build_metadata(
     """starts[i]: KV positions sequence i already has; lens[i]: positions computed this step.
     The first `num_decode` sequences have lens == 1. With decode_kernel, their attention runs in
     the C++ kernel (see cpu_kernels.py); with prefill_matmul, the prefills' runs in
-    `_attend_matmul`."""
+    `_attend_matmul`. Entries may share one block table (the queries of one sequence: the same
+    list object), which is then copied to a tensor once."""
     num_seqs = len(starts)
     width = max(len(bt) for bt in block_tables)
-    block_table = torch.tensor([bt + [0] * (width - len(bt)) for bt in block_tables], dtype=torch.long)
+    row_of: dict[int, int] = {}  # id(table) -> its row in unique
+    unique: list[list[int]] = []
+    for bt in block_tables:
+        if id(bt) not in row_of:
+            row_of[id(bt)] = len(unique)
+            unique.append(bt)
+    rows = torch.tensor([row_of[id(bt)] for bt in block_tables], dtype=torch.long)
+    block_table = torch.tensor([bt + [0] * (width - len(bt)) for bt in unique], dtype=torch.long)[rows]
     start = torch.tensor(starts, dtype=torch.long)
     length = torch.tensor(lens, dtype=torch.long)
-    # [B, width * block_size]: the slot of every position each sequence could hold.
-    all_slots = (block_table[:, :, None] * block_size + torch.arange(block_size)).view(num_seqs, -1)
+
+    def all_slots(sl: slice, ctx: int) -> torch.Tensor:
+        """[B, ctx]: the slot of each of the first ctx positions of the sequences in sl."""
+        return (block_table[sl, :, None] * block_size + torch.arange(block_size)).view(sl.stop - sl.start, -1)[:, :ctx]
 
     seq_of_token = torch.repeat_interleave(torch.arange(num_seqs), length)
     first_token = torch.cumsum(length, 0) - length
     pos = start[seq_of_token] + torch.arange(int(length.sum())) - first_token[seq_of_token]
-    slot_mapping = all_slots[seq_of_token, pos]
+    slot_mapping = block_table[seq_of_token, pos // block_size] * block_size + pos % block_size
 
     def group(sl: slice) -> AttendGroup | None:
         if sl.start == sl.stop:
@@ -117,7 +127,7 @@ def build_metadata(
             tok = torch.arange(first, first + int(g_len.sum()))
             seq = seq_of_token[tok]
             q_index = ((seq - sl.start) * q_len + tok - first_token[seq]).to(device)
-        return AttendGroup(all_slots[sl, :ctx].contiguous().to(device), mask, q_index, q_len)
+        return AttendGroup(all_slots(sl, ctx).contiguous().to(device), mask, q_index, q_len)
 
     if decode_kernel and num_decode:
         decode = DecodeGroup(block_table[:num_decode].to(device), (start + length)[:num_decode].to(device))
@@ -125,7 +135,7 @@ def build_metadata(
         decode = group(slice(0, num_decode))
     if prefill_matmul and num_decode < num_seqs:
         prefill = PrefillSeqs(
-            [all_slots[i, : starts[i] + lens[i]].to(device) for i in range(num_decode, num_seqs)],
+            [all_slots(slice(i, i + 1), starts[i] + lens[i])[0].to(device) for i in range(num_decode, num_seqs)],
             starts[num_decode:],
             lens[num_decode:],
         )

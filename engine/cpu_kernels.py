@@ -66,6 +66,9 @@ def _build(isa_flags: list[str]) -> None:
         os.close(fd)  # releases the flock
 
 
+BUILT: list[str] = []  # the flags of the build load() loaded ([""]: plain C++)
+
+
 @cache
 def load() -> bool:
     if os.environ.get("PDSERVE_DISABLE_CPU_KERNELS") == "1":
@@ -83,7 +86,8 @@ def load() -> bool:
             )
             continue
         if all(hasattr(torch.ops.pdserve, op) for op in OPS):
-            log.info("pdserve CPU kernels built for %s (%s)", cpu.isa, " ".join(flags) or "plain C++")
+            BUILT.append(" ".join(flags) or "plain C++")
+            log.info("pdserve CPU kernels built for %s (%s)", cpu.isa, BUILT[0])
             return True
     log.warning("pdserve CPU kernels unavailable, using plain torch attention and elementwise ops")
     return False

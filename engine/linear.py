@@ -37,12 +37,13 @@ class Linear:
         if self.row_group is None:
             return self._kernel(x)
         rows, group = x.shape[0], self.row_group
-        padded = -(-rows // group) * group
-        x = torch.cat([x, x.new_zeros(padded - rows, x.shape[1])]) if padded != rows else x.contiguous()
-        out = x.new_empty(padded, self.weight.shape[0])
-        for first in range(0, padded, group):
-            out[first : first + group] = self._kernel(x[first : first + group])
-        return out[:rows]
+        out = x.new_empty(rows, self.weight.shape[0])
+        for first in range(0, rows, group):
+            part = x[first : first + group]
+            if part.shape[0] < group:  # the last group, padded with zeros to the group's shape
+                part = torch.cat([part, part.new_zeros(group - part.shape[0], part.shape[1])])
+            out[first : first + group] = self._kernel(part.contiguous())[: rows - first]
+        return out
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:

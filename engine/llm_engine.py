@@ -58,6 +58,7 @@ class LLMEngine:
             )
         self.runner = ModelRunner(cfg, self.model_dir, config, self.dtype, self.device, max_model_len, kv_allocator)
         self.kv_cache = self.runner.kv_cache
+        self.numerics = self.runner.numerics  # what decides the KV's bits (KVLayout.numerics)
         self.block_manager = BlockManager(self.kv_cache.num_blocks, config.block_size, config.enable_prefix_caching)
         # A sequence can never outgrow the whole KV pool.
         self.max_model_len = min(max_model_len, self.kv_cache.num_blocks * config.block_size)

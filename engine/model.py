@@ -50,7 +50,11 @@ class LlamaModel:
         cfg, ops, eps = self.cfg, self.ops, self.cfg.rms_norm_eps
         num_tokens = input_ids.shape[0]
         residual = torch.nn.functional.embedding(input_ids, self.w.embed)  # [T, H], the residual stream
-        h = rms_norm(residual, self.w.layers[0].input_norm, eps)
+        if ops.fused:  # every norm through one kernel (a row's sum never split by the batch's shape)
+            h = torch.zeros_like(residual)
+            ops.add_rms_norm_(h, residual, self.w.layers[0].input_norm, eps)
+        else:
+            h = rms_norm(residual, self.w.layers[0].input_norm, eps)
         for i, layer in enumerate(self.w.layers):
             if i > 0:
                 ops.add_rms_norm_(h, residual, layer.input_norm, eps)  # h was the previous MLP's output

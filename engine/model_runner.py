@@ -11,6 +11,7 @@ import torch
 from engine import cpu_kernels
 from engine.attention import build_metadata
 from engine.config import EngineConfig
+from engine.hardware import cpu_features
 from engine.kv_cache import KVCache
 from engine.linear import ROW_GROUP
 from engine.model import LlamaModel
@@ -46,12 +47,13 @@ class ModelRunner:
         self.deterministic = config.deterministic
         if self.deterministic and not self.decode_kernel:
             raise ValueError(
-                "deterministic: needs the C++ CPU attention kernel, which this engine does not run "
-                f"(device {device.type}, cpu_kernels {config.cpu_kernels}, kernels built {cpu_kernels.load()}, "
-                f"head_dim {cfg.head_dim})"
+                "deterministic: needs the C++ CPU attention kernel, which this engine does not run (device "
+                f"{device.type}, cpu_kernels {config.cpu_kernels}, kernels built {self.use_cpu_kernels}, head_dim "
+                f"{cfg.head_dim}); it runs with --device cpu, the CPU kernels on, head_dim a multiple of 16 up to 256"
             )
         weights = load_weights(model_dir, cfg, dtype, device, ROW_GROUP if self.deterministic else None)
         self.model = LlamaModel(cfg, weights, max_model_len, Ops(fused=self.use_cpu_kernels))
+        self.numerics = self._numerics(weights.lm_head.packed is not None)
         bytes_per_block = cfg.kv_bytes_per_token(dtype.itemsize) * config.block_size
         num_blocks = config.num_kv_blocks or config.kv_cache_bytes // bytes_per_block
         if num_blocks < 1:
@@ -64,6 +66,15 @@ class ModelRunner:
             cfg.num_layers, num_blocks, config.block_size, cfg.num_kv_heads, cfg.head_dim, dtype, device, buffer
         )
         self.sampler = Sampler(config.seed, device)
+
+    def _numerics(self, prepacked: bool) -> str:
+        """What decides the bits of the KV and logits: "default", or in deterministic mode the
+        kernels that compute them (KV moves only between engines of equal numerics)."""
+        if not self.deterministic:
+            return "default"
+        linears = f"{'oneDNN' if prepacked else 'torch'} linears in {ROW_GROUP}-row groups"
+        kernels = f"kernels {cpu_kernels.BUILT[0]}"
+        return f"deterministic ({cpu_features().isa}; {linears}; {kernels}; torch {torch.__version__})"
 
     def forward(self, batch: ScheduledBatch) -> tuple[list[int], list[int], torch.Tensor]:
         """One forward over the batch's tokens. Returns the batch indices of the sequences whose KV

@@ -43,7 +43,7 @@ class SampleGroup:
             self.done.append(out)
         if self.live:
             return []
-        best = sorted(self.done, key=lambda o: -o.cumulative_logprob)[: self.params.n]
+        best = sorted(self.done, key=lambda o: (-o.cumulative_logprob, o.index))[: self.params.n]  # ties: by index
         logprobs = self.params.logprobs is not None
         return [
             replace(

@@ -84,14 +84,24 @@ class Sampler:
         rows = [i for i, w in enumerate(want) if w]
         logprobs = torch.log_softmax(logits[rows], dim=-1)  # raw model distribution
         n = max(params[i].logprobs or 0 for i in rows)
-        # the top n by value, ties to the lower id (topk's pick among ties moves with the batch)
-        top_vals, top_ids = (t[:, : max(n, 1)] for t in logprobs.sort(dim=-1, descending=True, stable=True))
-        chosen = logprobs.gather(1, token_ids[rows][:, None]).squeeze(1)
+        top = _top(logprobs, max(n, 1))
+        chosen = logprobs.gather(1, token_ids[rows][:, None]).squeeze(1).tolist()
         out: list[dict[int, float] | None] = [None] * len(params)
-        top_vals, top_ids, chosen = top_vals.tolist(), top_ids.tolist(), chosen.tolist()
         for j, i in enumerate(rows):
             k = params[i].logprobs or 0
-            entry = dict(zip(top_ids[j][:k], top_vals[j][:k]))
+            entry = dict(zip(top[j][0][:k], top[j][1][:k]))
             entry[int(token_ids[i])] = chosen[j]
             out[i] = entry
         return out
+
+
+def _top(logprobs: torch.Tensor, n: int) -> list[tuple[list[int], list[float]]]:
+    """Per row, the n largest (ids, values), ties to the lower id: topk alone picks among tied
+    values by its own blocking, which moves with the batch."""
+    kth = logprobs.topk(n, dim=-1).values[:, -1]
+    top = []
+    for row, least in zip(logprobs, kth):
+        ids = (row >= least).nonzero().squeeze(1)  # ascending
+        values, order = row[ids].sort(descending=True, stable=True)
+        top.append((ids[order[:n]].tolist(), values[:n].tolist()))
+    return top

@@ -31,13 +31,12 @@ class KVLayout:
     dtype: str  # "bfloat16", "float16", "float32"
     block_size: int
     model_fingerprint: str
-    numerics: str = "default"  # or "deterministic": KV from the engine's deterministic mode
+    numerics: str = "default"  # or "deterministic (the kernels)": the engine's deterministic mode
 
     @classmethod
-    def of(cls, kv_cache: KVCache, model_fingerprint: str, deterministic: bool = False) -> KVLayout:
+    def of(cls, kv_cache: KVCache, model_fingerprint: str, numerics: str = "default") -> KVLayout:
         layers, _, _, block_size, kv_heads, head_dim = kv_cache.kv.shape
         dtype = str(kv_cache.kv.dtype).removeprefix("torch.")
-        numerics = "deterministic" if deterministic else "default"
         return cls(layers, kv_heads, head_dim, dtype, block_size, model_fingerprint, numerics)
 
     @property
@@ -50,9 +49,10 @@ class KVLayout:
     def check(
         self, other: KVLayout, same_block_size: bool = False, sides: tuple[str, str] = ("decode", "prefill")
     ) -> None:
-        """Raises KVLayoutMismatch naming every field that differs (self is sides[0])."""
+        """Raises KVLayoutMismatch naming every field that differs (self is sides[0]). Deterministic
+        KV holds only for the block size it was computed with (attention sums a block at a time)."""
         fields = ["model_fingerprint", "num_layers", "num_kv_heads", "head_dim", "dtype", "numerics"]
-        if same_block_size:
+        if same_block_size or "default" not in (self.numerics, other.numerics):
             fields.append("block_size")
         diffs = [
             f"{f}: {sides[0]} {getattr(self, f)!r}, {sides[1]} {getattr(other, f)!r}"

@@ -107,7 +107,9 @@ def _send_json(sock: socket.socket, obj: dict, prefix: bytes = b"") -> None:
 
 
 def _layout_dict(layout: KVLayout) -> dict:
-    return dataclasses.asdict(layout)
+    """(numerics only where it is not the default: a node of an earlier version refuses a field it
+    does not know)"""
+    return {k: v for k, v in dataclasses.asdict(layout).items() if k != "numerics" or v != "default"}
 
 
 def _tune(sock: socket.socket) -> None:

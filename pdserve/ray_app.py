@@ -72,11 +72,12 @@ def parse_args(args: dict) -> AppArgs:
         if sections["decode"]["kv_transport"] != args["kv_transport"]:
             raise ValueError("args.kv_transport and args.decode.kv_transport differ: give one")
     pools = {name: _pool(name, sections[name], model) for name in POOLS}
-    if pools["prefill"].engine.dtype != pools["decode"].engine.dtype:
-        raise ValueError(
-            f"prefill dtype {pools['prefill'].engine.dtype!r} != decode dtype "
-            f"{pools['decode'].engine.dtype!r}: the KV cannot move between them"
-        )
+    for field in ("dtype", "deterministic"):  # (the block size too, in deterministic mode: KVLayout.check)
+        prefill, decode = getattr(pools["prefill"].engine, field), getattr(pools["decode"].engine, field)
+        if prefill != decode:
+            raise ValueError(
+                f"prefill {field} {prefill!r} != decode {field} {decode!r}: the KV cannot move between them"
+            )
     _check_transport(pools["decode"].node.kv_transport, pools["prefill"].kv_options)
     return AppArgs(
         model,

@@ -227,6 +227,7 @@ class Report:
     spec_accepted: int = 0
     kills: int = 0
     failed_on_kill: int = 0  # n > 1 or beams that had streamed on the killed node (they do not migrate)
+    clusters: dict = field(default_factory=dict)  # "kv_transport, local prefill mode" -> mixes
 
     def add_kinds(self, req: Req) -> None:
         for k in req.kinds:
@@ -371,6 +372,8 @@ async def cluster_mix(model, seed: int, num_requests: int, report: Report, refer
     references(model, reqs, reference)
     decode_engine = {"num_kv_blocks": settings["num_kv_blocks"], "speculative": settings["speculative"]}
     decode_engine |= reference.numerics
+    way = f"{settings['kv_transport']}, local prefill {settings['local_prefill']}"
+    report.clusters[way] = report.clusters.get(way, 0) + 1
     done: dict[str, asyncio.Event] = {r.rid: asyncio.Event() for r in reqs}
     answers: dict[str, object] = {}
     async with local_cluster(

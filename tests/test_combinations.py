@@ -4,13 +4,13 @@ the module's command (docs/reliability.md)."""
 
 from __future__ import annotations
 
-from combinations import Report, engine_mix
+from combinations import Reference, Report, engine_mix
 
 ENGINE_SEEDS = range(12)
 
 
 def test_random_mixes_in_one_engine_equal_each_request_alone(tiny_llama):
-    report, reference = Report(), {}
+    report, reference = Report(), Reference()
     for seed in ENGINE_SEEDS:
         engine_mix(tiny_llama, seed, 16, report, reference)
     print(report)
@@ -34,7 +34,7 @@ def test_random_mixes_through_a_cluster_equal_each_request_alone(tiny_llama):
 
     from combinations import cluster_mix
 
-    report, reference = Report(), {}
+    report, reference = Report(), Reference()
     for seed in CLUSTER_SEEDS:
         asyncio.run(cluster_mix(tiny_llama, seed, 24, report, reference))
     print(report)

@@ -60,6 +60,7 @@ def test_random_mixes_through_a_deterministic_cluster_equal_each_request_alone_e
     assert not report.leaked, report.leaked
     assert report.kills and report.finished > report.requests // 2
     assert report.cache_hit_tokens and report.spec_accepted
+    assert {"shm, local prefill auto", "shm, local prefill off", "tcp, local prefill off"} <= set(report.clusters)
 
 
 def test_without_the_mode_the_same_mixes_find_differences(tiny_llama):

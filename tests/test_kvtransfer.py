@@ -94,6 +94,25 @@ def test_layout_check_names_each_difference():
         a.check(KVLayout(24, 3, 128, "bfloat16", 16, "abc"))
 
 
+def test_deterministic_kv_moves_only_between_equal_numerics_and_block_sizes():
+    det = KVLayout(30, 3, 64, "bfloat16", 16, "abc", "deterministic (amx; ...)")
+    det.check(KVLayout(30, 3, 64, "bfloat16", 16, "abc", "deterministic (amx; ...)"))
+    with pytest.raises(KVLayoutMismatch, match=r"numerics: decode 'deterministic \(amx; ...\)', prefill 'default'"):
+        det.check(KVLayout(30, 3, 64, "bfloat16", 16, "abc"))
+    with pytest.raises(KVLayoutMismatch, match="numerics: .*avx2"):
+        det.check(KVLayout(30, 3, 64, "bfloat16", 16, "abc", "deterministic (avx2; ...)"))
+    with pytest.raises(KVLayoutMismatch, match="block_size: decode 16, prefill 32"):  # attention sums per block
+        det.check(KVLayout(30, 3, 64, "bfloat16", 32, "abc", "deterministic (amx; ...)"))
+    # the wire: an older node's layout has no numerics (proto "": the default); tcp's JSON leaves it
+    # out where it is the default, which an older node would refuse as an unknown field
+    assert KVLayout.from_proto(KVLayout(30, 3, 64, "bfloat16", 16, "abc").to_proto()).numerics == "default"
+    assert KVLayout.from_proto(det.to_proto()) == det
+    from kvtransfer.tcp import _layout_dict
+
+    assert "numerics" not in _layout_dict(KVLayout(30, 3, 64, "bfloat16", 16, "abc"))
+    assert KVLayout(**_layout_dict(det)) == det
+
+
 def test_lease_table_expiry():
     t = LeaseTable(ttl_s=0.05)
     lease = t.add("r1", [1, 2], 7, 123)

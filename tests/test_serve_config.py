@@ -86,6 +86,10 @@ def args(**overrides):
         (args(prefill={"engine": {"dtyp": "bfloat16"}}), r"args.prefill.engine: unknown key\(s\) \['dtyp'\]"),
         (args(decode={"engine": {"model": "other"}}), "both pools must serve the same model"),
         (args(decode={"engine": {"dtype": "float32"}}), "the KV cannot move between them"),
+        (
+            args(decode={"engine": {"dtype": "bfloat16", "deterministic": True}}),
+            "prefill deterministic False != decode deterministic True",
+        ),
         (args(decode={"engine": {"max_num_seqs": 0}}), "max_num_seqs must be >= 1"),
         (args(kv_transport="shm", prefill={"shm": False, "engine": {"dtype": "bfloat16"}}), "prefill.shm is false"),
         (args(router={"direct_prt": 1}), "args.router"),
