@@ -19,7 +19,7 @@ prefill(n) is a line (fixed + n x per token) fitted to recent prefills that ran 
 node (no other prefill of this router's in flight there, so the queue does not bias it), one line
 for the prefill pool and one for local prefills on decode nodes; until a local prefill has been
 measured, the prefill pool's line stands in (the same engine), and until local prefills of
-two sizes have been, its slope. Nothing is guessed: until a
+sizes spanning a factor of two have been, its slope. Nothing is guessed: until a
 remote prefill has been measured every prefill is remote. `max_local_tokens` bounds what a decode
 node may compute (a long local prefill stalls every sequence decoding there).
 """
@@ -32,6 +32,10 @@ from dataclasses import dataclass, field
 MODES = ("auto", "off", "always")
 MAX_LOCAL_TOKENS = 1024  # measured on the anchor workload: docs/benchmarks.md, section 5
 SAMPLES = 32
+# A free line needs sizes spanning this factor. On the anchor workload (590-630-token prompts) a
+# local line through sizes that close came out at 2.2 s + 0.6 ms a token against the engine's
+# 4.3 ms: it priced what a local prefill adds to each sequence decoding beside it at a seventh.
+SPAN = 2.0
 EWMA = 0.2  # weight of a new sample in the link and hand-off averages
 
 
@@ -49,19 +53,21 @@ class LinearFit:
         return bool(self.samples)
 
     def line(self, slope_prior: float | None = None) -> tuple[float, float]:
-        """(fixed, per_token). Samples of one size only: with slope_prior (another node's slope),
-        the fixed part that fits them; without, proportional."""
+        """(fixed, per_token). A free line only through sizes spanning SPAN or more; else (sizes
+        close together set a slope by their noise) with slope_prior (another node's slope) the
+        fixed part that fits them, without, proportional."""
         n = len(self.samples)
         mean_x = sum(x for x, _ in self.samples) / n
         mean_y = sum(y for _, y in self.samples) / n
-        var = sum((x - mean_x) ** 2 for x, _ in self.samples)
-        if var > 0:
+        sizes = [x for x, _ in self.samples]
+        if max(sizes) >= SPAN * min(sizes):
+            var = sum((x - mean_x) ** 2 for x in sizes)
             slope = sum((x - mean_x) * (y - mean_y) for x, y in self.samples) / var
             if slope > 0 and mean_y - slope * mean_x >= 0:
                 return mean_y - slope * mean_x, slope
-        if slope_prior is not None and var == 0:
+        if slope_prior is not None:
             return max(0.0, mean_y - slope_prior * mean_x), slope_prior
-        return 0.0, mean_y / mean_x  # one size seen (or a line through 0 fits better): proportional
+        return 0.0, mean_y / mean_x  # (or a line through 0 fits better): proportional
 
     def seconds(self, tokens: int, slope_prior: float | None = None) -> float:
         fixed, per_token = self.line(slope_prior)

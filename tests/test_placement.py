@@ -27,6 +27,14 @@ def test_linear_fit_recovers_fixed_and_per_token_cost():
     one_size = LinearFit()
     one_size.add(100, 0.2)
     assert one_size.line() == (0.0, pytest.approx(0.002)) and one_size.seconds(50) == pytest.approx(0.1)
+    # sizes close together (the anchor's 590-630-token prompts) and noisy times: a free line's
+    # slope would be the noise's (here 0.41 s + 1.6 ms a token against 2 ms); the prior's slope, or
+    # proportional, stands instead
+    close = LinearFit()
+    for n, s in ((590, 1.40), (630, 1.432), (600, 1.35), (620, 1.45)):
+        close.add(n, s)
+    assert close.line(slope_prior=0.002) == (pytest.approx(1.408 - 0.002 * 610), 0.002)
+    assert close.line() == (0.0, pytest.approx(1.408 / 610))
 
 
 def measured(**kwargs) -> Placement:
