@@ -1,5 +1,6 @@
 """The real default model (SmolLM2-135M-Instruct) in fp32 against transformers: token-for-token
-greedy equality and the logits-consistency check (KL divergence per step)."""
+greedy equality and the logits-consistency check (KL divergence per step); bf16 against fp32; and
+deterministic mode's same bits alone and in a batch, in both dtypes."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from engine import EngineConfig, LLMEngine, SamplingParams
+from engine import EngineConfig, LLMEngine, SamplingParams, cpu_kernels
 
 pytestmark = pytest.mark.slow
 
@@ -206,3 +207,57 @@ def test_beam_search_equals_transformers(engine):
         while engine.has_unfinished():
             got.update({o.index: o.token_ids for o in engine.step() if o.request_id == f"beam{i}"})
         assert [got[j] for j in range(3)] == want, m
+
+
+def greedy_runs(dtype: str, deterministic: bool) -> tuple[dict, dict]:
+    """The 8 chat prompts, greedy with top-5 logprobs: (each alone on an engine of its own budget,
+    all together on one with 16-token steps: chunked prefills, a batch of 8 beside them, the
+    shared chat template's blocks from the prefix cache). Each: request id -> (tokens, logprobs)."""
+
+    def engine(**kw) -> LLMEngine:
+        config = EngineConfig(
+            model="smollm2-135m", dtype=dtype, device="cpu", kv_cache_bytes=64 << 20, deterministic=deterministic, **kw
+        )
+        return LLMEngine(config)
+
+    def finish(e: LLMEngine) -> dict:
+        outs = {}
+        while e.has_unfinished():
+            outs.update({o.request_id: (o.token_ids, o.logprobs) for o in e.step() if o.finished})
+        return outs
+
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=5)
+    tok = engine(num_kv_blocks=64).tokenizer
+    prompts = [
+        tok.apply_chat_template([{"role": "user", "content": m}], tokenize=False, add_generation_prompt=True)
+        for m in MESSAGES
+    ]
+    alone = {}
+    for i, p in enumerate(prompts):
+        e = engine(enable_prefix_caching=False)
+        e.add_request(str(i), p, params)
+        alone.update(finish(e))
+    together = engine(max_num_batched_tokens=16)
+    for i, p in enumerate(prompts):
+        together.add_request(str(i), p, params)
+    return alone, finish(together)
+
+
+@pytest.mark.skipif(not cpu_kernels.load(), reason="deterministic mode needs the C++ CPU kernels")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_deterministic_mode_gives_the_default_model_the_same_bits_alone_and_in_a_chunked_batch(dtype):
+    """Issue 28 on the default model: greedy tokens and top-5 logprobs, exactly equal."""
+    alone, together = greedy_runs(dtype, deterministic=True)
+    assert together == alone
+
+
+@pytest.mark.skipif(not cpu_kernels.load(), reason="the control of a test that needs the C++ CPU kernels")
+def test_without_deterministic_mode_the_default_model_parts_somewhere():
+    """The control: the same runs with the mode off differ in either dtype (which one depends on
+    the CPU's kernels: on an AVX2-only CPU fp32's logprobs; with native bf16, bf16's)."""
+    differ = {}
+    for dtype in ("bfloat16", "float32"):
+        alone, together = greedy_runs(dtype, deterministic=False)
+        differ[dtype] = sum(together[r] != alone[r] for r in alone)
+    print(differ)
+    assert any(differ.values()), differ
