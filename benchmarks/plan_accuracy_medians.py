@@ -1,11 +1,12 @@
 """The simulator against measured runs over repeats: per cell (workload, deployment), the median of
 the measured values of several `plan_accuracy.py` runs against the median of their predictions.
 
-    python benchmarks/plan_accuracy_medians.py RUN.json RUN.json ... [--json OUT.json]
+    python benchmarks/plan_accuracy_medians.py RUN.json RUN.json ... [--replaced-by RUN.json ...] [--json OUT.json]
 
 Each run draws its own prompts (its seed), so the predictions move a little between runs and the
 measurements move more; one run per cell cannot tell the simulator's error from the machine's
-run-to-run noise. Also shown: the spread of the measured values (max/min - 1) per cell.
+run-to-run noise. Also shown: the spread of the measured values (max/min - 1) per cell. Runs after
+--replaced-by (a change re-measured on the cells it moves) take the place of the cells they measure.
 """
 
 from __future__ import annotations
@@ -47,10 +48,12 @@ def summarize(rows: list[dict]) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("runs", nargs="+", type=Path)
+    ap.add_argument("--replaced-by", nargs="+", type=Path, default=[], help="runs whose cells replace the runs' cells")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
-    runs = [json.loads(p.read_text()) for p in args.runs]
-    table = {f"{w}/{d}": summarize(rows) for (w, d), rows in cells(runs).items()}
+    by_cell = cells([json.loads(p.read_text()) for p in args.runs])
+    by_cell.update(cells([json.loads(p.read_text()) for p in args.replaced_by]))
+    table = {f"{w}/{d}": summarize(rows) for (w, d), rows in by_cell.items()}
     for name, s in table.items():
         parts = [
             f"{m} {s[m]['predicted_median']:.3g}/{s[m]['measured_median']:.3g} ({s[m]['error']:.0%}, "
@@ -59,7 +62,16 @@ def main() -> int:
         ]
         print(f"{name:24s} {s['runs']} runs  " + "  ".join(parts) + ("  within 15%" if s["within_goal"] else ""))
     if args.json:
-        args.json.write_text(json.dumps({"runs": [str(p) for p in args.runs], "cells": table}, indent=1))
+        args.json.write_text(
+            json.dumps(
+                {
+                    "runs": [str(p) for p in args.runs],
+                    "replaced_by": [str(p) for p in args.replaced_by],
+                    "cells": table,
+                },
+                indent=1,
+            )
+        )
     return 0
 
 
