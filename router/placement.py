@@ -33,8 +33,9 @@ MODES = ("auto", "off", "always")
 MAX_LOCAL_TOKENS = 1024  # measured on the anchor workload: docs/benchmarks.md, section 5
 SAMPLES = 32
 # A free line needs sizes spanning this factor. On the anchor workload (590-630-token prompts) a
-# local line through sizes that close came out at 2.2 s + 0.6 ms a token against the engine's
-# 4.3 ms: it priced what a local prefill adds to each sequence decoding beside it at a seventh.
+# local line through sizes that close came out at 1.38 s + 2.08 ms a token against the engine's
+# 4.3 ms (docs/bench/placement_inputs_free_slope.log): it priced what a local prefill adds to each
+# sequence decoding beside it at half.
 SPAN = 2.0
 EWMA = 0.2  # weight of a new sample in the link and hand-off averages
 
