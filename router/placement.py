@@ -37,6 +37,7 @@ SAMPLES = 32
 # 4.3 ms (docs/bench/placement_inputs_free_slope.log): it priced what a local prefill adds to each
 # sequence decoding beside it at half.
 SPAN = 2.0
+assert SPAN > 1  # sizes spanning it differ: the free line's variance is > 0
 EWMA = 0.2  # weight of a new sample in the link and hand-off averages
 
 
@@ -54,9 +55,10 @@ class LinearFit:
         return bool(self.samples)
 
     def line(self, slope_prior: float | None = None) -> tuple[float, float]:
-        """(fixed, per_token). A free line only through sizes spanning SPAN or more; else (sizes
-        close together set a slope by their noise) with slope_prior (another node's slope) the
-        fixed part that fits them, without, proportional."""
+        """(fixed, per_token). Through sizes spanning SPAN or more, the least-squares line where
+        its slope and fixed part come out >= 0, else proportional. Through sizes closer together
+        (their noise would set a slope): with slope_prior (another node's slope) the fixed part
+        that fits them, without, proportional."""
         n = len(self.samples)
         mean_x = sum(x for x, _ in self.samples) / n
         mean_y = sum(y for _, y in self.samples) / n
@@ -66,9 +68,9 @@ class LinearFit:
             slope = sum((x - mean_x) * (y - mean_y) for x, y in self.samples) / var
             if slope > 0 and mean_y - slope * mean_x >= 0:
                 return mean_y - slope * mean_x, slope
-        if slope_prior is not None:
+        elif slope_prior is not None:
             return max(0.0, mean_y - slope_prior * mean_x), slope_prior
-        return 0.0, mean_y / mean_x  # (or a line through 0 fits better): proportional
+        return 0.0, mean_y / mean_x
 
     def seconds(self, tokens: int, slope_prior: float | None = None) -> float:
         fixed, per_token = self.line(slope_prior)

@@ -35,6 +35,12 @@ def test_linear_fit_recovers_fixed_and_per_token_cost():
         close.add(n, s)
     assert close.line(slope_prior=0.002) == (pytest.approx(1.408 - 0.002 * 610), 0.002)
     assert close.line() == (0.0, pytest.approx(1.408 / 610))
+    # sizes spanning 2x whose line would cross below 0 (steeper than proportional): proportional,
+    # its own slope, not the prior's
+    steep = LinearFit()
+    for n, s in ((100, 0.1), (200, 0.5)):
+        steep.add(n, s)
+    assert steep.line(slope_prior=0.001) == (0.0, pytest.approx(0.6 / 300))
 
 
 def measured(**kwargs) -> Placement:

@@ -9,6 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from engine import EngineConfig, LLMEngine, SamplingParams, cpu_kernels
+from engine.hardware import cpu_features
 
 pytestmark = pytest.mark.slow
 
@@ -210,9 +211,10 @@ def test_beam_search_equals_transformers(engine):
 
 
 def greedy_runs(dtype: str, deterministic: bool) -> tuple[dict, dict]:
-    """The 8 chat prompts, greedy with top-5 logprobs: (each alone on an engine of its own budget,
-    all together on one with 16-token steps: chunked prefills, a batch of 8 beside them, the
-    shared chat template's blocks from the prefix cache). Each: request id -> (tokens, logprobs)."""
+    """The 8 chat prompts, greedy with top-5 logprobs: (each alone, one after the other on an
+    engine of the default token budget and no prefix cache; all together on one with 16-token
+    steps: chunked prefills, up to 8 sequences decoding beside them, the chat template's first
+    block from the prefix cache). Each: request id -> (tokens, logprobs)."""
 
     def engine(**kw) -> LLMEngine:
         config = EngineConfig(
@@ -227,16 +229,15 @@ def greedy_runs(dtype: str, deterministic: bool) -> tuple[dict, dict]:
         return outs
 
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=5)
-    tok = engine(num_kv_blocks=64).tokenizer
+    one = engine(enable_prefix_caching=False)
     prompts = [
-        tok.apply_chat_template([{"role": "user", "content": m}], tokenize=False, add_generation_prompt=True)
+        one.tokenizer.apply_chat_template([{"role": "user", "content": m}], tokenize=False, add_generation_prompt=True)
         for m in MESSAGES
     ]
     alone = {}
     for i, p in enumerate(prompts):
-        e = engine(enable_prefix_caching=False)
-        e.add_request(str(i), p, params)
-        alone.update(finish(e))
+        one.add_request(str(i), p, params)
+        alone.update(finish(one))
     together = engine(max_num_batched_tokens=16)
     for i, p in enumerate(prompts):
         together.add_request(str(i), p, params)
@@ -253,11 +254,13 @@ def test_deterministic_mode_gives_the_default_model_the_same_bits_alone_and_in_a
 
 @pytest.mark.skipif(not cpu_kernels.load(), reason="the control of a test that needs the C++ CPU kernels")
 def test_without_deterministic_mode_the_default_model_parts_somewhere():
-    """The control: the same runs with the mode off differ in either dtype (which one depends on
-    the CPU's kernels: on an AVX2-only CPU fp32's logprobs; with native bf16, bf16's)."""
+    """The control: the same runs with the mode off differ in a dtype (on this project's AVX2-only
+    machine bf16 in 2 of 8 outputs, fp32 in 6). A CPU whose kernels keep both dtypes' rows the
+    same whatever the batch has nothing here for the mode to fix: skipped, naming it."""
     differ = {}
     for dtype in ("bfloat16", "float32"):
         alone, together = greedy_runs(dtype, deterministic=False)
         differ[dtype] = sum(together[r] != alone[r] for r in alone)
     print(differ)
-    assert any(differ.values()), differ
+    if not any(differ.values()):
+        pytest.skip(f"on this CPU ({cpu_features().isa}) neither dtype's outputs moved with the batch: {differ}")
