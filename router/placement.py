@@ -37,7 +37,6 @@ SAMPLES = 32
 # 4.3 ms (docs/bench/placement_inputs_free_slope.log): it priced what a local prefill adds to each
 # sequence decoding beside it at half.
 SPAN = 2.0
-assert SPAN > 1  # sizes spanning it differ: the free line's variance is > 0
 EWMA = 0.2  # weight of a new sample in the link and hand-off averages
 
 
@@ -59,11 +58,10 @@ class LinearFit:
         its slope and fixed part come out >= 0, else proportional. Through sizes closer together
         (their noise would set a slope): with slope_prior (another node's slope) the fixed part
         that fits them, without, proportional."""
-        n = len(self.samples)
-        mean_x = sum(x for x, _ in self.samples) / n
-        mean_y = sum(y for _, y in self.samples) / n
         sizes = [x for x, _ in self.samples]
-        if max(sizes) >= SPAN * min(sizes):
+        mean_x = sum(sizes) / len(sizes)
+        mean_y = sum(y for _, y in self.samples) / len(sizes)
+        if max(sizes) >= SPAN * min(sizes):  # (SPAN > 1: the sizes differ, var > 0)
             var = sum((x - mean_x) ** 2 for x in sizes)
             slope = sum((x - mean_x) * (y - mean_y) for x, y in self.samples) / var
             if slope > 0 and mean_y - slope * mean_x >= 0:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import run_to_completion
 from transformers import AutoModelForCausalLM
 
 from engine import EngineConfig, LLMEngine, SamplingParams, cpu_kernels
@@ -223,10 +224,7 @@ def greedy_runs(dtype: str, deterministic: bool) -> tuple[dict, dict]:
         return LLMEngine(config)
 
     def finish(e: LLMEngine) -> dict:
-        outs = {}
-        while e.has_unfinished():
-            outs.update({o.request_id: (o.token_ids, o.logprobs) for o in e.step() if o.finished})
-        return outs
+        return {rid: (o.token_ids, o.logprobs) for rid, o in run_to_completion(e).items()}
 
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=5)
     one = engine(enable_prefix_caching=False)
