@@ -22,7 +22,7 @@ from engine.hardware import cpu_features
 
 log = logging.getLogger(__name__)
 SOURCES = [str(p) for p in sorted((Path(__file__).parent / "csrc").glob("*.cpp"))]
-OPS = ("paged_decode_attention", "add_rms_norm", "rope", "silu_mul")
+OPS = ("paged_decode_attention", "add_rms_norm", "rope", "silu_mul", "ordered_linear", "ordered_linear_pack")
 # -ffast-math lets the dot-product reductions vectorize (reassociation) and lets expf use glibc's
 # vector variants; the kernel keeps every value finite (its running max starts at -FLT_MAX).
 BASE_FLAGS = ["-O3", "-ffast-math", "-fopenmp"]

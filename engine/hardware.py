@@ -38,9 +38,10 @@ X86_CLASSES = ("generic", "avx2", "avx512", "avx512_bf16", "amx")  # ascending
 ARM_CLASSES = ("generic", "neon")
 _AVX2 = ["-mavx2", "-mfma", "-mf16c"]
 _AVX512 = _AVX2 + ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mprefer-vector-width=512"]
+_AVX512_BF16 = _AVX512 + ["-mavx512bf16"]
 KERNEL_FLAGS = {
-    "amx": _AVX512,
-    "avx512_bf16": _AVX512,
+    "amx": _AVX512_BF16,
+    "avx512_bf16": _AVX512_BF16,
     "avx512": _AVX512,
     "avx2": _AVX2,
     "neon": ["-mcpu=native"],

@@ -13,7 +13,6 @@ from engine.attention import build_metadata
 from engine.config import EngineConfig
 from engine.hardware import cpu_features
 from engine.kv_cache import KVCache
-from engine.linear import ROW_GROUP
 from engine.model import LlamaModel
 from engine.model_config import ModelConfig
 from engine.ops import Ops
@@ -43,7 +42,7 @@ class ModelRunner:
         # Prefill attention as chunked matmuls: faster than torch's flash kernel on a CPU in bf16.
         self.prefill_matmul = self.use_cpu_kernels and dtype == torch.bfloat16
         # Deterministic: every token a single query through the C++ kernel (its sums run over the
-        # context in blocks of absolute positions), every linear in fixed row groups.
+        # context in blocks of absolute positions), every linear summed in k order (engine/csrc/ordered_linear.cpp).
         self.deterministic = config.deterministic
         if self.deterministic and not self.decode_kernel:
             raise ValueError(
@@ -51,9 +50,9 @@ class ModelRunner:
                 f"{device.type}, cpu_kernels {config.cpu_kernels}, kernels built {self.use_cpu_kernels}, head_dim "
                 f"{cfg.head_dim}); it runs with --device cpu, the CPU kernels on, head_dim a multiple of 16 up to 256"
             )
-        weights = load_weights(model_dir, cfg, dtype, device, ROW_GROUP if self.deterministic else None)
+        weights = load_weights(model_dir, cfg, dtype, device, ordered=self.deterministic)
         self.model = LlamaModel(cfg, weights, max_model_len, Ops(fused=self.use_cpu_kernels))
-        self.numerics = self._numerics(weights.lm_head.packed is not None)
+        self.numerics = self._numerics()
         bytes_per_block = cfg.kv_bytes_per_token(dtype.itemsize) * config.block_size
         num_blocks = config.num_kv_blocks or config.kv_cache_bytes // bytes_per_block
         if num_blocks < 1:
@@ -67,14 +66,13 @@ class ModelRunner:
         )
         self.sampler = Sampler(config.seed, device)
 
-    def _numerics(self, prepacked: bool) -> str:
+    def _numerics(self) -> str:
         """What decides the bits of the KV and logits: "default", or in deterministic mode the
         kernels that compute them (KV moves only between engines of equal numerics)."""
         if not self.deterministic:
             return "default"
-        linears = f"{'oneDNN' if prepacked else 'torch'} linears in {ROW_GROUP}-row groups"
-        kernels = f"kernels {cpu_kernels.BUILT[0]}"
-        return f"deterministic ({cpu_features().isa}; {linears}; {kernels}; torch {torch.__version__})"
+        kernels = f"ordered linears, kernels {cpu_kernels.BUILT[0]}"
+        return f"deterministic ({cpu_features().isa}; {kernels}; torch {torch.__version__})"
 
     def forward(self, batch: ScheduledBatch) -> tuple[list[int], list[int], torch.Tensor]:
         """One forward over the batch's tokens. Returns the batch indices of the sequences whose KV

@@ -47,13 +47,13 @@ def _read_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def load_weights(
-    model_dir: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, row_group: int | None = None
+    model_dir: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, ordered: bool = False
 ) -> ModelWeights:
-    """row_group: each linear's rows in groups of this many (deterministic mode, engine/linear.py)."""
+    """ordered: every linear sums in one order whatever the batch (deterministic mode, engine/linear.py)."""
     raw = _read_tensors(model_dir)
 
     def linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
-        return Linear(weight, bias, row_group)
+        return Linear(weight, bias, ordered)
 
     def take(name: str) -> torch.Tensor:
         if name not in raw:

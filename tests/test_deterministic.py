@@ -15,7 +15,7 @@ from combinations import Reference, Report, cluster_mix, engine_mix
 from conftest import make_engine
 
 from engine import cpu_kernels
-from engine.linear import ROW_GROUP, Linear
+from engine.linear import Linear
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.load(), reason="deterministic mode needs the C++ CPU kernels")
 
@@ -26,13 +26,22 @@ CLUSTER_SEEDS = range(100, 104)
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_a_linears_rows_are_the_same_bits_whatever_else_is_in_the_batch(dtype):
+    """An odd K (the bf16 pairs' padding), N off the panel width, more rows than the kernel keeps
+    in cache at once (64), a bias."""
     dt = getattr(torch, dtype)
-    linear = Linear(torch.randn(96, 80, dtype=dt), torch.randn(96, dtype=dt), row_group=ROW_GROUP)
-    x = torch.randn(70, 80, dtype=dt)
+    weight, bias, x = torch.randn(100, 81, dtype=dt), torch.randn(100, dtype=dt), torch.randn(150, 81, dtype=dt)
+    linear = Linear(weight, bias, ordered=True)
     alone = torch.cat([linear(x[i : i + 1]) for i in range(len(x))])
-    for rows in (2, 3, 7, 16, 17, 33, 70):
+    for rows in (2, 3, 7, 16, 17, 33, 70, 150):
         for first in (0, len(x) - rows):
             assert torch.equal(linear(x[first : first + rows]), alone[first : first + rows]), (rows, first)
+    # and it is the linear: off a float64 reference by at most fp32's error bound for a sum of
+    # K + 1 terms (K x fp32 eps x the sum of |terms|) and one rounding to the dtype
+    f64 = torch.nn.functional.linear
+    exact = f64(x.double(), weight.double(), bias.double())
+    terms = f64(x.double().abs(), weight.double().abs(), bias.double().abs())
+    bound = 82 * torch.finfo(torch.float32).eps * terms + torch.finfo(dt).eps * exact.abs()
+    assert ((alone.double() - exact).abs() <= bound).all()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

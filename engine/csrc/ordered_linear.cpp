@@ -1,0 +1,216 @@
+// y = x @ W.T + b with every output summed in one fixed order, whatever the number of rows
+// (deterministic mode's linears on CPUs, engine/linear.py). Registered under torch.ops.pdserve.
+//
+// Each output y[m, n] is a running fp32 sum over k = 0, 1, ..., K-1 (one multiply-add a step; in
+// bf16 on a CPU with AVX512_BF16, one step takes k and k+1 together, vdpbf16ps), then + b[n], then
+// one rounding to the model dtype. The kernel vectorizes across outputs (NR columns of W side by
+// side), never across k, and every row goes through the same MR-row tile (zero rows pad the last
+// one), so a row's bits depend neither on what else is in the batch, nor on how the rows are split
+// between threads, nor on the batch's size. A BLAS picks its blocking of k by the shape it is
+// given, which is why a row of a batched matmul moves with the batch.
+//
+// ordered_linear_pack lays W out once as panels of NR columns, k-major (column n at panel n / NR,
+// lane n % NR; in pairs of k for vdpbf16ps; columns past N and the odd k past K zero): each step
+// over k reads NR adjacent weights.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include "to_float.h"
+
+#include <algorithm>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+
+// Reassociating the sum over k is what this file must not do; -ffast-math (the build's flags)
+// would allow it.
+#if defined(__clang__)
+#pragma clang fp reassociate(off)
+#elif defined(__GNUC__)
+#pragma GCC optimize("no-associative-math")
+#endif
+
+namespace {
+
+using pdserve::to_float;
+
+#if defined(__AVX512F__)
+constexpr int64_t NR = 32;  // columns a tile computes side by side: two vector registers
+#else
+constexpr int64_t NR = 16;
+#endif
+constexpr int64_t MR = 4;   // rows a tile computes: its MR x NR sums stay in registers
+constexpr int64_t MC = 64;  // rows whose copy stays in cache while the panels stream past
+
+constexpr int64_t V = NR / 16;  // 16-float vectors a tile row spans
+
+typedef float v16 __attribute__((vector_size(16 * sizeof(float))));  // one zmm, or two ymm
+typedef uint16_t v16half __attribute__((vector_size(16 * sizeof(uint16_t))));
+typedef uint32_t v16bits __attribute__((vector_size(16 * sizeof(uint32_t))));
+typedef v16 row_acc[V];  // a tile row's NR sums
+
+#if defined(__AVX512BF16__)
+template <typename scalar_t>
+constexpr bool paired = std::is_same_v<scalar_t, c10::BFloat16>;  // k in pairs, vdpbf16ps
+#else
+template <typename scalar_t>
+constexpr bool paired = false;
+#endif
+
+// x's rows as the tile reads them: fp32, or bf16 as it is where the tile multiplies bf16 pairs.
+template <typename scalar_t>
+using x_t = std::conditional_t<paired<scalar_t>, c10::BFloat16, float>;
+
+template <typename scalar_t>
+int64_t padded_k(int64_t K) {
+  return paired<scalar_t> ? (K + 1) / 2 * 2 : K;
+}
+
+inline v16 load16(const float* p) {
+  v16 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline v16 load16(const c10::BFloat16* p) {  // bf16 -> fp32 is a 16-bit shift
+  v16half h;
+  std::memcpy(&h, p, sizeof(h));
+  const v16bits bits = __builtin_convertvector(h, v16bits) << 16;
+  v16 v;
+  std::memcpy(&v, &bits, sizeof(v));
+  return v;
+}
+
+inline v16 load16(const c10::Half* p) {
+  v16 v;
+  for (int64_t j = 0; j < 16; ++j) v[j] = static_cast<float>(p[j]);
+  return v;
+}
+
+// acc[r] = sum over k of x[r, k] * panel[k, :], in k order. x: MR rows of K.
+template <typename scalar_t>
+inline void tile(const float* x, int64_t K, const scalar_t* panel, row_acc acc[MR]) {
+  for (int64_t r = 0; r < MR; ++r)
+    for (int64_t v = 0; v < V; ++v) acc[r][v] = v16{};
+  for (int64_t k = 0; k < K; ++k) {
+    v16 w[V];
+    for (int64_t v = 0; v < V; ++v) w[v] = load16(panel + k * NR + v * 16);
+    for (int64_t r = 0; r < MR; ++r)
+      for (int64_t v = 0; v < V; ++v) acc[r][v] += x[r * K + k] * w[v];
+  }
+}
+
+#if defined(__AVX512BF16__)
+// The same in bf16 pairs: acc[r] += x[r, k] * panel[k, :] + x[r, k+1] * panel[k+1, :], k = 0, 2, ...
+inline void tile(const c10::BFloat16* x, int64_t K, const c10::BFloat16* panel, row_acc acc[MR]) {
+  __m512 a[MR][V];
+  for (int64_t r = 0; r < MR; ++r)
+    for (int64_t v = 0; v < V; ++v) a[r][v] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 2) {
+    __m512bh w[V];
+    for (int64_t v = 0; v < V; ++v) w[v] = (__m512bh)_mm512_loadu_si512(panel + k * NR + v * 32);
+    for (int64_t r = 0; r < MR; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, x + r * K + k, sizeof(pair));
+      const __m512bh xs = (__m512bh)_mm512_set1_epi32(pair);
+      for (int64_t v = 0; v < V; ++v) a[r][v] = _mm512_dpbf16_ps(a[r][v], xs, w[v]);
+    }
+  }
+  for (int64_t r = 0; r < MR; ++r) std::memcpy(acc[r], a[r], sizeof(row_acc));
+}
+#endif
+
+template <typename scalar_t>
+void pack_impl(const at::Tensor& w, at::Tensor& panels) {
+  const int64_t N = w.size(0), K = w.size(1), Kp = padded_k<scalar_t>(K), P = panels.size(0);
+  const scalar_t* wp = w.data_ptr<scalar_t>();
+  scalar_t* pp = panels.data_ptr<scalar_t>();
+  const int64_t step = paired<scalar_t> ? 2 : 1;  // k values side by side in a lane
+  for (int64_t p = 0; p < P; ++p)
+    for (int64_t k = 0; k < Kp; ++k)
+      for (int64_t j = 0; j < NR; ++j) {
+        const int64_t n = p * NR + j;
+        const int64_t at = p * Kp * NR + (k / step) * NR * step + j * step + k % step;
+        pp[at] = n < N && k < K ? wp[n * K + k] : scalar_t(0);
+      }
+}
+
+template <typename scalar_t>
+void ordered_linear_impl(const at::Tensor& x, const at::Tensor& panels, const c10::optional<at::Tensor>& bias,
+                         at::Tensor& y) {
+  const int64_t M = x.size(0), K = x.size(1), Kp = padded_k<scalar_t>(K), N = y.size(1), P = panels.size(0);
+  const scalar_t* xp = x.data_ptr<scalar_t>();
+  const scalar_t* wp = panels.data_ptr<scalar_t>();
+  const scalar_t* bp = bias.has_value() ? bias->data_ptr<scalar_t>() : nullptr;
+  scalar_t* yp = y.data_ptr<scalar_t>();
+  std::vector<x_t<scalar_t>> xs(MC * Kp);
+  for (int64_t m0 = 0; m0 < M; m0 += MC) {
+    const int64_t rows = std::min(MC, M - m0), padded = (rows + MR - 1) / MR * MR;
+    for (int64_t r = 0; r < padded; ++r)
+      for (int64_t k = 0; k < Kp; ++k)
+        xs[r * Kp + k] = r < rows && k < K ? x_t<scalar_t>(to_float(xp[(m0 + r) * K + k])) : x_t<scalar_t>(0);
+    at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
+      row_acc acc[MR];
+      for (int64_t p = begin; p < end; ++p) {
+        const int64_t n0 = p * NR, cols = std::min(NR, N - n0);
+        for (int64_t r0 = 0; r0 < rows; r0 += MR) {
+          tile(xs.data() + r0 * Kp, Kp, wp + p * Kp * NR, acc);
+          for (int64_t r = 0; r < MR && r0 + r < rows; ++r) {
+            scalar_t* out = yp + (m0 + r0 + r) * N + n0;
+            for (int64_t j = 0; j < cols; ++j)
+              out[j] = static_cast<scalar_t>(bp ? acc[r][j / 16][j % 16] + to_float(bp[n0 + j]) : acc[r][j / 16][j % 16]);
+          }
+        }
+      }
+    });
+  }
+}
+
+#define DISPATCH(dtype, name, ...)                                \
+  AT_DISPATCH_SWITCH(dtype, name, AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__) \
+                                      AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__) AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__))
+
+at::Tensor ordered_linear_pack(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous(), "ordered_linear_pack: a contiguous [N, K] weight expected");
+  at::Tensor panels;
+  DISPATCH(weight.scalar_type(), "ordered_linear_pack", [&] {
+    const int64_t P = (weight.size(0) + NR - 1) / NR;
+    panels = at::empty({P, padded_k<scalar_t>(weight.size(1)) * NR}, weight.options());
+    pack_impl<scalar_t>(weight, panels);
+  });
+  return panels;
+}
+
+at::Tensor ordered_linear(const at::Tensor& x, const at::Tensor& panels, const c10::optional<at::Tensor>& bias,
+                          int64_t out_features) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "ordered_linear: x must be a contiguous [M, K] tensor");
+  TORCH_CHECK(panels.dim() == 2 && panels.is_contiguous() && panels.scalar_type() == x.scalar_type() &&
+                  panels.size(0) * NR >= out_features,
+              "ordered_linear: panels must come from ordered_linear_pack, in x's dtype");
+  TORCH_CHECK(!bias.has_value() || (bias->is_contiguous() && bias->numel() == out_features &&
+                                    bias->scalar_type() == x.scalar_type()),
+              "ordered_linear: bias must be [N] in x's dtype");
+  at::Tensor y = at::empty({x.size(0), out_features}, x.options());
+  DISPATCH(x.scalar_type(), "ordered_linear", [&] {
+    TORCH_CHECK(panels.size(1) == padded_k<scalar_t>(x.size(1)) * NR, "ordered_linear: panels packed for another K");
+    ordered_linear_impl<scalar_t>(x, panels, bias, y);
+  });
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(pdserve, m) {
+  m.def("ordered_linear_pack(Tensor weight) -> Tensor");
+  m.def("ordered_linear(Tensor x, Tensor panels, Tensor? bias, int out_features) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(pdserve, CPU, m) {
+  m.impl("ordered_linear_pack", &ordered_linear_pack);
+  m.impl("ordered_linear", &ordered_linear);
+}
