@@ -10,6 +10,10 @@
    logprob, each alone and then beside the next prompt (prefix caching off, as batch_variance.py),
    with the mode off and on, in each dtype: how many outputs' tokens change, and how many change
    in any logprob bit.
+3. The linears alone (--linear-rows): the default model's linear shapes, the default kernel (oneDNN
+   prepacked, or F.linear where oneDNN cannot) against deterministic mode's ordered kernel, at each
+   row count, median of repeated calls, in one process; the model's sum (layers x each layer's
+   linears + the LM head) as the ratio default time / ordered time.
 """
 
 from __future__ import annotations
@@ -72,6 +76,52 @@ def invariance(dtype: str, deterministic: bool, max_tokens: int) -> dict:
     return {"prompts": len(prompts), "tokens_differ": tokens, "tokens_or_logprobs_differ": logprobs}
 
 
+def linears(dtype: str, row_counts: list[int]) -> dict:
+    import torch
+
+    from engine.linear import Linear
+    from engine.model_config import ModelConfig
+    from engine.model_source import resolve_model
+
+    cfg = ModelConfig.from_dir(resolve_model("smollm2-135m"))
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    shapes = {  # name: (out, in, times a forward runs it)
+        "qkv": (q + 2 * kv, cfg.hidden_size, cfg.num_layers),
+        "o": (cfg.hidden_size, q, cfg.num_layers),
+        "gate_up": (2 * cfg.intermediate_size, cfg.hidden_size, cfg.num_layers),
+        "down": (cfg.hidden_size, cfg.intermediate_size, cfg.num_layers),
+        "lm_head": (cfg.vocab_size, cfg.hidden_size, 1),
+    }
+    gen, dt = torch.Generator().manual_seed(0), getattr(torch, dtype)
+
+    def seconds(f, calls: int) -> float:
+        f()
+        times = []
+        for _ in range(calls):
+            start = time.perf_counter()
+            f()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+    model = {rows: {"default": 0.0, "ordered": 0.0} for rows in row_counts}
+    for out_features, in_features, count in shapes.values():
+        weight = (torch.randn(out_features, in_features, generator=gen) * 0.05).to(dt)
+        kernels = {"default": Linear(weight), "ordered": Linear(weight, ordered=True)}
+        for rows in row_counts:
+            x = torch.randn(rows, in_features, generator=gen).to(dt)
+            calls = 5 if rows * out_features > 1 << 18 else 20
+            for name, linear in kernels.items():
+                model[rows][name] += count * seconds(lambda linear=linear, x=x: linear(x), calls)
+    return {
+        str(rows): {
+            "default_ms": t["default"] * 1e3,
+            "ordered_ms": t["ordered"] * 1e3,
+            "speed": t["default"] / t["ordered"],
+        }
+        for rows, t in model.items()
+    }
+
+
 def child(args) -> dict:
     import torch
 
@@ -79,13 +129,15 @@ def child(args) -> dict:
     deterministic = MODES[args.mode]
     if args.child == "throughput":
         return throughput(args.dtype, deterministic, args.num_prompts, args.max_tokens)
+    if args.child == "linears":
+        return linears(args.dtype, [int(r) for r in args.linear_rows.split(",")])
     return invariance(args.dtype, deterministic, args.invariance_tokens)
 
 
 def spawn(what: str, dtype: str, mode: str, args) -> dict:
     cmd = [sys.executable, __file__, "--child", what, "--dtype", dtype, "--mode", mode, "--threads", str(args.threads)]
     cmd += ["--num-prompts", str(args.num_prompts), "--max-tokens", str(args.max_tokens)]
-    cmd += ["--invariance-tokens", str(args.invariance_tokens)]
+    cmd += ["--invariance-tokens", str(args.invariance_tokens), "--linear-rows", args.linear_rows]
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"{what} {dtype} {mode} failed:\n{done.stderr[-3000:]}")
@@ -97,13 +149,14 @@ def spawn(what: str, dtype: str, mode: str, args) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dtypes", default="bfloat16,float32")
-    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--runs", type=int, default=3, help="0: no throughput runs")
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--invariance-tokens", type=int, default=64, help="0: throughput only")
+    ap.add_argument("--linear-rows", default="", help="row counts for the linears alone, e.g. 1,4,16,64,256")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--json", type=Path)
-    ap.add_argument("--child", choices=("throughput", "invariance"), help=argparse.SUPPRESS)
+    ap.add_argument("--child", choices=("throughput", "invariance", "linears"), help=argparse.SUPPRESS)
     ap.add_argument("--dtype", help=argparse.SUPPRESS)
     ap.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -121,20 +174,24 @@ def main() -> None:
         "workload": f"{args.num_prompts} chat prompts x {args.max_tokens} tokens",
         "throughput": {},
         "invariance": {},
+        "linears": {},
     }
     for dtype in dtypes:
         runs = {mode: [] for mode in MODES}
         for r in range(args.runs):
             for mode in MODES if r % 2 == 0 else reversed(list(MODES)):
                 runs[mode].append(spawn("throughput", dtype, mode, args)["tokens_per_s"])
-        ratios = [on / off for on, off in zip(runs["deterministic"], runs["default"])]
-        out["throughput"][dtype] = {
-            "tokens_per_s": runs,
-            "median_tokens_per_s": {mode: statistics.median(v) for mode, v in runs.items()},
-            "median_ratio": statistics.median(ratios),
-        }
+        if args.runs:
+            ratios = [on / off for on, off in zip(runs["deterministic"], runs["default"])]
+            out["throughput"][dtype] = {
+                "tokens_per_s": runs,
+                "median_tokens_per_s": {mode: statistics.median(v) for mode, v in runs.items()},
+                "median_ratio": statistics.median(ratios),
+            }
         if args.invariance_tokens:
             out["invariance"][dtype] = {mode: spawn("invariance", dtype, mode, args) for mode in MODES}
+        if args.linear_rows:
+            out["linears"][dtype] = spawn("linears", dtype, "deterministic", args)
     out["seconds"] = round(time.monotonic() - began)
     print(json.dumps(out, indent=1))
     if args.json:

@@ -24,16 +24,18 @@ PACK_FOR_BATCH = 64  # oneDNN's hint for the row count; any count works
 class Linear:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, ordered: bool = False):
         self.weight = weight  # [out, in]
+        self.out_features = weight.shape[0]
         self.bias = bias
         self.packed = self.panels = None
-        if ordered:
+        if ordered:  # the panels hold the weight: the engine keeps one copy
             self.panels = torch.ops.pdserve.ordered_linear_pack(weight.contiguous())
+            self.weight = None
         elif weight.device.type == "cpu" and can_prepack(weight.dtype):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_FOR_BATCH)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.panels is not None:
-            return torch.ops.pdserve.ordered_linear(x.contiguous(), self.panels, self.bias, self.weight.shape[0])
+            return torch.ops.pdserve.ordered_linear(x.contiguous(), self.panels, self.bias, self.out_features)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)

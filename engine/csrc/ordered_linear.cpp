@@ -40,19 +40,21 @@ namespace {
 using pdserve::to_float;
 
 #if defined(__AVX512F__)
-constexpr int64_t NR = 32;  // columns a tile computes side by side: two vector registers
+constexpr int64_t LANES = 16;  // floats in a vector register
+#elif defined(__AVX__)
+constexpr int64_t LANES = 8;
 #else
-constexpr int64_t NR = 16;
+constexpr int64_t LANES = 4;  // SSE2, NEON; wider vectors than the registers compile to scalar code
 #endif
-constexpr int64_t MR = 4;   // rows a tile computes: its MR x NR sums stay in registers
-constexpr int64_t MC = 64;  // rows whose copy stays in cache while the panels stream past
+constexpr int64_t V = 2;            // registers a tile row spans
+constexpr int64_t NR = V * LANES;   // columns a tile computes side by side
+constexpr int64_t MR = 4;           // rows a tile computes: its MR x V sums stay in registers
+constexpr int64_t MC = 64;          // rows whose copy stays in cache while the panels stream past
 
-constexpr int64_t V = NR / 16;  // 16-float vectors a tile row spans
-
-typedef float v16 __attribute__((vector_size(16 * sizeof(float))));  // one zmm, or two ymm
-typedef uint16_t v16half __attribute__((vector_size(16 * sizeof(uint16_t))));
-typedef uint32_t v16bits __attribute__((vector_size(16 * sizeof(uint32_t))));
-typedef v16 row_acc[V];  // a tile row's NR sums
+typedef float vec __attribute__((vector_size(LANES * sizeof(float))));
+typedef uint16_t vec_half __attribute__((vector_size(LANES * sizeof(uint16_t))));
+typedef uint32_t vec_bits __attribute__((vector_size(LANES * sizeof(uint32_t))));
+typedef vec row_acc[V];  // a tile row's NR sums
 
 #if defined(__AVX512BF16__)
 template <typename scalar_t>
@@ -71,24 +73,24 @@ int64_t padded_k(int64_t K) {
   return paired<scalar_t> ? (K + 1) / 2 * 2 : K;
 }
 
-inline v16 load16(const float* p) {
-  v16 v;
+inline vec load_lanes(const float* p) {
+  vec v;
   std::memcpy(&v, p, sizeof(v));
   return v;
 }
 
-inline v16 load16(const c10::BFloat16* p) {  // bf16 -> fp32 is a 16-bit shift
-  v16half h;
+inline vec load_lanes(const c10::BFloat16* p) {  // bf16 -> fp32 is a 16-bit shift
+  vec_half h;
   std::memcpy(&h, p, sizeof(h));
-  const v16bits bits = __builtin_convertvector(h, v16bits) << 16;
-  v16 v;
+  const vec_bits bits = __builtin_convertvector(h, vec_bits) << 16;
+  vec v;
   std::memcpy(&v, &bits, sizeof(v));
   return v;
 }
 
-inline v16 load16(const c10::Half* p) {
-  v16 v;
-  for (int64_t j = 0; j < 16; ++j) v[j] = static_cast<float>(p[j]);
+inline vec load_lanes(const c10::Half* p) {
+  vec v;
+  for (int64_t j = 0; j < LANES; ++j) v[j] = static_cast<float>(p[j]);
   return v;
 }
 
@@ -96,10 +98,10 @@ inline v16 load16(const c10::Half* p) {
 template <typename scalar_t>
 inline void tile(const float* x, int64_t K, const scalar_t* panel, row_acc acc[MR]) {
   for (int64_t r = 0; r < MR; ++r)
-    for (int64_t v = 0; v < V; ++v) acc[r][v] = v16{};
+    for (int64_t v = 0; v < V; ++v) acc[r][v] = vec{};
   for (int64_t k = 0; k < K; ++k) {
-    v16 w[V];
-    for (int64_t v = 0; v < V; ++v) w[v] = load16(panel + k * NR + v * 16);
+    vec w[V];
+    for (int64_t v = 0; v < V; ++v) w[v] = load_lanes(panel + k * NR + v * LANES);
     for (int64_t r = 0; r < MR; ++r)
       for (int64_t v = 0; v < V; ++v) acc[r][v] += x[r * K + k] * w[v];
   }
@@ -113,7 +115,7 @@ inline void tile(const c10::BFloat16* x, int64_t K, const c10::BFloat16* panel, 
     for (int64_t v = 0; v < V; ++v) a[r][v] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; k += 2) {
     __m512bh w[V];
-    for (int64_t v = 0; v < V; ++v) w[v] = (__m512bh)_mm512_loadu_si512(panel + k * NR + v * 32);
+    for (int64_t v = 0; v < V; ++v) w[v] = (__m512bh)_mm512_loadu_si512(panel + k * NR + v * 2 * LANES);
     for (int64_t r = 0; r < MR; ++r) {
       int32_t pair;
       std::memcpy(&pair, x + r * K + k, sizeof(pair));
@@ -163,7 +165,8 @@ void ordered_linear_impl(const at::Tensor& x, const at::Tensor& panels, const c1
           for (int64_t r = 0; r < MR && r0 + r < rows; ++r) {
             scalar_t* out = yp + (m0 + r0 + r) * N + n0;
             for (int64_t j = 0; j < cols; ++j)
-              out[j] = static_cast<scalar_t>(bp ? acc[r][j / 16][j % 16] + to_float(bp[n0 + j]) : acc[r][j / 16][j % 16]);
+              out[j] = static_cast<scalar_t>(bp ? acc[r][j / LANES][j % LANES] + to_float(bp[n0 + j])
+                                              : acc[r][j / LANES][j % LANES]);
           }
         }
       }
