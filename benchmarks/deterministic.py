@@ -79,10 +79,13 @@ def invariance(dtype: str, deterministic: bool, max_tokens: int) -> dict:
 def linears(dtype: str, row_counts: list[int]) -> dict:
     import torch
 
+    from engine import cpu_kernels
     from engine.linear import Linear
     from engine.model_config import ModelConfig
     from engine.model_source import resolve_model
 
+    if not cpu_kernels.load():
+        raise SystemExit("the ordered linear needs the C++ CPU kernels, which did not build here")
     cfg = ModelConfig.from_dir(resolve_model("smollm2-135m"))
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     shapes = {  # name: (out, in, times a forward runs it)

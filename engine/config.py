@@ -100,7 +100,15 @@ class EngineConfig:
         _check(self.scheduling in SCHEDULING, "scheduling", f"one of {SCHEDULING}", self.scheduling)
         _check(self.num_threads is None or self.num_threads >= 1, "num_threads", ">= 1 or None", self.num_threads)
         if self.speculative is not None:
-            SpeculativeConfig.from_dict(self.speculative)  # raises naming the setting
+            spec = SpeculativeConfig.from_dict(self.speculative)  # raises naming the setting
+            # the draft model runs the default kernels, so its proposals (and what a seeded sample
+            # accepts) could move with the batch; n-gram proposals depend on the tokens alone
+            _check(
+                not (self.deterministic and spec.method == "draft_model"),
+                "speculative.method",
+                "'ngram' with deterministic (a draft model's proposals are not batch-invariant)",
+                spec.method,
+            )
 
     @property
     def speculative_config(self) -> SpeculativeConfig | None:

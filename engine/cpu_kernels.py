@@ -1,10 +1,11 @@
 """Builds (once, cached by torch) and loads the engine's C++ CPU kernels.
 
 Compiled on the machine that runs them, for the instruction set of its CPU class
-(engine/hardware.py: AVX2+FMA, AVX-512, aarch64's own), so a build never uses an instruction the
-CPU lacks, and acting as a lesser class (PDSERVE_CPU_ISA=avx2) builds and runs the AVX2 code. If
-that build fails, a plain C++ build is tried; without a compiler, or if both fail, `load()`
-returns False and the engine uses plain torch instead.
+(engine/hardware.py: AVX2+FMA, AVX-512, AVX-512 with BF16, aarch64's own), so a build never uses
+an instruction the CPU lacks, and acting as a lesser class (PDSERVE_CPU_ISA=avx2) builds and runs
+the AVX2 code. If that build fails (a compiler without the newest ISA's flags), each lesser
+class's is tried, down to plain C++; without a compiler, or if all fail, `load()` returns False
+and the engine uses plain torch instead.
 """
 
 from __future__ import annotations
@@ -22,6 +23,12 @@ from engine.hardware import cpu_features
 
 log = logging.getLogger(__name__)
 SOURCES = [str(p) for p in sorted((Path(__file__).parent / "csrc").glob("*.cpp"))]
+# What the kernels compute (deterministic mode's numerics name it: two versions of a kernel may sum
+# in two orders).
+_CSRC = Path(__file__).parent / "csrc"
+SOURCE_DIGEST = hashlib.sha1(
+    b"".join(p.read_bytes() for p in sorted([*_CSRC.glob("*.cpp"), *_CSRC.glob("*.h")]))
+).hexdigest()[:12]
 OPS = ("paged_decode_attention", "add_rms_norm", "rope", "silu_mul", "ordered_linear", "ordered_linear_pack")
 # -ffast-math lets the dot-product reductions vectorize (reassociation) and lets expf use glibc's
 # vector variants; the kernel keeps every value finite (its running max starts at -FLT_MAX).
@@ -74,8 +81,7 @@ def load() -> bool:
     if os.environ.get("PDSERVE_DISABLE_CPU_KERNELS") == "1":
         return False
     cpu = cpu_features()
-    attempts = [cpu.kernel_flags] + ([[]] if cpu.kernel_flags else [])
-    for flags in attempts:
+    for flags in cpu.kernel_flag_choices:
         try:
             _build(flags)
         except Exception as e:  # no compiler, no headers, an ISA flag the compiler lacks

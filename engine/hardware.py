@@ -10,8 +10,8 @@ AVX2 path; it can lower the class, never raise it.
 
 | class        | CPUs                                   | dtype auto | prepacked linears | kernels built with |
 | ------------ | -------------------------------------- | ---------- | ----------------- | ------------------ |
-| amx          | Xeon Sapphire Rapids and later         | bfloat16   | bf16 and fp32     | AVX-512            |
-| avx512_bf16  | Xeon Cooper Lake, AMD Zen 4 and later  | bfloat16   | bf16 and fp32     | AVX-512            |
+| amx          | Xeon Sapphire Rapids and later         | bfloat16   | bf16 and fp32     | AVX-512 + BF16     |
+| avx512_bf16  | Xeon Cooper Lake, AMD Zen 4 and later  | bfloat16   | bf16 and fp32     | AVX-512 + BF16     |
 | avx512       | Xeon Skylake-SP .. Ice Lake            | float32    | fp32 (bf16 too)   | AVX-512            |
 | avx2         | AMD Zen 1-3, Intel client CPUs, ...    | float32    | fp32              | AVX2 + FMA         |
 | neon         | aarch64 (Graviton, Ampere, Apple, ...) | float32 *  | where oneDNN can  | -mcpu=native       |
@@ -61,16 +61,38 @@ class CpuFeatures:
     def kernel_flags(self) -> list[str]:
         return KERNEL_FLAGS[self.isa]
 
+    @property
+    def kernel_flag_choices(self) -> list[list[str]]:
+        """This class's flags, then each lesser class's (a compiler may lack the newest ISA's)."""
+        classes = X86_CLASSES if self.isa in X86_CLASSES else ARM_CLASSES
+        choices = []
+        for isa in reversed(classes[: classes.index(self.isa) + 1]):
+            if KERNEL_FLAGS[isa] not in choices:
+                choices.append(KERNEL_FLAGS[isa])
+        return choices
 
-def _proc_flags() -> set[str]:
+
+def _cpuinfo(*keys: str) -> str:
+    """The first /proc/cpuinfo line's value for any of these keys ("" where there is none)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith(("flags", "Features")):
-                    return set(line.split(":", 1)[1].split())
+                if line.startswith(keys):
+                    return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return set()
+    return ""
+
+
+def _proc_flags() -> set[str]:
+    return set(_cpuinfo("flags", "Features").split())
+
+
+@cache
+def cpu_vendor() -> str:
+    """GenuineIntel, AuthenticAMD, an Arm implementer's id: two vendors' instructions of one
+    class may round alike or not (deterministic mode's numerics name it)."""
+    return _cpuinfo("vendor_id", "CPU implementer") or platform.processor() or "unknown"
 
 
 def _x86_class() -> tuple[str, str]:

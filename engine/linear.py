@@ -24,7 +24,7 @@ PACK_FOR_BATCH = 64  # oneDNN's hint for the row count; any count works
 class Linear:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, ordered: bool = False):
         self.weight = weight  # [out, in]
-        self.out_features = weight.shape[0]
+        self.out_features, self.in_features = weight.shape
         self.bias = bias
         self.packed = self.panels = None
         if ordered:  # the panels hold the weight: the engine keeps one copy
@@ -35,6 +35,8 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.panels is not None:
+            if x.shape[-1] != self.in_features:  # the panels' padding would hide a K off by one
+                raise ValueError(f"linear: input of {x.shape[-1]} features, the weight takes {self.in_features}")
             return torch.ops.pdserve.ordered_linear(x.contiguous(), self.panels, self.bias, self.out_features)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")

@@ -11,7 +11,7 @@ import torch
 from engine import cpu_kernels
 from engine.attention import build_metadata
 from engine.config import EngineConfig
-from engine.hardware import cpu_features
+from engine.hardware import cpu_features, cpu_vendor
 from engine.kv_cache import KVCache
 from engine.model import LlamaModel
 from engine.model_config import ModelConfig
@@ -71,8 +71,8 @@ class ModelRunner:
         kernels that compute them (KV moves only between engines of equal numerics)."""
         if not self.deterministic:
             return "default"
-        kernels = f"ordered linears, kernels {cpu_kernels.BUILT[0]}"
-        return f"deterministic ({cpu_features().isa}; {kernels}; torch {torch.__version__})"
+        kernels = f"ordered linears, kernels {cpu_kernels.SOURCE_DIGEST} built {cpu_kernels.BUILT[0]}"
+        return f"deterministic ({cpu_features().isa}, {cpu_vendor()}; {kernels}; torch {torch.__version__})"
 
     def forward(self, batch: ScheduledBatch) -> tuple[list[int], list[int], torch.Tensor]:
         """One forward over the batch's tokens. Returns the batch indices of the sequences whose KV

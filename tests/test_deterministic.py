@@ -14,7 +14,7 @@ import torch
 from combinations import Reference, Report, cluster_mix, engine_mix
 from conftest import make_engine
 
-from engine import cpu_kernels
+from engine import EngineConfig, cpu_kernels
 from engine.linear import Linear
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.load(), reason="deterministic mode needs the C++ CPU kernels")
@@ -24,10 +24,10 @@ ENGINE_SEEDS = range(12)  # as tests/test_combinations.py: preemption happens in
 CLUSTER_SEEDS = range(100, 104)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", (*DTYPES, "float16"))
 def test_a_linears_rows_are_the_same_bits_whatever_else_is_in_the_batch(dtype):
     """An odd K (the bf16 pairs' padding), N off the panel width, more rows than the kernel keeps
-    in cache at once (64), a bias."""
+    in cache at once (64), a bias, one thread or two."""
     dt = getattr(torch, dtype)
     weight, bias, x = torch.randn(100, 81, dtype=dt), torch.randn(100, dtype=dt), torch.randn(150, 81, dtype=dt)
     linear = Linear(weight, bias, ordered=True)
@@ -35,6 +35,14 @@ def test_a_linears_rows_are_the_same_bits_whatever_else_is_in_the_batch(dtype):
     for rows in (2, 3, 7, 16, 17, 33, 70, 150):
         for first in (0, len(x) - rows):
             assert torch.equal(linear(x[first : first + rows]), alone[first : first + rows]), (rows, first)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(linear(x), alone)
+    finally:
+        torch.set_num_threads(threads)
+    with pytest.raises(ValueError, match="input of 80 features, the weight takes 81"):
+        linear(x[:, :80])
     # and it is the linear: off a float64 reference by at most fp32's error bound for a sum of
     # K + 1 terms (K x fp32 eps x the sum of |terms|) and one rounding to the dtype
     f64 = torch.nn.functional.linear
@@ -84,6 +92,12 @@ def test_without_the_mode_the_same_mixes_find_differences(tiny_llama):
         wrong[dtype] = len(report.wrong)
     print(wrong)
     assert any(wrong.values()), wrong
+
+
+def test_the_mode_refuses_a_draft_model_whose_proposals_would_move_with_the_batch():
+    with pytest.raises(ValueError, match="speculative.method must be 'ngram' with deterministic"):
+        EngineConfig(deterministic=True, speculative={"method": "draft_model", "draft_model": "smollm2-135m"})
+    EngineConfig(deterministic=True, speculative={"method": "ngram"})
 
 
 def test_the_mode_needs_the_cpu_attention_kernel_and_says_so(tiny_llama):

@@ -121,3 +121,14 @@ def test_auto_is_logged_once_with_its_reason():
     assert r.returncode == 0, r.stderr
     lines = [line for line in r.stderr.splitlines() if "dtype auto" in line]
     assert len(lines) == 1 and f"CPU class {r.stdout.strip()}" in lines[0], r.stderr
+
+
+def test_a_failed_kernel_build_falls_back_one_class_at_a_time():
+    """A compiler without -mavx512bf16 still builds the AVX-512 kernels, not plain C++."""
+    from engine.hardware import KERNEL_FLAGS, CpuFeatures
+
+    amx = CpuFeatures("x86_64", "amx", True, True, "test").kernel_flag_choices
+    assert amx == [KERNEL_FLAGS["amx"], KERNEL_FLAGS["avx512"], KERNEL_FLAGS["avx2"], []]
+    assert "-mavx512bf16" in amx[0] and "-mavx512bf16" not in amx[1]
+    assert CpuFeatures("aarch64", "neon", False, False, "test").kernel_flag_choices == [KERNEL_FLAGS["neon"], []]
+    assert CpuFeatures("x86_64", "generic", False, False, "test").kernel_flag_choices == [[]]

@@ -1,9 +1,10 @@
 // y = x @ W.T + b with every output summed in one fixed order, whatever the number of rows
 // (deterministic mode's linears on CPUs, engine/linear.py). Registered under torch.ops.pdserve.
 //
-// Each output y[m, n] is a running fp32 sum over k = 0, 1, ..., K-1 (one multiply-add a step; in
-// bf16 on a CPU with AVX512_BF16, one step takes k and k+1 together, vdpbf16ps), then + b[n], then
-// one rounding to the model dtype. The kernel vectorizes across outputs (NR columns of W side by
+// Each output y[m, n] is a running fp32 sum over k = 0, 1, ..., K-1 (one fused multiply-add a step
+// where the build has FMA, a multiply then an add where it has not; in bf16 on a CPU with
+// AVX512_BF16, one vdpbf16ps a step, which adds x[k+1] w[k+1] and then x[k] w[k], each rounded,
+// denormals flushed), then + b[n], then one rounding to the model dtype. The kernel vectorizes across outputs (NR columns of W side by
 // side), never across k, and every row goes through the same MR-row tile (zero rows pad the last
 // one), so a row's bits depend neither on what else is in the batch, nor on how the rows are split
 // between threads, nor on the batch's size. A BLAS picks its blocking of k by the shape it is
@@ -12,6 +13,16 @@
 // ordered_linear_pack lays W out once as panels of NR columns, k-major (column n at panel n / NR,
 // lane n % NR; in pairs of k for vdpbf16ps; columns past N and the odd k past K zero): each step
 // over k reads NR adjacent weights.
+
+// Reassociating the sum over k is what this file must not do; -ffast-math (the build's flags)
+// would allow it. Before the includes, so that the headers' inline functions (bf16 conversions)
+// compile with the same options and inline.
+#if defined(__clang__)
+#pragma clang fp reassociate(off)
+#elif defined(__GNUC__)
+#pragma GCC optimize("no-associative-math")
+#endif
+
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -20,19 +31,11 @@
 
 #include <algorithm>
 #include <cstring>
+#include <memory>
 #include <type_traits>
-#include <vector>
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
-#endif
-
-// Reassociating the sum over k is what this file must not do; -ffast-math (the build's flags)
-// would allow it.
-#if defined(__clang__)
-#pragma clang fp reassociate(off)
-#elif defined(__GNUC__)
-#pragma GCC optimize("no-associative-math")
 #endif
 
 namespace {
@@ -108,7 +111,7 @@ inline void tile(const float* x, int64_t K, const scalar_t* panel, row_acc acc[M
 }
 
 #if defined(__AVX512BF16__)
-// The same in bf16 pairs: acc[r] += x[r, k] * panel[k, :] + x[r, k+1] * panel[k+1, :], k = 0, 2, ...
+// The same in bf16 pairs of k (k = 0, 2, ...), one vdpbf16ps per pair and register.
 inline void tile(const c10::BFloat16* x, int64_t K, const c10::BFloat16* panel, row_acc acc[MR]) {
   __m512 a[MR][V];
   for (int64_t r = 0; r < MR; ++r)
@@ -119,8 +122,8 @@ inline void tile(const c10::BFloat16* x, int64_t K, const c10::BFloat16* panel, 
     for (int64_t r = 0; r < MR; ++r) {
       int32_t pair;
       std::memcpy(&pair, x + r * K + k, sizeof(pair));
-      const __m512bh xs = (__m512bh)_mm512_set1_epi32(pair);
-      for (int64_t v = 0; v < V; ++v) a[r][v] = _mm512_dpbf16_ps(a[r][v], xs, w[v]);
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
+      for (int64_t v = 0; v < V; ++v) a[r][v] = _mm512_dpbf16_ps(a[r][v], xb, w[v]);
     }
   }
   for (int64_t r = 0; r < MR; ++r) std::memcpy(acc[r], a[r], sizeof(row_acc));
@@ -133,13 +136,16 @@ void pack_impl(const at::Tensor& w, at::Tensor& panels) {
   const scalar_t* wp = w.data_ptr<scalar_t>();
   scalar_t* pp = panels.data_ptr<scalar_t>();
   const int64_t step = paired<scalar_t> ? 2 : 1;  // k values side by side in a lane
-  for (int64_t p = 0; p < P; ++p)
-    for (int64_t k = 0; k < Kp; ++k)
+  at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p)
       for (int64_t j = 0; j < NR; ++j) {
         const int64_t n = p * NR + j;
-        const int64_t at = p * Kp * NR + (k / step) * NR * step + j * step + k % step;
-        pp[at] = n < N && k < K ? wp[n * K + k] : scalar_t(0);
+        for (int64_t k = 0; k < Kp; ++k) {
+          const int64_t at = p * Kp * NR + (k / step) * NR * step + j * step + k % step;
+          pp[at] = n < N && k < K ? wp[n * K + k] : scalar_t(0);
+        }
       }
+  });
 }
 
 template <typename scalar_t>
@@ -150,7 +156,8 @@ void ordered_linear_impl(const at::Tensor& x, const at::Tensor& panels, const c1
   const scalar_t* wp = panels.data_ptr<scalar_t>();
   const scalar_t* bp = bias.has_value() ? bias->data_ptr<scalar_t>() : nullptr;
   scalar_t* yp = y.data_ptr<scalar_t>();
-  std::vector<x_t<scalar_t>> xs(MC * Kp);
+  // the rows' copy, written in full before each use (not zeroed: a lone row is the common case)
+  std::unique_ptr<x_t<scalar_t>[]> xs(new x_t<scalar_t>[std::min(MC, (M + MR - 1) / MR * MR) * Kp]);
   for (int64_t m0 = 0; m0 < M; m0 += MC) {
     const int64_t rows = std::min(MC, M - m0), padded = (rows + MR - 1) / MR * MR;
     for (int64_t r = 0; r < padded; ++r)
@@ -161,7 +168,7 @@ void ordered_linear_impl(const at::Tensor& x, const at::Tensor& panels, const c1
       for (int64_t p = begin; p < end; ++p) {
         const int64_t n0 = p * NR, cols = std::min(NR, N - n0);
         for (int64_t r0 = 0; r0 < rows; r0 += MR) {
-          tile(xs.data() + r0 * Kp, Kp, wp + p * Kp * NR, acc);
+          tile(xs.get() + r0 * Kp, Kp, wp + p * Kp * NR, acc);
           for (int64_t r = 0; r < MR && r0 + r < rows; ++r) {
             scalar_t* out = yp + (m0 + r0 + r) * N + n0;
             for (int64_t j = 0; j < cols; ++j)
