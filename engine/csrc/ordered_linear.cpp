@@ -4,11 +4,12 @@
 // Each output y[m, n] is a running fp32 sum over k = 0, 1, ..., K-1 (one fused multiply-add a step
 // where the build has FMA, a multiply then an add where it has not; in bf16 on a CPU with
 // AVX512_BF16, one vdpbf16ps a step, which adds x[k+1] w[k+1] and then x[k] w[k], each rounded,
-// denormals flushed), then + b[n], then one rounding to the model dtype. The kernel vectorizes across outputs (NR columns of W side by
-// side), never across k, and every row goes through the same MR-row tile (zero rows pad the last
-// one), so a row's bits depend neither on what else is in the batch, nor on how the rows are split
-// between threads, nor on the batch's size. A BLAS picks its blocking of k by the shape it is
-// given, which is why a row of a batched matmul moves with the batch.
+// denormals flushed), then + b[n], then one rounding to the model dtype. The kernel vectorizes
+// across outputs (NR columns of W side by side), never across k, and every row goes through the
+// same MR-row tile (zero rows pad the last one), so a row's bits depend neither on what else is
+// in the batch, nor on how the rows are split between threads, nor on the batch's size. A BLAS
+// picks its blocking of k by the shape it is given, which is why a row of a batched matmul moves
+// with the batch.
 //
 // ordered_linear_pack lays W out once as panels of NR columns, k-major (column n at panel n / NR,
 // lane n % NR; in pairs of k for vdpbf16ps; columns past N and the odd k past K zero): each step
