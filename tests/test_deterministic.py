@@ -52,6 +52,22 @@ def test_a_linears_rows_are_the_same_bits_whatever_else_is_in_the_batch(dtype):
     assert ((alone.double() - exact).abs() <= bound).all()
 
 
+@pytest.mark.parametrize("dtype", (*DTYPES, "float16"))
+def test_a_linear_rounds_its_fp32_sum_once_to_the_dtype_as_torch_does(dtype):
+    """K = 1, so the fp32 sum is exact and torch can compute it too: x w + b rounded once in fp32,
+    then to the dtype (nearest even; ties are common among 4,000 outputs), inf kept, NaN a NaN
+    (its sign and payload are the hardware's)."""
+    dt = getattr(torch, dtype)
+    weight, bias, x = torch.randn(40, 1, dtype=dt), torch.randn(40, dtype=dt), torch.randn(100, 1, dtype=dt)
+    x[3], x[7] = float("inf"), float("nan")
+    expected = (x.float() * weight.float().T + bias.float()).to(dt)
+    got = Linear(weight, bias, ordered=True)(x)
+    assert torch.equal(got.isnan(), expected.isnan()) and got.isnan().any()
+    bits = {torch.float32: torch.int32}.get(dt, torch.int16)
+    numbers = ~expected.isnan()
+    assert torch.equal(got[numbers].view(bits), expected[numbers].view(bits))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_random_mixes_in_one_deterministic_engine_equal_each_request_alone_exactly(tiny_llama, dtype):
     report, reference = Report(), Reference.deterministic(dtype)

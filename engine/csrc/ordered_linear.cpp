@@ -5,11 +5,12 @@
 // where the build has FMA, a multiply then an add where it has not; in bf16 on a CPU with
 // AVX512_BF16, one vdpbf16ps a step, which adds x[k+1] w[k+1] and then x[k] w[k], each rounded,
 // denormals flushed), then + b[n], then one rounding to the model dtype. The kernel vectorizes
-// across outputs (NR columns of W side by side), never across k, and every row goes through the
-// same MR-row tile (zero rows pad the last one), so a row's bits depend neither on what else is
-// in the batch, nor on how the rows are split between threads, nor on the batch's size. A BLAS
-// picks its blocking of k by the shape it is given, which is why a row of a batched matmul moves
-// with the batch.
+// across outputs (NR columns of W side by side), never across k. A tile computes up to MR rows at
+// once, but each of its sums takes the same steps in the same order whatever the tile's height
+// (the rows share the weight loads, not their arithmetic), so a row's bits depend neither on what
+// else is in the batch, nor on how the rows are split between tiles or threads, nor on the batch's
+// size. A BLAS picks its blocking of k by the shape it is given, which is why a row of a batched
+// matmul moves with the batch.
 //
 // ordered_linear_pack lays W out once as panels of NR columns, k-major (column n at panel n / NR,
 // lane n % NR; in pairs of k for vdpbf16ps; columns past N and the odd k past K zero): each step
@@ -52,7 +53,9 @@ constexpr int64_t LANES = 4;  // SSE2, NEON; wider vectors than the registers co
 #endif
 constexpr int64_t V = 2;            // registers a tile row spans
 constexpr int64_t NR = V * LANES;   // columns a tile computes side by side
-constexpr int64_t MR = 4;           // rows a tile computes: its MR x V sums stay in registers
+// The most rows a tile computes: its MR x V sums stay in registers (32 vector registers with
+// AVX-512, 16 with AVX).
+constexpr int64_t MR = LANES == 16 ? 8 : 4;
 constexpr int64_t MC = 64;          // rows whose copy stays in cache while the panels stream past
 
 typedef float vec __attribute__((vector_size(LANES * sizeof(float))));
@@ -98,38 +101,83 @@ inline vec load_lanes(const c10::Half* p) {
   return v;
 }
 
-// acc[r] = sum over k of x[r, k] * panel[k, :], in k order. x: MR rows of K.
-template <typename scalar_t>
+inline void store_lanes(float* p, vec v) { std::memcpy(p, &v, sizeof(v)); }
+
+inline void store_lanes(c10::BFloat16* p, vec v) {  // rounded to nearest even, as c10::BFloat16(float)
+  vec_bits bits;
+  std::memcpy(&bits, &v, sizeof(bits));
+  const vec_bits rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16;
+  const vec_bits nan = (vec_bits)((bits & 0x7FFFFFFF) > 0x7F800000);  // all ones where NaN
+  const vec_half h = __builtin_convertvector((rounded & ~nan) | (0x7FC0 & nan), vec_half);
+  std::memcpy(p, &h, sizeof(h));
+}
+
+inline void store_lanes(c10::Half* p, vec v) {
+  for (int64_t j = 0; j < LANES; ++j) p[j] = static_cast<c10::Half>(v[j]);
+}
+
+// acc[r] = sum over k of x[r, k] * panel[k, :], in k order. x: R rows of K.
+template <int64_t R, typename scalar_t>
 inline void tile(const float* x, int64_t K, const scalar_t* panel, row_acc acc[MR]) {
-  for (int64_t r = 0; r < MR; ++r)
+  for (int64_t r = 0; r < R; ++r)
     for (int64_t v = 0; v < V; ++v) acc[r][v] = vec{};
   for (int64_t k = 0; k < K; ++k) {
     vec w[V];
     for (int64_t v = 0; v < V; ++v) w[v] = load_lanes(panel + k * NR + v * LANES);
-    for (int64_t r = 0; r < MR; ++r)
+    for (int64_t r = 0; r < R; ++r)
       for (int64_t v = 0; v < V; ++v) acc[r][v] += x[r * K + k] * w[v];
   }
 }
 
 #if defined(__AVX512BF16__)
 // The same in bf16 pairs of k (k = 0, 2, ...), one vdpbf16ps per pair and register.
+template <int64_t R>
 inline void tile(const c10::BFloat16* x, int64_t K, const c10::BFloat16* panel, row_acc acc[MR]) {
-  __m512 a[MR][V];
-  for (int64_t r = 0; r < MR; ++r)
+  __m512 a[R][V];
+  for (int64_t r = 0; r < R; ++r)
     for (int64_t v = 0; v < V; ++v) a[r][v] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; k += 2) {
     __m512bh w[V];
     for (int64_t v = 0; v < V; ++v) w[v] = (__m512bh)_mm512_loadu_si512(panel + k * NR + v * 2 * LANES);
-    for (int64_t r = 0; r < MR; ++r) {
+    for (int64_t r = 0; r < R; ++r) {
       int32_t pair;
       std::memcpy(&pair, x + r * K + k, sizeof(pair));
       const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
       for (int64_t v = 0; v < V; ++v) a[r][v] = _mm512_dpbf16_ps(a[r][v], xb, w[v]);
     }
   }
-  for (int64_t r = 0; r < MR; ++r) std::memcpy(acc[r], a[r], sizeof(row_acc));
+  for (int64_t r = 0; r < R; ++r) std::memcpy(acc[r], a[r], sizeof(row_acc));
 }
 #endif
+
+// The tile for the rows left, R = rows (at most MR): a tile of R rows, not MR with zero rows.
+template <int64_t R = MR, typename xs_t, typename scalar_t>
+inline void tile_rows(int64_t rows, const xs_t* x, int64_t K, const scalar_t* panel, row_acc acc[MR]) {
+  if constexpr (R > 1)
+    if (rows < R) return tile_rows<R - 1>(rows, x, K, panel, acc);
+  tile<R>(x, K, panel, acc);
+}
+
+// A row of x as the tile reads it: the same values in x_t, k padded with zeros to Kp.
+template <typename scalar_t>
+inline void copy_row(const scalar_t* x, int64_t K, int64_t Kp, x_t<scalar_t>* out) {
+  if constexpr (std::is_same_v<x_t<scalar_t>, scalar_t>)
+    std::memcpy(out, x, K * sizeof(scalar_t));
+  else
+    for (int64_t k = 0; k < K; ++k) out[k] = to_float(x[k]);
+  for (int64_t k = K; k < Kp; ++k) out[k] = x_t<scalar_t>(0);
+}
+
+// A tile row's NR sums (+ bias) into y, each rounded once to the model dtype; cols <= NR of them.
+template <typename scalar_t>
+inline void store_row(const row_acc& acc, const scalar_t* bias, int64_t cols, scalar_t* out) {
+  if (cols == NR) {
+    for (int64_t v = 0; v < V; ++v) store_lanes(out + v * LANES, bias ? acc[v] + load_lanes(bias + v * LANES) : acc[v]);
+    return;
+  }
+  for (int64_t j = 0; j < cols; ++j)
+    out[j] = static_cast<scalar_t>(bias ? acc[j / LANES][j % LANES] + to_float(bias[j]) : acc[j / LANES][j % LANES]);
+}
 
 template <typename scalar_t>
 void pack_impl(const at::Tensor& w, at::Tensor& panels) {
@@ -157,25 +205,20 @@ void ordered_linear_impl(const at::Tensor& x, const at::Tensor& panels, const c1
   const scalar_t* wp = panels.data_ptr<scalar_t>();
   const scalar_t* bp = bias.has_value() ? bias->data_ptr<scalar_t>() : nullptr;
   scalar_t* yp = y.data_ptr<scalar_t>();
-  // the rows' copy, written in full before each use (not zeroed: a lone row is the common case)
-  std::unique_ptr<x_t<scalar_t>[]> xs(new x_t<scalar_t>[std::min(MC, (M + MR - 1) / MR * MR) * Kp]);
+  // the rows' copy, in the tile's type, k padded to Kp (written in full before each use)
+  std::unique_ptr<x_t<scalar_t>[]> xs(new x_t<scalar_t>[std::min(MC, M) * Kp]);
   for (int64_t m0 = 0; m0 < M; m0 += MC) {
-    const int64_t rows = std::min(MC, M - m0), padded = (rows + MR - 1) / MR * MR;
-    for (int64_t r = 0; r < padded; ++r)
-      for (int64_t k = 0; k < Kp; ++k)
-        xs[r * Kp + k] = r < rows && k < K ? x_t<scalar_t>(to_float(xp[(m0 + r) * K + k])) : x_t<scalar_t>(0);
+    const int64_t rows = std::min(MC, M - m0);
+    for (int64_t r = 0; r < rows; ++r) copy_row(xp + (m0 + r) * K, K, Kp, xs.get() + r * Kp);
     at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
       row_acc acc[MR];
       for (int64_t p = begin; p < end; ++p) {
         const int64_t n0 = p * NR, cols = std::min(NR, N - n0);
         for (int64_t r0 = 0; r0 < rows; r0 += MR) {
-          tile(xs.get() + r0 * Kp, Kp, wp + p * Kp * NR, acc);
-          for (int64_t r = 0; r < MR && r0 + r < rows; ++r) {
-            scalar_t* out = yp + (m0 + r0 + r) * N + n0;
-            for (int64_t j = 0; j < cols; ++j)
-              out[j] = static_cast<scalar_t>(bp ? acc[r][j / LANES][j % LANES] + to_float(bp[n0 + j])
-                                              : acc[r][j / LANES][j % LANES]);
-          }
+          const int64_t tile_height = std::min(MR, rows - r0);
+          tile_rows(tile_height, xs.get() + r0 * Kp, Kp, wp + p * Kp * NR, acc);
+          for (int64_t r = 0; r < tile_height; ++r)
+            store_row(acc[r], bp ? bp + n0 : nullptr, cols, yp + (m0 + r0 + r) * N + n0);
         }
       }
     });
