@@ -32,7 +32,8 @@ if len(sys.argv) > 1:
         e.add_request("r", [1, 2, 3], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
         while e.has_unfinished():
             e.step()
-        out[dtype] = {"dtype": str(e.dtype), "packed": e.runner.model.w.layers[0].qkv.packed is not None,
+        qkv = e.runner.model.w.layers[0].qkv
+        out[dtype] = {"dtype": str(e.dtype), "packed": qkv.packed is not None, "weight_kept": qkv.weight is not None,
                       "kernels": e.runner.use_cpu_kernels}
 print(json.dumps(out))
 """
@@ -60,7 +61,9 @@ def test_acting_as_avx2_picks_fp32_and_skips_bf16_prepack():
 def test_acting_as_avx2_runs_both_dtypes(tiny_llama):
     got = probe(AVX2, str(tiny_llama))
     assert got["auto"]["dtype"] == "torch.float32" and got["auto"]["packed"]
+    assert not got["auto"]["weight_kept"]  # the packed copy is the only one
     assert got["bfloat16"]["dtype"] == "torch.bfloat16" and not got["bfloat16"]["packed"]
+    assert got["bfloat16"]["weight_kept"]  # F.linear's
     assert "without native bfloat16" in got["stderr"] and "several times slower" in got["stderr"]
 
 
