@@ -31,7 +31,7 @@ class ModelWeights:
     embed: torch.Tensor  # [V, H]
     layers: list[LayerWeights]
     final_norm: torch.Tensor  # [H]
-    lm_head: Linear  # [V, H]; the embedding itself when tied
+    lm_head: Linear  # [V, H]; packed from the embedding when tied (embed keeps its own layout)
 
 
 def _read_tensors(model_dir: Path) -> dict[str, torch.Tensor]:

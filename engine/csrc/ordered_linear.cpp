@@ -1,8 +1,8 @@
 // y = x @ W.T + b with every output summed in one fixed order, whatever the number of rows
 // (deterministic mode's linears on CPUs, engine/linear.py). Registered under torch.ops.pdserve.
 //
-// Each output y[m, n] is a running fp32 sum over k = 0, 1, ..., K-1 (one fused multiply-add a step
-// where the build has FMA, a multiply then an add where it has not; in bf16 on a CPU with
+// Each output y[m, n] is a running fp32 sum over k = 0, 1, ..., K-1 (one fused multiply-add a step,
+// written as the intrinsic, where the build has FMA; a multiply then an add where it has not; in bf16 on a CPU with
 // AVX512_BF16, one vdpbf16ps a step, which adds x[k+1] w[k+1] and then x[k] w[k], each rounded,
 // denormals flushed), then + b[n], then one rounding to the model dtype. The kernel vectorizes
 // across outputs (NR columns of W side by side), never across k. A tile computes up to MR rows at
@@ -17,12 +17,14 @@
 // over k reads NR adjacent weights.
 
 // Reassociating the sum over k is what this file must not do; -ffast-math (the build's flags)
-// would allow it. Before the includes, so that the headers' inline functions (bf16 conversions)
+// would allow it. Nor may the compiler choose, tile by tile, whether a multiply and an add become
+// one FMA (GCC may keep a lone chain unfused on some -mtune), so contraction is off and the FMA
+// is spelled out. Before the includes, so that the headers' inline functions (bf16 conversions)
 // compile with the same options and inline.
 #if defined(__clang__)
-#pragma clang fp reassociate(off)
+#pragma clang fp reassociate(off) contract(off)
 #elif defined(__GNUC__)
-#pragma GCC optimize("no-associative-math")
+#pragma GCC optimize("no-associative-math", "fp-contract=off")
 #endif
 
 #include <ATen/ATen.h>
@@ -36,7 +38,7 @@
 #include <memory>
 #include <type_traits>
 
-#if defined(__AVX512BF16__)
+#if defined(__AVX__)
 #include <immintrin.h>
 #endif
 
@@ -116,6 +118,18 @@ inline void store_lanes(c10::Half* p, vec v) {
   for (int64_t j = 0; j < LANES; ++j) p[j] = static_cast<c10::Half>(v[j]);
 }
 
+// acc + x * w, one rounding where the build has FMA, two where it has not: the same either way
+// for every row, whatever the tile.
+inline vec mul_add(vec acc, float x, vec w) {
+#if defined(__AVX512F__)
+  return (vec)_mm512_fmadd_ps(_mm512_set1_ps(x), (__m512)w, (__m512)acc);
+#elif defined(__AVX__) && defined(__FMA__)
+  return (vec)_mm256_fmadd_ps(_mm256_set1_ps(x), (__m256)w, (__m256)acc);
+#else
+  return acc + x * w;
+#endif
+}
+
 // acc[r] = sum over k of x[r, k] * panel[k, :], in k order. x: R rows of K.
 template <int64_t R, typename scalar_t>
 inline void tile(const float* x, int64_t K, const scalar_t* panel, row_acc acc[MR]) {
@@ -125,7 +139,7 @@ inline void tile(const float* x, int64_t K, const scalar_t* panel, row_acc acc[M
     vec w[V];
     for (int64_t v = 0; v < V; ++v) w[v] = load_lanes(panel + k * NR + v * LANES);
     for (int64_t r = 0; r < R; ++r)
-      for (int64_t v = 0; v < V; ++v) acc[r][v] += x[r * K + k] * w[v];
+      for (int64_t v = 0; v < V; ++v) acc[r][v] = mul_add(acc[r][v], x[r * K + k], w[v]);
   }
 }
 
@@ -168,15 +182,21 @@ inline void copy_row(const scalar_t* x, int64_t K, int64_t Kp, x_t<scalar_t>* ou
   for (int64_t k = K; k < Kp; ++k) out[k] = x_t<scalar_t>(0);
 }
 
-// A tile row's NR sums (+ bias) into y, each rounded once to the model dtype; cols <= NR of them.
+// A tile row's NR sums (+ bias) into y, each rounded once to the model dtype (store_lanes, for
+// the last panel's columns too); cols <= NR of them.
 template <typename scalar_t>
 inline void store_row(const row_acc& acc, const scalar_t* bias, int64_t cols, scalar_t* out) {
   if (cols == NR) {
     for (int64_t v = 0; v < V; ++v) store_lanes(out + v * LANES, bias ? acc[v] + load_lanes(bias + v * LANES) : acc[v]);
     return;
   }
-  for (int64_t j = 0; j < cols; ++j)
-    out[j] = static_cast<scalar_t>(bias ? acc[j / LANES][j % LANES] + to_float(bias[j]) : acc[j / LANES][j % LANES]);
+  scalar_t last[NR];
+  for (int64_t v = 0; v < V; ++v) {
+    vec sums = acc[v];
+    for (int64_t j = 0; bias && j < LANES && v * LANES + j < cols; ++j) sums[j] += to_float(bias[v * LANES + j]);
+    store_lanes(last + v * LANES, sums);
+  }
+  std::memcpy(out, last, cols * sizeof(scalar_t));
 }
 
 template <typename scalar_t>
