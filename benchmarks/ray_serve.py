@@ -4,7 +4,8 @@
     python benchmarks/ray_serve.py [--json FILE]
 
 Starts a private local Ray cluster (2 CPUs, no dashboard), deploys deploy/serve_config.yaml with
-the default model (bf16; autoscaling min 1 / max 2, upscale delay 1 s), and runs each
+the default model (`--dtype auto`; autoscaling min 1 / max 2, upscale delay 1 s; local prefill
+off, in `pdserve up` too), and runs each
 measurement in turn; `pdserve up` runs beside it for the comparison, with the same model.
 """
 
@@ -26,7 +27,7 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
-from ray_cluster import default_model_config, free_port, replica_counts, wait_until  # noqa: E402
+from ray_cluster import default_model_config, free_port, replica_counts, serves, wait_until  # noqa: E402
 
 from pdserve import serve_config  # noqa: E402
 from pdserve.ray_serve import wait_running  # noqa: E402
@@ -49,6 +50,9 @@ def ray_config() -> dict:
             dep["autoscaling_config"]["policy"]["policy_kwargs"] = (
                 {"target_pending_requests": 2} if dep["name"] == "Prefill" else {"target_running_sequences": 4}
             )
+    # Every prefill on the prefill pool: with local prefill on, the router runs these 1,000-token
+    # prompts on the idle decode node and the threshold policy sees no prefill demand to scale on.
+    config["applications"][0]["args"]["router"]["local_prefill"] = "off"
     return config
 
 
@@ -83,7 +87,20 @@ def tpot(address: str, metadata=None, runs: int = 5, tokens: int = 64) -> float:
 def pdserve_up_tpot() -> float:
     port = free_port()
     up = subprocess.Popen(
-        [sys.executable, "-m", "pdserve", "up", "--port", str(port), "--num-threads", "1", "--kv-cache-gb", "0.25"],
+        [
+            sys.executable,
+            "-m",
+            "pdserve",
+            "up",
+            "--port",
+            str(port),
+            "--num-threads",
+            "1",
+            "--kv-cache-gb",
+            "0.25",
+            "--local-prefill",
+            "off",
+        ],
         stderr=subprocess.PIPE,
         text=True,
     )
@@ -147,7 +164,7 @@ def main() -> int:
         wait_running(["pdserve"], 600)
         direct = f"127.0.0.1:{config['applications'][0]['args']['router']['direct_port']}"
         proxy = f"127.0.0.1:{config['grpc_options']['port']}"
-        wait_until(lambda: Client(direct).generate("hi", max_tokens=1) is not None, 120, "the router")
+        wait_until(lambda: serves(direct), 600, "the router to find both pools")
         time.sleep(5)
         session = ray.get_runtime_context().gcs_address and ray._private.worker._global_node.get_session_dir_path()
         results["idle_pss_mb"] = ray_pss_mb(session)

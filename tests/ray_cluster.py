@@ -7,7 +7,10 @@ import os
 import socket
 import time
 
+import grpc
+
 from pdserve import serve_config
+from router.client import Client
 
 
 def free_port() -> int:
@@ -133,6 +136,15 @@ def replica_counts(app: str = "pdserve") -> dict[str, int]:
 # Starting a replica on two cores that other processes keep busy took minutes (a Python worker
 # importing torch and Ray, then the engine), so the guards are long; each wait prints its time.
 HANG_S = 600.0
+
+
+def serves(address: str, prompt: str | list[int] = "hi") -> bool:
+    """Whether the router at address answers a request end to end (it has found both pools)."""
+    try:
+        Client(address, timeout=10).generate(prompt, max_tokens=2)
+        return True
+    except grpc.RpcError:
+        return False
 
 
 def wait_until(predicate, timeout_s: float, what: str, interval_s: float = 0.5, last=None):

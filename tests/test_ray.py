@@ -15,7 +15,7 @@ import grpc
 import pytest
 from cluster import local_cluster
 from conftest import make_engine, run_to_completion
-from ray_cluster import HANG_S, replica_counts, start_ray, stop_ray, tiny_config, wait_until
+from ray_cluster import HANG_S, replica_counts, serves, start_ray, stop_ray, tiny_config, wait_until
 
 from engine import SamplingParams
 from pdserve import serve_config
@@ -42,18 +42,10 @@ def deployed(tiny_llama, tmp_path_factory):
         args = config["applications"][0]["args"]
         direct = f"127.0.0.1:{args['router']['direct_port']}"
         proxy = f"127.0.0.1:{config['grpc_options']['port']}"
-        wait_until(lambda: _serves(direct), HANG_S, "the router to discover both pools")
+        wait_until(lambda: serves(direct, PROMPT), HANG_S, "the router to discover both pools")
         yield config, direct, proxy
     finally:
         stop_ray()
-
-
-def _serves(address: str) -> bool:
-    try:
-        Client(address, timeout=10).generate(PROMPT, max_tokens=2)
-        return True
-    except grpc.RpcError:
-        return False
 
 
 def test_generate_through_the_proxy_and_the_direct_port_equals_pdserve_up(deployed, tiny_llama):
@@ -226,7 +218,7 @@ def test_scale_down_during_streaming_loses_no_token(deployed, tiny_llama):
 
     redeploy(2, 2)
     wait_until(lambda: replica_counts()["Decode"] == 2, HANG_S, "two decode replicas", last=replica_counts)
-    wait_until(lambda: _serves(direct), HANG_S, "the router")
+    wait_until(lambda: serves(direct, PROMPT), HANG_S, "the router")
     before = {k: v for k, v in _replica_ids().items() if k != "Decode"}
     assert len(before["Router"]) == 1 and len(before["Prefill"]) == 1
 
@@ -288,7 +280,7 @@ def test_pdserve_serve_redeploys_on_an_existing_cluster(deployed, tmp_path):
     )
     assert r.returncode == 0, r.stderr[-3000:]
     assert "application 'pdserve' is RUNNING" in r.stdout
-    assert _serves(direct)
+    assert serves(direct, PROMPT)
     bad = tmp_path / "bad.yaml"
     config = copy.deepcopy(config)
     config["applications"][0]["deployments"][1]["autoscaling_config"]["max_replicsa"] = 3
