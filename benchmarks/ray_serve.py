@@ -50,8 +50,8 @@ def ray_config() -> dict:
             dep["autoscaling_config"]["policy"]["policy_kwargs"] = (
                 {"target_pending_requests": 2} if dep["name"] == "Prefill" else {"target_running_sequences": 4}
             )
-    # Every prefill on the prefill pool: with local prefill on, the router runs these 1,000-token
-    # prompts on the idle decode node and the threshold policy sees no prefill demand to scale on.
+    # Every prefill on the prefill pool: with local prefill on, the router may run these 1,000-token
+    # prompts on the idle decode node, where the threshold policy sees no prefill demand.
     config["applications"][0]["args"]["router"]["local_prefill"] = "off"
     return config
 
