@@ -1,16 +1,16 @@
 // y = x @ W.T + b with every output summed in one fixed order, whatever the number of rows
 // (deterministic mode's linears on CPUs, engine/linear.py). Registered under torch.ops.pdserve.
 //
-// Each output y[m, n] is a running fp32 sum over k = 0, 1, ..., K-1 (one fused multiply-add a
-// step, written as the intrinsic, where the build has FMA; a multiply then an add where it has
-// not; in bf16 on a CPU with AVX512_BF16, one vdpbf16ps a step, which adds x[k+1] w[k+1] and then
-// x[k] w[k], each rounded, denormals flushed), then + b[n], then one rounding to the model dtype.
-// The kernel vectorizes across outputs (NR columns of W side by side), never across k. A tile
-// computes up to MR rows at once, but each of its sums takes the same steps in the same order whatever the tile's height
-// (the rows share the weight loads, not their arithmetic), so a row's bits depend neither on what
-// else is in the batch, nor on how the rows are split between tiles or threads, nor on the batch's
-// size. A BLAS picks its blocking of k by the shape it is given, which is why a row of a batched
-// matmul moves with the batch.
+// Each output y[m, n] is a running fp32 sum over k = 0, 1, ..., K-1 (one fused multiply-add a step,
+// written as the intrinsic, where the build has FMA; a multiply then an add where it has not; in
+// bf16 on a CPU with AVX512_BF16, one vdpbf16ps a step, which adds x[k+1] w[k+1] and then x[k]
+// w[k], each rounded, denormals flushed), then + b[n], then one rounding to the model dtype. The
+// kernel vectorizes across outputs (NR columns of W side by side), never across k. A tile computes
+// up to MR rows at once, but each of its sums takes the same steps in the same order whatever the
+// tile's height (the rows share the weight loads, not their arithmetic), so a row's bits depend
+// neither on what else is in the batch, nor on how the rows are split between tiles or threads, nor
+// on the batch's size. A BLAS picks its blocking of k by the shape it is given, which is why a row
+// of a batched matmul moves with the batch.
 //
 // ordered_linear_pack lays W out once as panels of NR columns, k-major (column n at panel n / NR,
 // lane n % NR; in pairs of k for vdpbf16ps; columns past N and the odd k past K zero): each step
