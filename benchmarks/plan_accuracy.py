@@ -17,6 +17,7 @@ on the real deployment, same prompts, same window.
    within both SLOs), TTFT p50 and TPOT p50. The SLOs (WORKLOADS) are loose enough that nearly
    every request of every deployment meets them here: an SLO that cuts through the middle of a
    latency distribution turns a small error in the latency into a large one in goodput.
+   Each row keeps both sides' per-request records (sent, first token, done, local or remote).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from disagg_vs_colocated import wait_line  # noqa: E402
 from engine import EngineConfig  # noqa: E402
 from pdserve.plan import profile as profiles  # noqa: E402
 from pdserve.plan import profile_file, search  # noqa: E402
-from pdserve.plan.simulator import Deployment, Item, Workload, simulate  # noqa: E402
+from pdserve.plan.simulator import Deployment, Item, Simulation, Workload  # noqa: E402
 from serving.launcher import ServerProcess  # noqa: E402
 
 VOCAB = (100, 49000)  # token ids drawn from the default model's vocabulary
@@ -105,7 +106,7 @@ def measure(command: list[str], lines: list[dict], concurrency: int, slo: tuple[
         )
     finally:
         stop()
-    return json.loads(out.read_text())["runs"][0]["report"]
+    return json.loads(out.read_text())["runs"][0]  # its report and records
 
 
 def error(predicted: float, measured: float) -> float:
@@ -134,8 +135,10 @@ def main() -> int:
             for dname in args.deployments.split(","):
                 dep = DEPLOYMENTS[dname]
                 command = shlex.split(search.command(dep))[1:]  # the command `pdserve plan best` prints
-                predicted = simulate(prof, dep, work, *slo)
-                measured = measure(command, lines, work.concurrency, slo, Path(tmp))
+                sim = Simulation(prof, dep, *slo)
+                predicted = sim.run(work)
+                run = measure(command, lines, work.concurrency, slo, Path(tmp))
+                measured = run["report"]
                 row = {"workload": wname, "deployment": dname, "slo_ttft_s": slo[0], "slo_tpot_s": slo[1]}
                 for key, pred, meas in (
                     ("goodput_tps", predicted.goodput_tps, measured["goodput_tps"]),
@@ -145,6 +148,7 @@ def main() -> int:
                     ("local_prefill_rate", predicted.local_prefill_rate, measured["local_prefill_rate"]),
                 ):
                     row[key] = {"predicted": pred, "measured": meas, "error": error(pred, meas)}
+                row["records"] = {"predicted": [r.__dict__ for r in sim.records], "measured": run["records"]}
                 rows.append(row)
                 print(
                     f"{wname:7s} {dname:13s} "

@@ -248,7 +248,8 @@ class Simulation:
         return self._tokens.randrange(1, 1 << 30)
 
     def run(self, workload: Workload) -> Report:
-        records: list[RequestRecord] = []
+        self.records: list[RequestRecord] = []  # each request's times, as `pdserve bench` keeps them
+        records = self.records
         items = iter(workload.items)
 
         def start_item(item: Item, done: Callable[[], None]) -> None:
