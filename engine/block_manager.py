@@ -204,6 +204,20 @@ class BlockManager:
         seq.num_named_blocks = len(seq.block_table)
         return len(seq.block_table) * self.block_size
 
+    def names_to_compute(self, seq: Sequence) -> list[int]:
+        """The names its computing will give seq's full blocks past those it holds named."""
+        full = seq.num_tokens // self.block_size
+        if not self.enable_prefix_caching or full <= seq.num_named_blocks:
+            return []
+        return self._hashes(seq, full)[seq.num_named_blocks :]
+
+    def next_name(self, seq: Sequence) -> int | None:
+        """The name of the first block seq does not hold that a cache hit could give it (one
+        before its last token), None if none is left."""
+        if not self.enable_prefix_caching or (seq.num_tokens - 1) // self.block_size <= seq.num_named_blocks:
+            return None
+        return self._hashes(seq, seq.num_named_blocks + 1)[-1]
+
     def cache_computed_blocks(self, seq: Sequence) -> None:
         """Names seq's full blocks whose KV is computed, so that later sequences can share them.
         Each block joins seq's chain: itself, or the named block already holding the same prefix;

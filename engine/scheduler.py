@@ -4,6 +4,11 @@ Lifecycle of a sequence: waiting -> running (prefill, possibly in chunks, of wha
 does not already hold; then decode one token per step) -> finished. When blocks run out, the
 newest running sequence is preempted: its blocks are freed and it returns to the front of the
 queue to be recomputed (prompt + output so far).
+
+A waiting sequence whose next uncached block another sequence is computing (requests on one
+system prompt arriving together) waits for it and takes it from the cache, as SGLang's in-batch
+prefix caching does, instead of computing the same prefix again beside it; the sequences behind
+it go ahead meanwhile.
 """
 
 from __future__ import annotations
@@ -95,11 +100,20 @@ class Scheduler:
 
     def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> None:
         bm, cfg = self.block_manager, self.config
+        computing: set[int] | None = None  # names of blocks that running prefills will compute
+        behind: list[Sequence] = []  # waiting for one of those
         while self.waiting and len(self.running) < cfg.max_num_seqs and budget > 0:
             seq = self.waiting[0]
             looked_up = not seq.block_table  # a new or preempted sequence: its prefix may be cached
             if looked_up:
                 seq.num_computed_tokens = bm.acquire_prefix(seq)
+                if computing is None:
+                    computing = {name for s in self.running for name in bm.names_to_compute(s)}
+                if bm.next_name(seq) in computing:  # computed beside it, it would be computed twice
+                    bm.free(seq)
+                    seq.num_computed_tokens = 0
+                    behind.append(self.waiting.popleft())
+                    continue
             n = seq.num_tokens - seq.num_computed_tokens
             fits = n <= budget or cfg.enable_chunked_prefill
             n = min(n, budget)
@@ -121,6 +135,9 @@ class Scheduler:
             self.running.append(seq)
             batch.add(seq, n)
             budget -= n
+            if computing is not None:
+                computing.update(bm.names_to_compute(seq))
+        self.waiting.extendleft(reversed(behind))  # first in the queue again, in their order
 
     def update(self, batch: ScheduledBatch, sampled: list[list[int]]) -> list[Sequence]:
         """Records a step's results: per sequence, the tokens it emitted (none for a prefill chunk

@@ -137,6 +137,27 @@ def test_follow_ups_hit_the_cache_of_the_node_holding_their_history():
     assert auto.prefix_cache_hit_rate > off.prefix_cache_hit_rate > 0  # the prefill node lacks the answers
 
 
+def test_prefills_on_one_prefix_arriving_together_compute_it_once_as_the_engine_does():
+    """Four prompts on one uncached 96-token prefix reach an engine in the same instant (as the
+    engine's scheduler, tests/test_scheduler.py): the first computes it, the others wait for it
+    and take its blocks; an unrelated prompt goes ahead meanwhile."""
+    sim = Simulation(hand_profile(), Deployment("c", colocated=1), None, None)
+    engine, done = sim.decodes[0], {}
+    prefix = list(range(1, 97))
+    prompts = {f"r{i}": prefix + [500 + i] * 20 for i in range(4)} | {"other": list(range(900, 1000))}
+    engine.stepping = True  # the arrivals queue up behind a step in flight
+    for rid, tokens in prompts.items():
+        on_done = lambda now, cached, rid=rid: done.setdefault(rid, (now, cached))  # noqa: E731
+        engine.add_prefill(Prefill(tokens, router.pool.block_hashes(tokens[:-1], 16), on_done))
+    engine.stepping = False
+    engine.kick()
+    while sim._events:
+        sim.now, _, fn = heapq.heappop(sim._events)
+        fn()
+    assert {rid: cached for rid, (_, cached) in done.items()} == {"r0": 0, "r1": 96, "r2": 96, "r3": 96, "other": 0}
+    assert done["other"][0] == done["r0"][0] < done["r1"][0]  # in the first step, beside r0
+
+
 def test_best_meets_the_slos_with_the_most_goodput_and_its_command_parses():
     prof = hand_profile(per_context=0.01)
     work = synthetic(24, "uniform:400:800", "32", concurrency=8)

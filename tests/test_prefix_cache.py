@@ -117,6 +117,20 @@ def test_shared_system_prompt_across_a_batch_with_preemption_gives_the_same_toke
     assert engine.scheduler.num_preemptions > 0 or engine.block_manager.num_evicted_blocks > 0
 
 
+def test_prompts_on_one_system_prompt_sent_together_compute_it_once(tiny_llama):
+    """Four requests on one uncached system prompt, added at once: the first computes it, the
+    others wait a step and take its blocks; greedy tokens as without caching (fp32)."""
+    prompts = {f"r{i}": SYSTEM + [200 + i, 201 + i] for i in range(4)}
+    reference, _ = greedy_tokens(tiny_llama, prompts, enable_prefix_caching=False)
+    engine = make_engine(tiny_llama)
+    for rid, prompt in prompts.items():
+        engine.add_request(rid, prompt, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    done = run_to_completion(engine)
+    assert {rid: out.token_ids for rid, out in done.items()} == reference
+    assert [done[rid].num_cached_tokens for rid in prompts] == [0, 20, 20, 20]  # SYSTEM's 5 full blocks
+    assert_no_blocks_used(engine)
+
+
 def test_cache_changes_give_routers_deltas_or_a_snapshot():
     bm = BlockManager(4, 2)
     assert bm.cache_changes(0) == {"cache_version": 0}  # nothing named yet

@@ -81,7 +81,8 @@ def test_running_decodes_go_before_new_prefills():
 
 def test_preemption_takes_the_newest_and_requeues_it_first():
     s = make(num_blocks=4, block_size=2)
-    a, b = seq("a", 3, max_tokens=10), seq("b", 3, max_tokens=10)
+    a = seq("a", 3, max_tokens=10)
+    b = Sequence("b", [4, 5, 6], SamplingParams(max_tokens=10, ignore_eos=True))  # (a's prompt: b would wait for it)
     s.add(a)
     s.add(b)
     fake_step(s)  # both prefilled (positions 0-2): 2 blocks each, pool full
@@ -118,3 +119,50 @@ def test_random_workload_never_leaks_blocks(caching):
     assert bm.num_used_blocks == 0
     assert all(q.is_finished for q in live)
     assert (bm.num_hit_tokens > 0 and bm.num_evicted_blocks > 0) == caching
+
+
+def shared(rid, n_prompt, suffix=(), max_tokens=5) -> Sequence:
+    """A prompt of 1..n_prompt (the shared prefix), then its own suffix."""
+    tokens = list(range(1, n_prompt + 1)) + list(suffix)
+    return Sequence(rid, tokens, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+
+
+def test_requests_on_one_prefix_arriving_together_compute_it_once_and_others_go_ahead():
+    """b and c share a's first 3 blocks, none cached yet: they wait while a computes them, then
+    take them from the cache; d, unrelated, is not held up behind them."""
+    s = make(num_blocks=32, block_size=4)
+    a, b, c = shared("a", 13), shared("b", 12, [50, 51]), shared("c", 12, [60])
+    d = Sequence("d", [90, 91, 92, 93, 94], SamplingParams(max_tokens=5, ignore_eos=True))
+    for q in (a, b, c, d):
+        s.add(q)
+    batch, _ = fake_step(s)
+    assert [q.request_id for q in batch.seqs] == ["a", "d"] and batch.num_scheduled_tokens == [13, 5]
+    assert list(s.waiting) == [b, c] and not b.block_table and not c.block_table  # no blocks held while waiting
+    batch, _ = fake_step(s)
+    assert [q.request_id for q in batch.seqs] == ["a", "d", "b", "c"]
+    assert b.num_cached_tokens == 12 and c.num_cached_tokens == 12  # a's three full blocks
+    assert batch.num_scheduled_tokens[2:] == [2, 1]
+    assert b.block_table[:3] == a.block_table[:3] == c.block_table[:3]
+
+
+def test_a_request_waits_for_a_chunked_prefill_of_its_prefix_and_takes_every_block_of_it():
+    s = make(num_blocks=32, block_size=4, max_num_batched_tokens=8)
+    a, b = shared("a", 20), shared("b", 20, [70, 71])
+    s.add(a)
+    s.add(b)
+    chunks = []
+    while not b.num_computed_tokens:
+        batch, _ = fake_step(s)
+        chunks.append([(q.request_id, n) for q, n in zip(batch.seqs, batch.num_scheduled_tokens)])
+    assert chunks == [[("a", 8)], [("a", 8)], [("a", 4)], [("a", 1), ("b", 2)]]  # b: once a's prompt is in
+    assert b.num_cached_tokens == 20
+
+
+def test_without_prefix_caching_nobody_waits_for_anyone():
+    s = make(num_blocks=32, block_size=4, enable_prefix_caching=False)
+    s.block_manager.enable_prefix_caching = False
+    a, b = shared("a", 13), shared("b", 13, [5])
+    s.add(a)
+    s.add(b)
+    batch, _ = fake_step(s)
+    assert [q.request_id for q in batch.seqs] == ["a", "b"]

@@ -1,8 +1,9 @@
 """A discrete-event simulator of a pdserve deployment over a measured profile (profile.py).
 
 Engines step as the engine's scheduler does (decoding sequences first, one token each, then
-waiting prefills in arrival order, chunked within the token budget) and each step lasts what the
-profile's step line says it costs. The router's decisions are the router's own code, not a copy:
+waiting prefills in arrival order, chunked within the token budget, a prefill whose next block
+another is computing waiting for it) and each step lasts what the profile's step line says it
+costs. The router's decisions are the router's own code, not a copy:
 `EndpointPool.pick` chooses the decode node (load, then cached prefix) and the prefill node,
 `Placement.decide` chooses a local or remote prefill and learns from the simulated timings as the
 router learns from real ones, and block names are `block_hashes`, so a follow-up hits exactly the
@@ -162,11 +163,17 @@ class Engine:
         decodes = list(self.running)
         budget = self.budget - len(decodes)
         chunks = []
+        bs = self.sim.block_size
+        computing = {name for j in self.waiting if j.cached is not None for name in j.names[j.cached // bs :]}
         for job in self.waiting:
             if budget <= 0:
                 break
             if job.cached is None:
-                job.cached = job.computed = self.cached_tokens(job.names, len(job.tokens))
+                cached = self.cached_tokens(job.names, len(job.tokens))
+                if cached // bs < len(job.names) and job.names[cached // bs] in computing:
+                    continue  # the engine's scheduler: it waits for the prefill computing its next block
+                job.cached = job.computed = cached
+                computing.update(job.names[cached // bs :])
             n = min(len(job.tokens) - job.computed, budget)
             chunks.append((job, n))
             budget -= n
