@@ -211,12 +211,13 @@ class BlockManager:
             return []
         return self._hashes(seq, full)[seq.num_named_blocks :]
 
-    def next_name(self, seq: Sequence) -> int | None:
-        """The name of the first block seq does not hold that a cache hit could give it (one
-        before its last token), None if none is left."""
-        if not self.enable_prefix_caching or (seq.num_tokens - 1) // self.block_size <= seq.num_named_blocks:
-            return None
-        return self._hashes(seq, seq.num_named_blocks + 1)[-1]
+    def shareable_names(self, seq: Sequence) -> list[int]:
+        """The names of seq's blocks past those it holds that a cache hit could give it (each full
+        block before its last token's)."""
+        full = (seq.num_tokens - 1) // self.block_size
+        if not self.enable_prefix_caching or full <= seq.num_named_blocks:
+            return []
+        return self._hashes(seq, full)[seq.num_named_blocks :]
 
     def cache_computed_blocks(self, seq: Sequence) -> None:
         """Names seq's full blocks whose KV is computed, so that later sequences can share them.

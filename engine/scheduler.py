@@ -5,10 +5,10 @@ does not already hold; then decode one token per step) -> finished. When blocks 
 newest running sequence is preempted: its blocks are freed and it returns to the front of the
 queue to be recomputed (prompt + output so far).
 
-A waiting sequence whose next uncached block another sequence is computing (requests on one
-system prompt arriving together) waits for it and takes it from the cache, as SGLang's in-batch
-prefix caching does, instead of computing the same prefix again beside it; the sequences behind
-it go ahead meanwhile.
+A waiting sequence at least half of whose uncached tokens another sequence's prefill is computing
+(requests on one system prompt arriving together) waits for them and takes them from the cache,
+as SGLang's in-batch prefix caching does, instead of computing the same prefix again beside it;
+the sequences behind it go ahead meanwhile, its slot kept (not in static batching).
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ class Scheduler:
         # Admissions keep a few blocks back so that running sequences can still grow.
         self.watermark_blocks = block_manager.num_blocks // 100
         self.num_preemptions = 0
+        self.num_prefix_waits = 0  # steps a prompt was held back for another prefill (each step counts)
 
     def add(self, seq: Sequence, first: bool = False) -> None:
         """Queues a sequence (first: ahead of the others, e.g. samples forked from a running one)."""
@@ -100,20 +101,24 @@ class Scheduler:
 
     def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> None:
         bm, cfg = self.block_manager, self.config
+        # (not in static batching: a prompt held back would wait out the whole batch)
+        may_hold = bm.enable_prefix_caching and cfg.scheduling != "static"
         computing: set[int] | None = None  # names of blocks that running prefills will compute
-        behind: list[Sequence] = []  # waiting for one of those
-        while self.waiting and len(self.running) < cfg.max_num_seqs and budget > 0:
+        behind: list[Sequence] = []  # held back for one of those; their slots are kept
+        while self.waiting and len(self.running) + len(behind) < cfg.max_num_seqs and budget > 0:
             seq = self.waiting[0]
             looked_up = not seq.block_table  # a new or preempted sequence: its prefix may be cached
             if looked_up:
                 seq.num_computed_tokens = bm.acquire_prefix(seq)
-                if computing is None:
-                    computing = {name for s in self.running for name in bm.names_to_compute(s)}
-                if bm.next_name(seq) in computing:  # computed beside it, it would be computed twice
-                    bm.free(seq)
-                    seq.num_computed_tokens = 0
-                    behind.append(self.waiting.popleft())
-                    continue
+                if may_hold:
+                    if computing is None:
+                        computing = {name for s in self.running for name in bm.names_to_compute(s)}
+                    if self._computed_beside(seq, computing):
+                        bm.free(seq)
+                        seq.num_computed_tokens = 0
+                        behind.append(self.waiting.popleft())
+                        self.num_prefix_waits += 1
+                        continue
             n = seq.num_tokens - seq.num_computed_tokens
             fits = n <= budget or cfg.enable_chunked_prefill
             n = min(n, budget)
@@ -138,6 +143,17 @@ class Scheduler:
             if computing is not None:
                 computing.update(bm.names_to_compute(seq))
         self.waiting.extendleft(reversed(behind))  # first in the queue again, in their order
+
+    def _computed_beside(self, seq: Sequence, computing: set[int]) -> bool:
+        """Whether seq waits a step for a prefill computing its prefix: when at least half of what
+        it would compute now is blocks being computed (then it takes them from the cache). A short
+        shared start, a chat template's header, is not worth a step's wait."""
+        shared = 0
+        for name in self.block_manager.shareable_names(seq):
+            if name not in computing:
+                break
+            shared += self.block_manager.block_size
+        return 2 * shared >= seq.num_tokens - seq.num_computed_tokens
 
     def update(self, batch: ScheduledBatch, sampled: list[list[int]]) -> list[Sequence]:
         """Records a step's results: per sequence, the tokens it emitted (none for a prefill chunk

@@ -225,6 +225,7 @@ class Report:
     cache_hit_tokens: int = 0
     evicted_blocks: int = 0
     spec_accepted: int = 0
+    prefix_waits: int = 0  # prompts held back for a block another prefill was computing
     kills: int = 0
     failed_on_kill: int = 0  # n > 1 or beams that had streamed on the killed node (they do not migrate)
     clusters: dict = field(default_factory=dict)  # "kv_transport, local prefill mode" -> mixes
@@ -302,12 +303,14 @@ def engine_mix(model, seed: int, num_requests: int, report: Report, reference: R
 
 
 def count_work(report: Report, engine: LLMEngine) -> None:
-    """What a mix made an engine do: preemptions, prefix-cache hits and evictions, accepted drafts."""
+    """What a mix made an engine do: preemptions, prefix-cache hits and evictions, accepted drafts,
+    prompts that waited for a prefix another prefill was computing."""
     bm = engine.block_manager
     report.preemptions += engine.scheduler.num_preemptions
     report.cache_hit_tokens += bm.num_hit_tokens
     report.evicted_blocks += bm.num_evicted_blocks
     report.spec_accepted += engine.num_accepted_tokens
+    report.prefix_waits += engine.scheduler.num_prefix_waits
 
 
 def random_cluster(rng: random.Random) -> dict:

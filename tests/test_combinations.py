@@ -21,6 +21,7 @@ def test_random_mixes_in_one_engine_equal_each_request_alone(tiny_llama):
         report.kinds
     )
     assert report.preemptions and report.cache_hit_tokens and report.evicted_blocks and report.spec_accepted
+    assert report.prefix_waits  # prompts on one prefix arrived together
     assert report.cancelled and report.finished > report.requests // 2
 
 

@@ -80,7 +80,7 @@ def test_random_mixes_in_one_deterministic_engine_equal_each_request_alone_exact
     # what the mixes exercised: batches, chunked prefills (16- and 32-token budgets), cache hits,
     # preemption, speculation, n > 1, seeds, logprobs
     assert {"greedy", "seeded", "n>1", "logprobs", "follow-up"} <= set(report.kinds)
-    assert report.preemptions and report.cache_hit_tokens and report.spec_accepted
+    assert report.preemptions and report.cache_hit_tokens and report.spec_accepted and report.prefix_waits
 
 
 def test_random_mixes_through_a_deterministic_cluster_equal_each_request_alone_exactly(tiny_llama):

@@ -1,9 +1,9 @@
 """A discrete-event simulator of a pdserve deployment over a measured profile (profile.py).
 
 Engines step as the engine's scheduler does (decoding sequences first, one token each, then
-waiting prefills in arrival order, chunked within the token budget, a prefill whose next block
-another is computing waiting for it) and each step lasts what the profile's step line says it
-costs. The router's decisions are the router's own code, not a copy:
+waiting prefills in arrival order, chunked within the token budget, a prefill half of whose
+uncached tokens another is computing waiting for them) and each step lasts what the profile's
+step line says it costs. The router's decisions are the router's own code, not a copy:
 `EndpointPool.pick` chooses the decode node (load, then cached prefix) and the prefill node,
 `Placement.decide` chooses a local or remote prefill and learns from the simulated timings as the
 router learns from real ones, and block names are `block_hashes`, so a follow-up hits exactly the
@@ -164,14 +164,14 @@ class Engine:
         budget = self.budget - len(decodes)
         chunks = []
         bs = self.sim.block_size
-        computing = {name for j in self.waiting if j.cached is not None for name in j.names[j.cached // bs :]}
+        computing = {name for j in self.waiting if j.cached is not None for name in j.names[j.computed // bs :]}
         for job in self.waiting:
             if budget <= 0:
                 break
             if job.cached is None:
                 cached = self.cached_tokens(job.names, len(job.tokens))
-                if cached // bs < len(job.names) and job.names[cached // bs] in computing:
-                    continue  # the engine's scheduler: it waits for the prefill computing its next block
+                if 2 * bs * _leading(job.names[cached // bs :], computing) >= len(job.tokens) - cached:
+                    continue  # the engine's rule: half of it is being computed, it waits for that
                 job.cached = job.computed = cached
                 computing.update(job.names[cached // bs :])
             n = min(len(job.tokens) - job.computed, budget)
@@ -202,9 +202,19 @@ class Engine:
                 self.waiting.remove(job)
                 self.remember(job.names)
                 job.on_done(now, job.cached)
+            else:  # the engine names a chunk's full blocks as it computes them
+                self.remember(job.names[: job.computed // self.sim.block_size])
         self.endpoint.load.num_waiting, self.endpoint.load.num_running = len(self.waiting), len(self.running)
         self.stepping = False
         self.kick()
+
+
+def _leading(names: list[int], among: set[int]) -> int:
+    """How many of names, from the first, are among these."""
+    n = 0
+    while n < len(names) and names[n] in among:
+        n += 1
+    return n
 
 
 # ---- the run --------------------------------------------------------------------------------------
