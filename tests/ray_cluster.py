@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import copy
+import glob
 import os
+import shutil
 import socket
 import time
 
@@ -118,11 +120,14 @@ def _print_log_tails(temp_dir: str, lines: int = 20) -> None:
 
 
 def stop_ray() -> None:
+    """Stops Serve and the cluster, and removes the temporary directories start_ray gave it."""
     import ray
     from ray import serve
 
     serve.shutdown()
     ray.shutdown()
+    for temp_dir in glob.glob(f"/tmp/ray-{os.getpid()}-*"):
+        shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 def replica_counts(app: str = "pdserve") -> dict[str, int]:
