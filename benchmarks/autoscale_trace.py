@@ -22,6 +22,7 @@ import copy
 import json
 import os
 import random
+import shutil
 import sys
 import threading
 import time
@@ -179,6 +180,7 @@ def main() -> int:
             results.append(run_policy(policy, base, requests, args))
     finally:
         stop_ray()
+        shutil.rmtree(tmp, ignore_errors=True)
     out = {
         "command": " ".join(["python", *sys.argv]),
         "date": time.strftime("%Y-%m-%d"),
