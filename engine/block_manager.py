@@ -206,15 +206,14 @@ class BlockManager:
 
     def names_to_compute(self, seq: Sequence) -> list[int]:
         """The names its computing will give seq's full blocks past those it holds named."""
-        full = seq.num_tokens // self.block_size
-        if not self.enable_prefix_caching or full <= seq.num_named_blocks:
-            return []
-        return self._hashes(seq, full)[seq.num_named_blocks :]
+        return self._names_past_named(seq, seq.num_tokens // self.block_size)
 
     def shareable_names(self, seq: Sequence) -> list[int]:
         """The names of seq's blocks past those it holds that a cache hit could give it (each full
         block before its last token's)."""
-        full = (seq.num_tokens - 1) // self.block_size
+        return self._names_past_named(seq, (seq.num_tokens - 1) // self.block_size)
+
+    def _names_past_named(self, seq: Sequence, full: int) -> list[int]:
         if not self.enable_prefix_caching or full <= seq.num_named_blocks:
             return []
         return self._hashes(seq, full)[seq.num_named_blocks :]

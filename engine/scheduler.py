@@ -21,6 +21,17 @@ from engine.config import EngineConfig
 from engine.sequence import FinishReason, Sequence, SequenceStatus
 
 
+def waits_for_prefix(names: list[int], computing: set[int], block_size: int, uncomputed: int) -> bool:
+    """In-batch prefix caching's rule: a prompt waits a step for the prefills computing its
+    prefix when at least half of its uncomputed tokens are blocks being computed (names: its
+    blocks a cache hit could give it, in order; computing: the names being computed). A short
+    shared start, a chat template's header, is not worth a step's wait."""
+    shared = 0
+    while shared < len(names) and names[shared] in computing:
+        shared += 1
+    return 2 * shared * block_size >= uncomputed
+
+
 @dataclass
 class ScheduledBatch:
     seqs: list[Sequence]
@@ -113,7 +124,8 @@ class Scheduler:
                 if may_hold:
                     if computing is None:
                         computing = {name for s in self.running for name in bm.names_to_compute(s)}
-                    if self._computed_beside(seq, computing):
+                    uncomputed = seq.num_tokens - seq.num_computed_tokens
+                    if waits_for_prefix(bm.shareable_names(seq), computing, bm.block_size, uncomputed):
                         bm.free(seq)
                         seq.num_computed_tokens = 0
                         behind.append(self.waiting.popleft())
@@ -143,17 +155,6 @@ class Scheduler:
             if computing is not None:
                 computing.update(bm.names_to_compute(seq))
         self.waiting.extendleft(reversed(behind))  # first in the queue again, in their order
-
-    def _computed_beside(self, seq: Sequence, computing: set[int]) -> bool:
-        """Whether seq waits a step for a prefill computing its prefix: when at least half of what
-        it would compute now is blocks being computed (then it takes them from the cache). A short
-        shared start, a chat template's header, is not worth a step's wait."""
-        shared = 0
-        for name in self.block_manager.shareable_names(seq):
-            if name not in computing:
-                break
-            shared += self.block_manager.block_size
-        return 2 * shared >= seq.num_tokens - seq.num_computed_tokens
 
     def update(self, batch: ScheduledBatch, sampled: list[list[int]]) -> list[Sequence]:
         """Records a step's results: per sequence, the tokens it emitted (none for a prefill chunk

@@ -25,6 +25,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from engine.scheduler import waits_for_prefix
 from pdserve.bench import arrival_times, length_sampler
 from pdserve.bench_stats import Report, RequestRecord, report
 from pdserve.plan.step_model import Step, StepModel
@@ -170,8 +171,8 @@ class Engine:
                 break
             if job.cached is None:
                 cached = self.cached_tokens(job.names, len(job.tokens))
-                if 2 * bs * _leading(job.names[cached // bs :], computing) >= len(job.tokens) - cached:
-                    continue  # the engine's rule: half of it is being computed, it waits for that
+                if waits_for_prefix(job.names[cached // bs :], computing, bs, len(job.tokens) - cached):
+                    continue  # the engine's rule: it waits for the prefills computing its prefix
                 job.cached = job.computed = cached
                 computing.update(job.names[cached // bs :])
             n = min(len(job.tokens) - job.computed, budget)
@@ -207,14 +208,6 @@ class Engine:
         self.endpoint.load.num_waiting, self.endpoint.load.num_running = len(self.waiting), len(self.running)
         self.stepping = False
         self.kick()
-
-
-def _leading(names: list[int], among: set[int]) -> int:
-    """How many of names, from the first, are among these."""
-    n = 0
-    while n < len(names) and names[n] in among:
-        n += 1
-    return n
 
 
 # ---- the run --------------------------------------------------------------------------------------
