@@ -13,26 +13,15 @@ this process, so its time is not comparable. docs/bench/h200_decode_profile.txt 
 engine/attention.py chose its CUDA backends itself; since then the first bf16 row runs as the third.
 """
 
-import shutil
 import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from random_twin import make_twin
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-
-
-def twin_of(src: Path, twin: Path) -> Path:
-    if not (twin / "config.json").exists():
-        torch.manual_seed(0)
-        AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(src), dtype=torch.bfloat16).save_pretrained(twin)
-        for f in src.iterdir():
-            if f.name != "config.json":
-                shutil.copy(f, twin / f.name)
-    return twin
 
 
 def run(model: Path, device: str, label: str, dtype: str, steps: int, prof: bool = True, batch: int = 16) -> None:
@@ -64,7 +53,7 @@ def run(model: Path, device: str, label: str, dtype: str, steps: int, prof: bool
 def main() -> None:
     src, twin, device = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
     steps = int(sys.argv[4]) if len(sys.argv) > 4 else 20
-    model = twin_of(src, twin)
+    model = make_twin(src / "config.json", src, twin)
     run(model, device, "default", "bfloat16", steps)
     run(model, device, "default", "float32", steps, prof=False)
     if device == "cuda":

@@ -4,7 +4,7 @@ Poisson arrival rate at which 90% of requests meet both SLOs, per core (per GPU)
 
     python benchmarks/plan_scale.py --profile docs/bench/plan_profile.json [--budgets 2,4,8,16]
 
-Workload: the anchor's requests (590-630 prompt tokens, 64 output tokens), 120 per run, Poisson
+Workload: the anchor's requests (590-630 prompt tokens, 64 output tokens), 120 per run (--requests), Poisson
 arrivals. SLOs are scales of what one request alone costs on one engine of one thread (DistServe
 scales its SLOs the same way): TTFT within --ttft-scale x its prefill, TPOT within --tpot-scale x
 a decode step of one sequence. Deployments: `pdserve plan best`'s candidates that spend the whole
@@ -42,11 +42,11 @@ def full_budget(budget: int, prof: dict, transport: str) -> list[Deployment]:
     return [d for d in search.candidates(budget, threads, transport, search.on_gpu(prof)) if d.spends == budget]
 
 
-def max_rate(prof: dict, dep: Deployment, slo: tuple[float, float], seed: int = 0) -> float:
+def max_rate(prof: dict, dep: Deployment, slo: tuple[float, float], requests: int, seed: int = 0) -> float:
     """The highest rate (requests/s) with >= 90% of requests within both SLOs (bisection)."""
 
     def attained(rate: float) -> bool:
-        rep = simulate(prof, dep, synthetic(REQUESTS, "uniform:590:630", "64", seed, rate=rate), *slo)
+        rep = simulate(prof, dep, synthetic(requests, "uniform:590:630", "64", seed, rate=rate), *slo)
         return rep.good_requests >= ATTAINMENT * rep.num_requests
 
     lo, hi = 0.0, 1.0
@@ -67,6 +67,13 @@ def main() -> int:
     ap.add_argument("--ttft-scale", type=float, default=4.0)
     ap.add_argument("--tpot-scale", default="1.5,3", help="comma-separated: one sweep each")
     ap.add_argument("--transport", default=None, help="default: what --kv-transport auto takes on one host")
+    ap.add_argument(
+        "--requests",
+        type=int,
+        default=REQUESTS,
+        help="requests per simulated run (a GPU's rates need more: 120 arrive within a second there, a burst, "
+        "not a steady load)",
+    )
     ap.add_argument("--json", type=Path, default=Path("docs/bench/plan_scale.json"))
     args = ap.parse_args()
     prof = profile_file.load(args.profile)
@@ -80,7 +87,7 @@ def main() -> int:
             deployments = full_budget(budget, prof, transport)
             if all(d.colocated for d in deployments):
                 raise SystemExit(f"--budgets: {budget} {unit}(s) hold no prefill and decode node pair")
-            rates = {dep: max_rate(prof, dep, slo) for dep in deployments}
+            rates = {dep: max_rate(prof, dep, slo, args.requests) for dep in deployments}
             colocated = max((d for d in rates if d.colocated), key=rates.get)
             disagg = max((d for d in rates if not d.colocated), key=rates.get)
             row = {
@@ -105,7 +112,7 @@ def main() -> int:
             )
     result = {
         **profiles.provenance(prof, began),
-        "requests": REQUESTS,
+        "requests": args.requests,
         "transport": transport,
         "attainment": ATTAINMENT,
         "rows": rows,

@@ -44,7 +44,7 @@ def one(prompt_len: int, output_len: int) -> Workload:
 
 
 def test_the_step_line_recovers_the_costs_it_was_made_of():
-    truth = StepModel(0.004, 2e-4, 3e-4, 5e-3, 1e-4)
+    truth = StepModel(0.004, 2e-4, 3e-4, 5e-3, 1e-4, 2e-3)
     steps = [Step([(n, c)], []) for n in (16, 128, 700) for c in (0, 512)]
     steps += [Step([], [ctx] * b) for b in (1, 8, 32) for ctx in (64, 900)]
     steps += [Step([(256, 0)], [640] * 4)]
@@ -83,7 +83,7 @@ def test_a_prefill_nodes_prefills_slow_by_the_share_serving_takes_while_streams_
     off = Deployment("pd", prefill=1, decode=1, local_prefill="off")
     alone = simulate(prof, off, one(100, 5))  # no stream decodes while it prefills: the fixed share
     assert alone.ttft_s["p50"] == pytest.approx(ROUTER_S + (FIXED + 100 * PER_TOKEN) * 1.1)
-    assert alone.tpot_s["p50"] == simulate(hand_profile(), off, one(100, 5)).tpot_s["p50"]  # decode steps: as before
+    assert alone.tpot_s["p50"] == pytest.approx(simulate(hand_profile(), off, one(100, 5)).tpot_s["p50"])  # as before
     assert simulate(prof, Deployment("c", colocated=1), one(100, 5)).ttft_s["p50"] == pytest.approx(
         ROUTER_S + FIXED + 100 * PER_TOKEN
     )  # no prefill node
@@ -94,6 +94,46 @@ def test_a_prefill_nodes_prefills_slow_by_the_share_serving_takes_while_streams_
     sim.now, _, step_done = heapq.heappop(sim._events)
     step_done()
     assert done == [pytest.approx((FIXED + 100 * PER_TOKEN) * (1 + 0.1 + 4 * 0.05))]
+
+
+def test_serving_adds_seconds_per_prompt_on_a_prefill_node_and_in_one_colocated_process():
+    """A served prompt costs fixed_s on top of its share, once, in the step its prefill ends;
+    `pdserve colocated`'s prefills take what was measured in it; engines behind a router
+    (colocated x 2: decode nodes prefilling locally) take nothing the profile did not measure."""
+    prof = hand_profile() | {"prefill_serving": {"fixed_s": 0.03, "fixed": 0.1, "per_sequence": 0.0}}
+    off = Deployment("pd", prefill=1, decode=1, local_prefill="off")
+    line = FIXED + 100 * PER_TOKEN
+    assert simulate(prof, off, one(100, 5)).ttft_s["p50"] == pytest.approx(ROUTER_S + line * 1.1 + 0.03)
+    chunked = hand_profile() | {"prefill_serving": {"fixed_s": 0.03, "fixed": 0.0, "per_sequence": 0.0}}
+    for e in chunked["engines"].values():
+        e["max_num_batched_tokens"] = 64  # 100 tokens: two steps, the seconds paid once
+    two_steps = FIXED + 64 * PER_TOKEN + FIXED + 36 * PER_TOKEN
+    assert simulate(chunked, off, one(100, 5)).ttft_s["p50"] == pytest.approx(ROUTER_S + two_steps + 0.03)
+    prof["colocated_prefill_serving"] = {"1": {"fixed_s": 0.02, "fixed": 0.5, "per_sequence": 0.0}}
+    alone = simulate(prof, Deployment("c", colocated=1), one(100, 5))
+    assert alone.ttft_s["p50"] == pytest.approx(ROUTER_S + line * 1.5 + 0.02)
+    assert alone.tpot_s["p50"] == pytest.approx(FIXED + PER_TOKEN)  # decode steps: what "serving" says
+    behind_router = simulate(prof, Deployment("c", colocated=2), one(100, 5))
+    assert behind_router.ttft_s["p50"] == pytest.approx(ROUTER_S + line)
+
+
+@pytest.mark.parametrize(
+    "share, fixed_s",
+    [(0.1, 0.03), (0.0, 0.05), (0.25, 0.0)],
+)
+def test_a_served_prefills_share_and_seconds_go_through_a_long_prompt_and_a_follow_up(share, fixed_s):
+    line = StepModel(0.01, 1e-3, 0.0, 0.0, 0.0, 5e-3)
+    alone, follow_up = line.seconds(Step([(600, 0)], [])), line.seconds(Step([(64, 1024)], []))
+    prefills = [(0, alone * (1 + share) + fixed_s)] * 2 + [(4, alone * (1 + share + 4 * 0.02) + fixed_s)] * 2
+    fit = profiles.prefill_serving(prefills, [follow_up * (1 + share) + fixed_s] * 3, line, 600, (64, 1024))
+    assert (fit["fixed"], fit["fixed_s"]) == (pytest.approx(share, abs=1e-9), pytest.approx(fixed_s, abs=1e-9))
+    assert fit["per_sequence"] == pytest.approx(0.02)
+    # a long prompt served faster than its line, a follow-up slower: a negative share; seconds alone, fitted to both
+    fast_long = profiles.prefill_serving([(0, alone - 0.01)], [follow_up + 0.04], line, 600, (64, 1024))
+    assert (fast_long["fixed"], fast_long["fixed_s"]) == (0.0, pytest.approx(0.015))
+    # the other way round: negative seconds; a share alone, fitted to both
+    slow_long = profiles.prefill_serving([(0, alone * 1.3)], [follow_up * 1.1], line, 600, (64, 1024))
+    assert (slow_long["fixed"], slow_long["fixed_s"]) == (pytest.approx(0.2), 0.0)
 
 
 def test_a_closed_loop_keeps_its_concurrency_and_every_request_ends():
@@ -254,8 +294,11 @@ def test_profile_simulate_and_best_end_to_end(tiny_llama, tmp_path):
     assert {"shm", "tcp", "grpc"} <= set(prof["handoff"])
     assert prof["serving"]["fixed_s"] >= 0 and len(prof["serving"]["samples"]) == 2  # 1 and 2 streams
     assert len(prof["colocated_serving"]["1"]["samples"]) == 2  # `pdserve colocated --num-threads 1`
-    share = prof["prefill_serving"]  # a prefill beside 0, 1 and 2 streams, twice each
+    share = prof["prefill_serving"]  # a prefill beside 0, 1 and 2 streams, twice each, and two follow-ups
     assert share["fixed"] >= 0 and sorted(b for b, _ in share["samples"]) == [0, 0, 1, 1, 2, 2]
+    assert share["fixed_s"] >= 0 and len(share["follow_up_samples"]) == 2
+    colocated = prof["colocated_prefill_serving"]["1"]  # in `pdserve colocated`: alone only
+    assert sorted(b for b, _ in colocated["samples"]) == [0, 0] and len(colocated["follow_up_samples"]) == 2
     engine = prof["engines"]["1"]
     assert engine["dtype"] == "float32" and engine["step"]["fixed"] > 0 and len(engine["samples"]) >= 8
     workload = ["--profile", str(out), "--num-requests", "8", "--prompt-len", "40", "--output-len", "6", "--json"]

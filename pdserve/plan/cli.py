@@ -12,7 +12,7 @@ import argparse
 import json
 import random
 
-from engine.config import DTYPES, EngineConfig
+from engine.config import DTYPES, GIB, EngineConfig
 from pdserve.bench import length_sampler
 from pdserve.bench_stats import format_report
 from pdserve.plan import memory, profile, profile_file, search
@@ -58,6 +58,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
     m.add_argument("--threads", default="1,2", help="comma-separated torch thread counts, one engine profile each")
     m.add_argument("--repeat", type=int, default=3, help="runs per measured size (median)")
     m.add_argument("--quick", action="store_true", help="a small grid (tests)")
+    m.add_argument(
+        "--kv-cache-gb",
+        type=float,
+        default=EngineConfig.kv_cache_bytes / GIB,
+        help="the profiled engine's KV cache, each simulated engine's capacity (as the engine's --kv-cache-gb)",
+    )
     m.add_argument("--out", required=True, help="the profile file to write (JSON)")
 
     s = sub.add_parser(
@@ -125,7 +131,8 @@ def main(args) -> int:
         threads = [int(t) for t in args.threads.split(",")]
         if not threads or min(threads) < 1 or args.repeat < 1:
             raise ValueError("--threads must list thread counts >= 1 and --repeat be >= 1")
-        result = profile.profile(args.model, args.dtype, args.device, threads, args.repeat, args.quick)
+        kv_bytes = int(args.kv_cache_gb * GIB)
+        result = profile.profile(args.model, args.dtype, args.device, threads, args.repeat, args.quick, kv_bytes)
         profile_file.write(result, args.out)
         print(f"wrote {args.out}: engines of {args.threads} thread(s), hand-off over {', '.join(result['handoff'])}")
         return 0

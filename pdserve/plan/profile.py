@@ -10,12 +10,19 @@ and one core each, as `pdserve up --pin-cpus` runs them) and a router on this ho
 KV over each transport (layer-wise where it can): the time from the prefill's end to the decode
 node's admission is fitted as a line over the KV's tokens, and the router's own share of TTFT and
 what serving adds to a decode step are measured, and what it takes from the prefill node's
-prefills while streams decode beside them. What serving adds is measured again for
-`pdserve colocated` at each thread count, where the serving threads take time from the cores the
-engine computes on. On CUDA the same command writes a GPU's profile (--device).
+prefills: a lone prompt's and a follow-up's (a few new tokens after a cached prefix), and the
+prompt's while streams decode beside them. What serving adds is measured again for `pdserve
+colocated` at each thread count, where the serving threads take time from the cores the engine
+computes on: to its decode steps, and to a lone prompt's and a follow-up's prefill. On CUDA the
+same command writes a GPU's profile (--device).
 
-Sizes are the default grid (--quick: a smaller one, for tests); each figure is the median of
---repeat runs. The file records the machine, model, dtype and the raw samples beside the fits.
+Sizes are the device's grid (--quick: a smaller one, for tests); each figure is the median of
+--repeat runs. A GPU's grid reaches the engine's own caps (a step of max_num_batched_tokens, a
+decode batch of max_num_seqs): a small model's steps on a GPU stay bound by the host's kernel
+launches until near those sizes, and the simulator then never prices a step larger than one
+measured. --kv-cache-gb sizes the profiled
+engine's KV cache, which the simulator takes as each engine's capacity. The file records the
+machine, model, dtype and the raw samples beside the fits.
 """
 
 from __future__ import annotations
@@ -42,9 +49,22 @@ from pdserve.plan.step_model import Step, StepModel
 PREFILL_GRID = [(n, 0) for n in (16, 64, 256, 640, 1280, 2560)] + [(n, 1024) for n in (16, 64, 256, 640)]
 DECODE_GRID = [(1, 64), (1, 1024), (4, 64), (4, 640), (16, 64), (16, 640), (64, 64), (64, 640)]
 MIXED_GRID = [(4, 640, 64), (4, 640, 640), (16, 640, 256)]  # (batch, context, prefill chunk)
+GRIDS = {  # (new, cached) prefills, (batch, context) decode steps, (batch, context, chunk) mixed steps
+    "cpu": {"prefill": PREFILL_GRID, "decode": DECODE_GRID, "mixed": MIXED_GRID},
+    "cuda": {  # to the engine's caps (EngineConfig's max_num_batched_tokens 4096, max_num_seqs 256)
+        "prefill": PREFILL_GRID + [(4096, 0), (2048, 2048)],
+        "decode": DECODE_GRID + [(64, 2048), (128, 640), (256, 640), (256, 2048)],
+        "mixed": MIXED_GRID + [(64, 640, 1024), (256, 640, 2048)],
+    },
+}
 HANDOFF_TOKENS = (128, 512, 1024)
 NO_OVERHEAD = {"fixed_s": 0.0, "per_sequence_s": 0.0, "samples": []}  # (no one-thread step line to subtract)
-NO_SHARE = {"fixed": 0.0, "per_sequence": 0.0, "samples": []}  # (no one-thread step line to compare with)
+NO_SHARE = {
+    "fixed_s": 0.0,
+    "fixed": 0.0,
+    "per_sequence": 0.0,
+    "samples": [],
+}  # (no one-thread step line to compare with)
 STREAMS = (1, 4, 8, 16)  # streams decoding together through the router
 STREAM_PROMPT = 600  # the streams' prompts: a served step at the anchor's context, where part of
 # what serving adds overlaps the step's compute (at 16 tokens the step is too short to show it)
@@ -57,9 +77,11 @@ QUICK = {
     "handoff": (16, 48),
     "streams": (1, 2),
     "stream_prompt": 16,
+    "follow_up": (16, 16),
 }
 DECODE_STEPS = 6  # timed per decode sample (median)
 STREAM_LONG = 256  # tokens a stream may decode while a prefill beside it is timed (it is stopped then)
+FOLLOW_UP = (64, 1024)  # a served prefill of this many new tokens after this many cached (a chat's next turn)
 
 
 def _ids(rng: random.Random, n: int, vocab: int) -> list[int]:
@@ -143,17 +165,23 @@ def _say(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-def profile_steps(model: str, dtype: str, device: str, threads: int, repeat: int, quick: bool) -> dict:
+def grid(device: str, quick: bool) -> dict:
+    from engine.hardware import resolve_device
+
+    return QUICK if quick else GRIDS[resolve_device(device).type]
+
+
+def profile_steps(config: EngineConfig, repeat: int, quick: bool) -> dict:
+    threads, sizes = config.num_threads, grid(config.device, quick)
     torch.set_num_threads(threads)
-    config = EngineConfig(model=model, dtype=dtype, device=device, num_threads=threads)
     prof = StepProfiler(config, repeat)
-    for new, cached in QUICK["prefill"] if quick else PREFILL_GRID:
+    for new, cached in sizes["prefill"]:
         _say(
             f"{threads} thread(s): prefill of {new} new tokens after {cached} cached: {prof.prefill(new, cached):.4f} s"
         )
-    for batch, context in QUICK["decode"] if quick else DECODE_GRID:
+    for batch, context in sizes["decode"]:
         _say(f"{threads} thread(s): decode step, {batch} x {context} tokens: {prof.decode(batch, context):.4f} s")
-    for batch, context, chunk in QUICK["mixed"] if quick else MIXED_GRID:
+    for batch, context, chunk in sizes["mixed"]:
         t = prof.decode(batch, context, chunk)
         _say(f"{threads} thread(s): decode step, {batch} x {context} tokens, {chunk}-token prefill mixed in: {t:.4f} s")
     fit = StepModel.fit(prof.samples)
@@ -187,7 +215,8 @@ async def profile_serving(model: str, dtype: str, device: str, threads: list[int
 
     rng, vocab = random.Random(1), _vocab(model)
     stream_prompt = QUICK["stream_prompt"] if quick else STREAM_PROMPT
-    out, router_s, streams, prefills = {}, [], [], []
+    follow_up = QUICK["follow_up"] if quick else FOLLOW_UP
+    out, router_s, streams, prefills, follow_ups = {}, [], [], [], []
     async with _node_processes(model, dtype, device, list(transports.TRANSPORTS)) as nodes:
         prefill = nodes.pop("prefill")
         for name, decode in nodes.items():
@@ -213,24 +242,30 @@ async def profile_serving(model: str, dtype: str, device: str, threads: list[int
                         if not streams:
                             streams = await _served_steps(client, rng, vocab, stream_prompt, quick)
                             prefills = await _served_prefills(client, rng, vocab, stream_prompt, repeat, quick)
+                            follow_ups = await _served_follow_ups(client, rng, vocab, follow_up, repeat)
                 finally:
                     await router.stop(0)
                 line = out[used] = _line(samples) | {"samples": samples}
                 _say(f"hand-off over {used}: {line['fixed_s'] * 1e3:.1f} ms + {line['per_token_s'] * 1e6:.2f} us/token")
     if not out:
         raise RuntimeError("pdserve plan profile: no KV transport worked between the two nodes")
-    colocated, cores = {}, usable_cores()
+    colocated, colocated_prefills, cores = {}, {}, usable_cores()
     for t in threads:  # on the first t cores, as `pdserve plan best` runs it (search.command)
         args = ["-m", "pdserve", "colocated", *_engine_args(model, dtype, device, t)]
         args += ["--cpus", ",".join(map(str, cores[:t]))]
         async with _processes({"colocated": args}) as servers:
             async with AsyncClient(servers["colocated"].address) as client:
                 colocated[str(t)] = await _served_steps(client, rng, vocab, stream_prompt, quick, f"colocated x {t}")
+                lone = await _served_prefills(client, rng, vocab, stream_prompt, repeat, quick, streams=())
+                colocated_prefills[str(t)] = (lone, await _served_follow_ups(client, rng, vocab, follow_up, repeat))
     return {
         "handoff": out,
         "router_s": statistics.median(router_s),
         "streams": streams,
         "prefills": prefills,
+        "follow_ups": follow_ups,
+        "follow_up": follow_up,
+        "colocated_prefills": colocated_prefills,
         "colocated_streams": colocated,
         "stream_prompt": stream_prompt,
     }
@@ -304,15 +339,18 @@ async def _served_steps(
 
 
 async def _served_prefills(
-    client, rng: random.Random, vocab: int, prompt: int, repeat: int, quick: bool
+    client, rng: random.Random, vocab: int, prompt: int, repeat: int, quick: bool, streams: tuple | None = None
 ) -> list[tuple[int, float]]:
     """(B, seconds) of a new prompt's prefill on the prefill node while B streams decode through
     the router (B = 0: alone), from the node's own timings: what the router's relay and the
-    client, unpinned, take from the prefill node's core. The streams run until the prefill ends."""
+    client, unpinned, take from the prefill node's core. The streams run until the prefill ends.
+    (streams: the B > 0 to measure; default STREAMS)"""
     shared = _ids(rng, prompt - 16, vocab)
     await _streams(client, [shared + _ids(rng, 16, vocab)], 2)  # caches their shared prefix
     samples = []
-    for batch in (0, *(QUICK["streams"] if quick else STREAMS)):
+    if streams is None:
+        streams = QUICK["streams"] if quick else STREAMS
+    for batch in (0, *streams):
         for _ in range(repeat):
             decoding = 0
 
@@ -346,6 +384,22 @@ async def _served_prefills(
     return samples
 
 
+async def _served_follow_ups(
+    client, rng: random.Random, vocab: int, follow_up: tuple[int, int], repeat: int
+) -> list[float]:
+    """Seconds of served prefills of `new` tokens after a cached prefix of `cached` (a first
+    request caches it), alone, from the server's timings."""
+    new, cached = follow_up
+    prefix = _ids(rng, cached, vocab)
+    await _streams(client, [prefix + _ids(rng, 16, vocab)], 1)
+    samples = []
+    for _ in range(repeat):
+        t = (await _streams(client, [prefix + _ids(rng, new, vocab)], 1))[0][1]
+        samples.append(t.prefill_end - t.prefill_start)
+    _say(f"a served {new}-token prefill after {cached} cached: {statistics.median(samples):.3f} s")
+    return samples
+
+
 async def _streams(client, prompts: list[list[int]], max_tokens: int) -> list[tuple[float, object]]:
     """Sends the prompts at once; each one's (TPOT, timings) as the client saw it."""
 
@@ -370,12 +424,41 @@ def serving_overhead(streams: list[tuple[int, float]], step: StepModel, prompt: 
     return {"fixed_s": line["fixed_s"], "per_sequence_s": line["per_token_s"], "samples": extra}
 
 
-def prefill_serving(prefills: list[tuple[int, float]], step: StepModel, prompt: int) -> dict:
-    """What serving takes from a prefill node's prefills, as a share of the step line's time:
-    fixed + per sequence decoding beside it (the router relays their tokens on a core it shares)."""
+def prefill_serving(
+    prefills: list[tuple[int, float]], follow_ups: list[float], step: StepModel, prompt: int, follow_up: tuple
+) -> dict:
+    """What serving adds to a served prefill over the step line's time: fixed_s seconds per
+    prompt, a share `fixed` of the line's time, and a share per sequence decoding beside it (on a
+    prefill node the router relays their tokens on a core it shares). fixed_s and fixed go through
+    two lone prompts' medians, a long one's and a follow-up's (each >= 0): a flat share priced a
+    follow-up's prefill after a cached prefix at a tenth of what serving added to it."""
     alone = step.seconds(Step([(prompt, 0)], []))
-    line = _line([(batch, seconds / alone - 1) for batch, seconds in prefills])
-    return {"fixed": line["fixed_s"], "per_sequence": line["per_token_s"], "samples": prefills}
+    short = step.seconds(Step([follow_up], []))
+    long_s = statistics.median(s for b, s in prefills if b == 0)
+    short_s = statistics.median(follow_ups)
+    share, fixed_s = _through(((alone, long_s), (short, short_s)))
+    line = _line([(batch, seconds / alone - 1) for batch, seconds in prefills])  # its slope: per sequence
+    return {
+        "fixed_s": fixed_s,
+        "fixed": share,
+        "per_sequence": line["per_token_s"],
+        "samples": prefills,
+        "follow_up": list(follow_up),
+        "follow_up_samples": follow_ups,
+    }
+
+
+def _through(points: tuple) -> tuple[float, float]:
+    """(share, fixed_s) with measured = line x (1 + share) + fixed_s through two (line, measured)
+    points, each >= 0: where the two points ask for a negative one, the other alone, fitted to both."""
+    (a, y), (b, z) = points
+    share = (y - z) / (a - b) - 1 if a != b else -1.0
+    fixed_s = z - b * (1 + share)
+    if share >= 0 and fixed_s >= 0:
+        return share, fixed_s
+    if share < 0:
+        return 0.0, max(0.0, statistics.fmean([y - a, z - b]))
+    return max(0.0, statistics.fmean([y / a, z / b]) - 1), 0.0
 
 
 def _line(samples: list[tuple[int, float]]) -> dict:
@@ -401,30 +484,44 @@ def machine(device: str) -> dict:
     return found | ({"gpu": torch.cuda.get_device_name(where)} if where.type == "cuda" else {})
 
 
-def profile(model: str, dtype: str, device: str, threads: list[int], repeat: int, quick: bool) -> dict:
+def profile(
+    model: str, dtype: str, device: str, threads: list[int], repeat: int, quick: bool, kv_cache_bytes: int
+) -> dict:
     began = time.monotonic()
+    engines = {}
+    for t in threads:
+        config = EngineConfig(model=model, dtype=dtype, device=device, num_threads=t, kv_cache_bytes=kv_cache_bytes)
+        engines[str(t)] = profile_steps(config, repeat, quick)
+        if torch.cuda.is_available():  # the engine is gone: its KV cache's memory goes to the nodes' processes
+            torch.cuda.empty_cache()
     result = {
         "version": VERSION,
         "model": model,
         "device": device,
         "machine": machine(device),
         "date": time.strftime("%Y-%m-%d"),
-        "engines": {str(t): profile_steps(model, dtype, device, t, repeat, quick) for t in threads},
+        "engines": engines,
     }
     result |= asyncio.run(profile_serving(model, dtype, device, threads, repeat, quick))
     streams, prompt = result.pop("streams"), result.pop("stream_prompt")
     engines = result["engines"]
     one_thread = engines.get("1")  # the nodes ran one thread each
-    prefills = result.pop("prefills")
+    prefills, follow_ups, follow_up = result.pop("prefills"), result.pop("follow_ups"), result.pop("follow_up")
     result["serving"] = (
         serving_overhead(streams, StepModel(**one_thread["step"]), prompt) if one_thread else NO_OVERHEAD
     )
     result["prefill_serving"] = (
-        prefill_serving(prefills, StepModel(**one_thread["step"]), prompt) if one_thread else NO_SHARE
+        prefill_serving(prefills, follow_ups, StepModel(**one_thread["step"]), prompt, follow_up)
+        if one_thread
+        else NO_SHARE
     )
     result["colocated_serving"] = {
         t: serving_overhead(s, StepModel(**engines[t]["step"]), prompt)
         for t, s in result.pop("colocated_streams").items()
+    }
+    result["colocated_prefill_serving"] = {
+        t: prefill_serving(lone, ups, StepModel(**engines[t]["step"]), prompt, follow_up)
+        for t, (lone, ups) in result.pop("colocated_prefills").items()
     }
     result["seconds"] = round(time.monotonic() - began, 1)
     return result

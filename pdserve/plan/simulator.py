@@ -123,9 +123,19 @@ class Decoding:
 
 
 class Engine:
-    def __init__(self, sim: Simulation, name: str, model: StepModel, budget: int, capacity: int, prefill_node=False):
+    def __init__(
+        self,
+        sim: Simulation,
+        name: str,
+        model: StepModel,
+        budget: int,
+        capacity: int,
+        prefill_node: bool = False,
+        served: dict | None = None,
+    ):
         self.sim, self.model, self.budget, self.capacity = sim, model, budget, capacity
         self.prefill_node = prefill_node
+        self.served = served  # what serving adds to its prefills, where the profile measured it (profile.py)
         self.endpoint = Endpoint(name, None, None, healthy=True, load=common_pb2.NodeLoad(block_size=sim.block_size))
         self.waiting: deque[Prefill] = deque()
         self.running: list[Decoding] = []
@@ -181,9 +191,12 @@ class Engine:
         seconds = self.model.seconds(Step([(n, j.computed) for j, n in chunks], [len(s.tokens) for s in decodes]))
         if decodes:  # what serving adds to a step that streams tokens
             seconds += self.sim.serving["fixed_s"] + self.sim.serving["per_sequence_s"] * len(decodes)
-        if self.prefill_node:  # what the router's relay of the streams decoding elsewhere takes from it
-            share = self.sim.prefill_serving
-            seconds *= 1 + share["fixed"] + share["per_sequence"] * sum(len(e.running) for e in self.sim.decodes)
+        if chunks and self.served:  # per prompt, a share, and on a prefill node the router's relay of the
+            served = self.served  # streams decoding elsewhere, on the core it shares
+            streams = sum(len(e.running) for e in self.sim.decodes) if self.prefill_node else 0
+            share = served["fixed"] + served["per_sequence"] * streams
+            seconds += share * self.model.seconds(Step([(n, j.computed) for j, n in chunks], []))
+            seconds += served.get("fixed_s", 0.0) * sum(j.computed + n == len(j.tokens) for j, n in chunks)
         self.stepping = True
         self.busy_s += seconds
         self.sim.at(self.sim.now + seconds, lambda: self._step_done(decodes, chunks))
@@ -229,9 +242,11 @@ class Simulation:
         # the reads that leave out the blocks the decode node holds (their Capabilities' partial)
         self.partial = deployment.transport.split("-")[0] in ("shm", "tcp")
         self.router_s, self.serving = profile["router_s"], profile["serving"]
-        self.prefill_serving = profile.get("prefill_serving", {"fixed": 0.0, "per_sequence": 0.0})
+        prefill_serving = profile.get("prefill_serving")
+        colocated_prefills = None  # what serving adds to a `pdserve colocated`'s prefills (older profiles: none)
         if deployment.single_process:  # (a profile without this figure: the nodes')
             self.serving = profile.get("colocated_serving", {}).get(key, self.serving)
+            colocated_prefills = profile.get("colocated_prefill_serving", {}).get(key)
         self.now = 0.0
         self._events: list = []
         self._order = itertools.count()
@@ -241,11 +256,12 @@ class Simulation:
         local = deployment.colocated > 0
         self.placement = Placement("always" if local else deployment.local_prefill, deployment.max_local_tokens)
         self.decodes = [
-            Engine(self, f"decode-{i}", model, budget, capacity)
+            Engine(self, f"decode-{i}", model, budget, capacity, served=colocated_prefills)
             for i in range(deployment.colocated or deployment.decode)
         ]
         self.prefills = [
-            Engine(self, f"prefill-{i}", model, budget, capacity, prefill_node=True) for i in range(deployment.prefill)
+            Engine(self, f"prefill-{i}", model, budget, capacity, prefill_node=True, served=prefill_serving)
+            for i in range(deployment.prefill)
         ]
         self.decode_pool.endpoints = [e.endpoint for e in self.decodes]
         self.prefill_pool.endpoints = [e.endpoint for e in self.prefills]

@@ -2,12 +2,17 @@
 
     seconds = fixed + per_token x tokens + per_pair x prefill attention pairs / 1e3
               + per_context x decode context tokens / 1e3 + per_sequence x sequences
+              + per_cached x prefill chunks' tokens already in their KV / 1e3
 
 tokens: every position computed in the step (prefill chunks and one per decoding sequence);
 prefill attention pairs: for each prefill chunk of n new tokens after c tokens already in its KV,
 n x (c + (n + 1) / 2) (the causal attention's query-key pairs); decode context: the KV tokens each
-decoding sequence attends to. The same line prices a prefill node's batch of prompts, a decode
-step, and a mixed step (a local prefill's chunk in a decode batch). Fitted by least squares on
+decoding sequence attends to; a prefill chunk's tokens already in its KV (a cached prefix, earlier
+chunks) are read once for the chunk, whatever its length (two threads, AVX512_BF16, bf16: a
+16-token prefill after 1,024 cached tokens took 80 ms against 49 ms with none cached; the line
+without this term put it at 50 ms; docs/bench/plan_profile_avx512bf16.json). The same line
+prices a prefill node's batch of prompts, a decode step, and a mixed step (a local prefill's
+chunk in a decode batch). Fitted by least squares on
 relative error (a 20 ms decode step counts as much as a 2 s prefill), coefficients kept >= 0.
 """
 
@@ -17,7 +22,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-TERMS = ("fixed", "per_token", "per_pair", "per_context", "per_sequence")
+TERMS = ("fixed", "per_token", "per_pair", "per_context", "per_sequence", "per_cached")
 
 
 @dataclass
@@ -31,7 +36,8 @@ class Step:
     def features(self) -> list[float]:
         tokens = sum(n for n, _ in self.prefills) + len(self.decodes)
         pairs = sum(n * (c + (n + 1) / 2) for n, c in self.prefills) / 1e3
-        return [1.0, tokens, pairs, sum(self.decodes) / 1e3, len(self.prefills) + len(self.decodes)]
+        cached = sum(c for _, c in self.prefills) / 1e3
+        return [1.0, tokens, pairs, sum(self.decodes) / 1e3, len(self.prefills) + len(self.decodes), cached]
 
 
 @dataclass
@@ -41,6 +47,7 @@ class StepModel:
     per_pair: float
     per_context: float
     per_sequence: float
+    per_cached: float = 0.0  # (profiles before it: 0)
 
     def seconds(self, step: Step) -> float:
         return sum(c * f for c, f in zip(self.coefficients(), step.features()))
