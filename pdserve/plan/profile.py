@@ -485,7 +485,13 @@ def machine(device: str) -> dict:
 
 
 def profile(
-    model: str, dtype: str, device: str, threads: list[int], repeat: int, quick: bool, kv_cache_bytes: int
+    model: str,
+    dtype: str,
+    device: str,
+    threads: list[int],
+    repeat: int,
+    quick: bool,
+    kv_cache_bytes: int = EngineConfig.kv_cache_bytes,
 ) -> dict:
     began = time.monotonic()
     engines = {}
