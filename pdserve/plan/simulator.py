@@ -191,12 +191,12 @@ class Engine:
         seconds = self.model.seconds(Step([(n, j.computed) for j, n in chunks], [len(s.tokens) for s in decodes]))
         if decodes:  # what serving adds to a step that streams tokens
             seconds += self.sim.serving["fixed_s"] + self.sim.serving["per_sequence_s"] * len(decodes)
-        if chunks and self.served:  # per prompt, a share, and on a prefill node the router's relay of the
-            served = self.served  # streams decoding elsewhere, on the core it shares
+        if chunks and self.served:  # what serving adds to prompts: a share, and seconds per prompt that ends
+            # (on a prefill node the share grows with the streams decoding elsewhere: the router relays them)
             streams = sum(len(e.running) for e in self.sim.decodes) if self.prefill_node else 0
-            share = served["fixed"] + served["per_sequence"] * streams
+            share = self.served["fixed"] + self.served["per_sequence"] * streams
             seconds += share * self.model.seconds(Step([(n, j.computed) for j, n in chunks], []))
-            seconds += served.get("fixed_s", 0.0) * sum(j.computed + n == len(j.tokens) for j, n in chunks)
+            seconds += self.served.get("fixed_s", 0.0) * sum(j.computed + n == len(j.tokens) for j, n in chunks)
         self.stepping = True
         self.busy_s += seconds
         self.sim.at(self.sim.now + seconds, lambda: self._step_done(decodes, chunks))
