@@ -3,8 +3,9 @@
 # device tool with the default model's config and tokenizer carried in .gpu/ (its weights are
 # over the tool's size limit; the profiles time random twins, see benchmarks/random_twin.py):
 #   mkdir -p .gpu && cp ~/.cache/pdserve/models/SmolLM2-*/{config,tokenizer,tokenizer_config,generation_config}.json .gpu/
-# Results land in $OUT (the tool brings them back).
+# Results land in $OUT (the tool brings them back). Arguments pick parts (default: 135m 8b tests).
 set -uo pipefail
+umask 077
 # what the image lacks travels as wheels in .whl/ (grpcio at the generated code's version, its health and reflection services, fastapi and uvicorn)
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit
@@ -17,17 +18,23 @@ nvidia-smi -L
 python3 -c 'import torch; print("torch", torch.__version__, torch.cuda.get_device_name())'
 python3 -m pip list 2>/dev/null | grep -E "^(grpcio|protobuf|transformers) "
 step() { echo "== $* ($(date +%T))"; }
-step twins
-python3 benchmarks/random_twin.py .gpu/config.json .gpu /tmp/twin135 --device cuda
-python3 benchmarks/random_twin.py deploy/model_configs/llama-3.1-8b/config.json .gpu /tmp/twin8b --device cuda
-step profile 135m
-timeout 150 python3 -m pdserve plan profile --model /tmp/twin135 --device cuda --dtype bfloat16 --threads 1 \
-  --kv-cache-gb 16 --out "$OUT/plan_profile_h200_135m.json" 2> "$OUT/profile_135m.log"
-echo "rc=$?"; tail -3 "$OUT/profile_135m.log"
-step profile 8b
-timeout 240 python3 -m pdserve plan profile --model /tmp/twin8b --device cuda --dtype bfloat16 --threads 1 \
-  --kv-cache-gb 40 --out "$OUT/plan_profile_h200_8b.json" 2> "$OUT/profile_8b.log"
-echo "rc=$?"; tail -3 "$OUT/profile_8b.log"
-step tests
-timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py 2>&1 | tail -25
+parts=" ${*:-135m 8b tests} "
+if [[ $parts == *" 135m "* ]]; then
+  step profile 135m
+  python3 benchmarks/random_twin.py .gpu/config.json .gpu /tmp/twin135 --device cuda
+  timeout 150 python3 -m pdserve plan profile --model /tmp/twin135 --device cuda --dtype bfloat16 --threads 1 \
+    --kv-cache-gb 16 --out "$OUT/plan_profile_h200_135m.json" 2> "$OUT/profile_135m.log"
+  echo "rc=$?"; tail -3 "$OUT/profile_135m.log"
+fi
+if [[ $parts == *" 8b "* ]]; then
+  step profile 8b
+  python3 benchmarks/random_twin.py deploy/model_configs/llama-3.1-8b/config.json .gpu /tmp/twin8b --device cuda
+  timeout 240 python3 -m pdserve plan profile --model /tmp/twin8b --device cuda --dtype bfloat16 --threads 1 \
+    --kv-cache-gb 40 --out "$OUT/plan_profile_h200_8b.json" 2> "$OUT/profile_8b.log"
+  echo "rc=$?"; tail -3 "$OUT/profile_8b.log"
+fi
+if [[ $parts == *" tests "* ]]; then
+  step tests
+  timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py 2>&1 | tail -25
+fi
 step done

@@ -28,6 +28,7 @@ def make_twin(config_json: Path, tokenizer_dir: Path, out: Path, device: str = "
     if (out / "model.safetensors").exists():
         return out
     out.mkdir(mode=0o700, parents=True, exist_ok=True)
+    out.chmod(0o700)
     config = json.loads(config_json.read_text())
     vocab_source = json.loads((tokenizer_dir / "config.json").read_text())
     for key in ("vocab_size", "bos_token_id", "eos_token_id"):
@@ -50,6 +51,8 @@ def make_twin(config_json: Path, tokenizer_dir: Path, out: Path, device: str = "
             w = torch.empty(shape, dtype=torch.bfloat16, device=device).normal_(0.0, 0.02, generator=gen)
             tensors[name] = w.cpu()
     save_file(tensors, out / "model.safetensors")
+    for f in out.iterdir():  # owner-only, as the directory
+        f.chmod(0o600)
     return out
 
 

@@ -17,6 +17,7 @@ import pytest
 
 import router.placement
 import router.pool
+from engine import EngineConfig
 from pdserve.cli import parser
 from pdserve.plan import profile as profiles
 from pdserve.plan import profile_file, search
@@ -109,12 +110,27 @@ def test_serving_adds_seconds_per_prompt_on_a_prefill_node_and_in_one_colocated_
         e["max_num_batched_tokens"] = 64  # 100 tokens: two steps, the seconds paid once
     two_steps = FIXED + 64 * PER_TOKEN + FIXED + 36 * PER_TOKEN
     assert simulate(chunked, off, one(100, 5)).ttft_s["p50"] == pytest.approx(ROUTER_S + two_steps + 0.03)
+    sim = Simulation(chunked, off, None, None)
+    sim.prefills[0].add_prefill(Prefill(list(range(100)), [], lambda *_: None))
+    first_step_ends, _, _ = heapq.heappop(sim._events)
+    assert first_step_ends == pytest.approx(FIXED + 64 * PER_TOKEN)  # paid in the step the prompt ends
     prof["colocated_prefill_serving"] = {"1": {"fixed_s": 0.02, "fixed": 0.5, "per_sequence": 0.0}}
     alone = simulate(prof, Deployment("c", colocated=1), one(100, 5))
     assert alone.ttft_s["p50"] == pytest.approx(ROUTER_S + line * 1.5 + 0.02)
     assert alone.tpot_s["p50"] == pytest.approx(FIXED + PER_TOKEN)  # decode steps: what "serving" says
     behind_router = simulate(prof, Deployment("c", colocated=2), one(100, 5))
     assert behind_router.ttft_s["p50"] == pytest.approx(ROUTER_S + line)
+
+
+def test_every_profiled_step_fits_the_engines_caps():
+    """A size over the caps would time another step than the one recorded (a mixed step's prompt
+    waits for a sequence's slot at max_num_seqs running: the step timed is a decode step)."""
+    tokens, seqs = EngineConfig.max_num_batched_tokens, EngineConfig.max_num_seqs
+    for grid in [*profiles.GRIDS.values(), profiles.QUICK]:
+        assert all(new <= tokens for new, _ in grid["prefill"])
+        assert all(batch <= seqs for batch, _ in grid["decode"])
+        assert all(batch + 1 <= seqs and batch + chunk <= tokens for batch, _, chunk in grid["mixed"])
+    assert profiles.grid("cpu", False) is profiles.GRIDS["cpu"] and profiles.grid("cuda:0", True) is profiles.QUICK
 
 
 @pytest.mark.parametrize(

@@ -19,8 +19,9 @@ same command writes a GPU's profile (--device).
 Sizes are the device's grid (--quick: a smaller one, for tests); each figure is the median of
 --repeat runs. A GPU's grid reaches the engine's own caps (a step of max_num_batched_tokens, a
 decode batch of max_num_seqs): a small model's steps on a GPU stay bound by the host's kernel
-launches until near those sizes, and the simulator then never prices a step larger than one
-measured. --kv-cache-gb sizes the profiled
+launches until near those sizes, and the line is then fitted over every step size the engine
+runs (the simulator keeps a step within the token budget; it does not cap its batch at
+max_num_seqs). --kv-cache-gb sizes the profiled
 engine's KV cache, which the simulator takes as each engine's capacity. The file records the
 machine, model, dtype and the raw samples beside the fits.
 """
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import os
 import platform
 import random
@@ -49,12 +51,14 @@ from pdserve.plan.step_model import Step, StepModel
 PREFILL_GRID = [(n, 0) for n in (16, 64, 256, 640, 1280, 2560)] + [(n, 1024) for n in (16, 64, 256, 640)]
 DECODE_GRID = [(1, 64), (1, 1024), (4, 64), (4, 640), (16, 64), (16, 640), (64, 64), (64, 640)]
 MIXED_GRID = [(4, 640, 64), (4, 640, 640), (16, 640, 256)]  # (batch, context, prefill chunk)
+TOKENS, SEQS = EngineConfig.max_num_batched_tokens, EngineConfig.max_num_seqs  # the engine's caps: a GPU's grid
 GRIDS = {  # (new, cached) prefills, (batch, context) decode steps, (batch, context, chunk) mixed steps
     "cpu": {"prefill": PREFILL_GRID, "decode": DECODE_GRID, "mixed": MIXED_GRID},
-    "cuda": {  # to the engine's caps (EngineConfig's max_num_batched_tokens 4096, max_num_seqs 256)
-        "prefill": PREFILL_GRID + [(4096, 0), (2048, 2048)],
-        "decode": DECODE_GRID + [(64, 2048), (128, 640), (256, 640), (256, 2048)],
-        "mixed": MIXED_GRID + [(64, 640, 1024), (256, 640, 2048)],
+    "cuda": {
+        "prefill": PREFILL_GRID + [(TOKENS, 0), (TOKENS // 2, TOKENS // 2)],
+        "decode": DECODE_GRID + [(64, 2048), (SEQS // 2, 640), (SEQS, 640), (SEQS, 2048)],
+        # a mixed step leaves its prompt a sequence's slot (at SEQS running it would wait: a decode step)
+        "mixed": MIXED_GRID + [(64, 640, 1024), (SEQS - 1, 640, TOKENS // 2)],
     },
 }
 HANDOFF_TOKENS = (128, 512, 1024)
@@ -156,6 +160,8 @@ class StepProfiler:
             if chunk:  # a local prefill joins this step
                 self.llm.add_request(uuid.uuid4().hex, _ids(self.rng, chunk, self.vocab), self._params(1))
             times.append(_timed(self.llm))
+            if self.llm.scheduler.waiting:  # (its slot or its tokens over the engine's caps)
+                raise RuntimeError(f"a {chunk}-token prompt beside {batch} sequences was not in the step timed")
             self.samples.append((Step([(chunk, 0)] if chunk else [], contexts), times[-1]))
         _run_out(self.llm)
         return statistics.median(times)
@@ -204,9 +210,10 @@ async def profile_serving(model: str, dtype: str, device: str, threads: list[int
     the router in this process. Per transport (and layer-wise where it streams): seconds from the
     prefill's end to the decode node's admission over the KV's tokens; the router's share of TTFT;
     and, through the first transport, the TPOT of B streams decoding together (what serving adds
-    to a step is this less the step line's). Then the same streams from `pdserve colocated` at
-    each thread count: one process whose serving threads share the cores its engine's compute
-    threads use."""
+    to a step is this less the step line's), the prefill node's prefills beside them, and a
+    follow-up's prefill. Then the same streams, a lone prompt's and a follow-up's prefill from
+    `pdserve colocated` at each thread count: one process whose serving threads share the cores
+    its engine's compute threads use."""
     from kvtransfer import transports
     from router.client import AsyncClient
     from router.config import RouterConfig
@@ -350,7 +357,8 @@ async def _served_prefills(
     """(B, seconds) of a new prompt's prefill on the prefill node while B streams decode through
     the router (B = 0: alone), from the node's own timings: what the router's relay and the
     client, unpinned, take from the prefill node's core. The streams run until the prefill ends.
-    (streams: the B > 0 to measure; default STREAMS)"""
+    streams: the B > 0 to measure (default STREAMS; none for `pdserve colocated`, whose
+    timings count from the request's arrival)."""
     shared = _ids(rng, prompt - 16, vocab)
     await _streams(client, [shared + _ids(rng, 16, vocab)], 2)  # caches their shared prefix
     samples = []
@@ -401,6 +409,8 @@ async def _served_follow_ups(
     samples = []
     for _ in range(repeat):
         t = (await _streams(client, [prefix + _ids(rng, new, vocab)], 1))[0][1]
+        if t.cached_tokens != cached:  # (not the prefill it is meant to time)
+            raise RuntimeError(f"a follow-up after {cached} cached tokens found {t.cached_tokens} in the cache")
         samples.append(t.prefill_end - t.prefill_start)
     _say(f"a served {new}-token prefill after {cached} cached: {statistics.median(samples):.3f} s")
     return samples
@@ -505,6 +515,7 @@ def profile(
         config = EngineConfig(model=model, dtype=dtype, device=device, num_threads=t, kv_cache_bytes=kv_cache_bytes)
         engines[str(t)] = profile_steps(config, repeat, quick)
         if torch.cuda.is_available():  # the engine is gone: its KV cache's memory goes to the nodes' processes
+            gc.collect()
             torch.cuda.empty_cache()
     result = {
         "version": VERSION,

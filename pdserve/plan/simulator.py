@@ -244,7 +244,7 @@ class Simulation:
         self.router_s, self.serving = profile["router_s"], profile["serving"]
         prefill_serving = profile.get("prefill_serving")
         colocated_prefills = None  # what serving adds to a `pdserve colocated`'s prefills (older profiles: none)
-        if deployment.single_process:  # (a profile without this figure: the nodes')
+        if deployment.single_process:  # (a profile without its decode-step figure: the nodes')
             self.serving = profile.get("colocated_serving", {}).get(key, self.serving)
             colocated_prefills = profile.get("colocated_prefill_serving", {}).get(key)
         self.now = 0.0
