@@ -3,6 +3,12 @@
 # device tool with the default model's config and tokenizer carried in .gpu/ (its weights are
 # over the tool's size limit; the profiles time random twins, see benchmarks/random_twin.py):
 #   mkdir -p .gpu && cp ~/.cache/pdserve/models/SmolLM2-*/{config,tokenizer,tokenizer_config,generation_config}.json .gpu/
+# and the wheels its image lacked on 2026-11-27 (its grpcio 1.84 is older than pdserve_api's
+# generated code) in .whl/, both listed in .git/info/exclude:
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux2014_x86_64 -d .whl grpcio==1.85.3 grpcio-health-checking==1.85.1 \
+#     grpcio-reflection==1.85.1 fastapi starlette pydantic pydantic-core annotated-types \
+#     typing-inspection uvicorn annotated-doc     (the versions of .venv's)
 # Results land in $OUT (the tool brings them back). Arguments pick parts (default: 135m 8b tests).
 set -uo pipefail
 umask 077
