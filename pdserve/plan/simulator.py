@@ -192,7 +192,8 @@ class Engine:
         if decodes:  # what serving adds to a step that streams tokens
             seconds += self.sim.serving["fixed_s"] + self.sim.serving["per_sequence_s"] * len(decodes)
         if chunks and self.served:  # what serving adds to prompts: a share, and seconds per prompt that ends
-            # (on a prefill node the share grows with the streams decoding elsewhere: the router relays them)
+            # (on a prefill node the share grows with the streams decoding elsewhere: the router relays them;
+            # a colocated step that also decodes pays both figures, whose per-step parts may overlap: ms)
             streams = sum(len(e.running) for e in self.sim.decodes) if self.prefill_node else 0
             share = self.served["fixed"] + self.served["per_sequence"] * streams
             seconds += share * self.model.seconds(Step([(n, j.computed) for j, n in chunks], []))
