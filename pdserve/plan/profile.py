@@ -21,9 +21,9 @@ Sizes are the device's grid (--quick: a smaller one, for tests); each figure is 
 decode batch of max_num_seqs): a small model's steps on a GPU stay bound by the host's kernel
 launches until near those sizes, and the line is then fitted over every step size the engine
 runs (the simulator keeps a step within the token budget; it does not cap its batch at
-max_num_seqs). --kv-cache-gb sizes the profiled
-engine's KV cache, which the simulator takes as each engine's capacity. The file records the
-machine, model, dtype and the raw samples beside the fits.
+max_num_seqs). --kv-cache-gb sizes the profiled engine's KV cache, which the simulator takes as
+each engine's capacity. The file records the machine, model, dtype and the raw samples beside
+the fits.
 """
 
 from __future__ import annotations
@@ -63,12 +63,8 @@ GRIDS = {  # (new, cached) prefills, (batch, context) decode steps, (batch, cont
 }
 HANDOFF_TOKENS = (128, 512, 1024)
 NO_OVERHEAD = {"fixed_s": 0.0, "per_sequence_s": 0.0, "samples": []}  # (no one-thread step line to subtract)
-NO_SHARE = {
-    "fixed_s": 0.0,
-    "fixed": 0.0,
-    "per_sequence": 0.0,
-    "samples": [],
-}  # (no one-thread step line to compare with)
+# (no one-thread step line to compare with)
+NO_SHARE = {"fixed_s": 0.0, "fixed": 0.0, "per_sequence": 0.0, "samples": []}
 STREAMS = (1, 4, 8, 16)  # streams decoding together through the router
 STREAM_PROMPT = 600  # the streams' prompts: a served step at the anchor's context, where part of
 # what serving adds overlaps the step's compute (at 16 tokens the step is too short to show it)
@@ -339,8 +335,7 @@ async def _served_steps(
     put its fixed part 3.7x and its per-stream part 5.8x apart). Their prompts share all but 16
     tokens, cached (on the prefill node, or the colocated engine) by a first request, so that
     they start decoding together rather than a prefill apart."""
-    shared = _ids(rng, prompt - 16, vocab)
-    await _streams(client, [shared + _ids(rng, 16, vocab)], 2)
+    shared = await _cached_prefix(client, rng, vocab, prompt - 16, 2)
     streams = []
     for batch in QUICK["streams"] if quick else STREAMS:
         for _ in range(repeat):
@@ -359,8 +354,7 @@ async def _served_prefills(
     client, unpinned, take from the prefill node's core. The streams run until the prefill ends.
     streams: the B > 0 to measure (default STREAMS; none for `pdserve colocated`, whose
     timings count from the request's arrival)."""
-    shared = _ids(rng, prompt - 16, vocab)
-    await _streams(client, [shared + _ids(rng, 16, vocab)], 2)  # caches their shared prefix
+    shared = await _cached_prefix(client, rng, vocab, prompt - 16, 2)
     samples = []
     if streams is None:
         streams = QUICK["streams"] if quick else STREAMS
@@ -404,8 +398,7 @@ async def _served_follow_ups(
     """Seconds of served prefills of `new` tokens after a cached prefix of `cached` (a first
     request caches it), alone, from the server's timings."""
     new, cached = follow_up
-    prefix = _ids(rng, cached, vocab)
-    await _streams(client, [prefix + _ids(rng, 16, vocab)], 1)
+    prefix = await _cached_prefix(client, rng, vocab, cached, 1)
     samples = []
     for _ in range(repeat):
         t = (await _streams(client, [prefix + _ids(rng, new, vocab)], 1))[0][1]
@@ -414,6 +407,13 @@ async def _served_follow_ups(
         samples.append(t.prefill_end - t.prefill_start)
     _say(f"a served {new}-token prefill after {cached} cached: {statistics.median(samples):.3f} s")
     return samples
+
+
+async def _cached_prefix(client, rng: random.Random, vocab: int, n: int, max_tokens: int) -> list[int]:
+    """n random ids, cached by the server: sent once with 16 more and max_tokens to generate."""
+    prefix = _ids(rng, n, vocab)
+    await _streams(client, [prefix + _ids(rng, 16, vocab)], max_tokens)
+    return prefix
 
 
 async def _streams(client, prompts: list[list[int]], max_tokens: int) -> list[tuple[float, object]]:
@@ -528,7 +528,6 @@ def profile(
     }
     result |= asyncio.run(profile_serving(model, dtype, device, threads, repeat, quick))
     streams, prompt = result.pop("streams"), result.pop("stream_prompt")
-    engines = result["engines"]
     one_thread = engines.get("1")  # the nodes ran one thread each
     prefills, follow_ups, follow_up = result.pop("prefills"), result.pop("follow_ups"), result.pop("follow_up")
     result["serving"] = (

@@ -188,7 +188,8 @@ class Engine:
             n = min(len(job.tokens) - job.computed, budget)
             chunks.append((job, n))
             budget -= n
-        seconds = self.model.seconds(Step([(n, j.computed) for j, n in chunks], [len(s.tokens) for s in decodes]))
+        prefills = [(n, j.computed) for j, n in chunks]
+        seconds = self.model.seconds(Step(prefills, [len(s.tokens) for s in decodes]))
         if decodes:  # what serving adds to a step that streams tokens
             seconds += self.sim.serving["fixed_s"] + self.sim.serving["per_sequence_s"] * len(decodes)
         if chunks and self.served:  # what serving adds to prompts: a share, and seconds per prompt that ends
@@ -196,7 +197,7 @@ class Engine:
             # a colocated step that also decodes pays both figures, whose per-step parts may overlap: ms)
             streams = sum(len(e.running) for e in self.sim.decodes) if self.prefill_node else 0
             share = self.served["fixed"] + self.served["per_sequence"] * streams
-            seconds += share * self.model.seconds(Step([(n, j.computed) for j, n in chunks], []))
+            seconds += share * self.model.seconds(Step(prefills, []))
             seconds += self.served.get("fixed_s", 0.0) * sum(j.computed + n == len(j.tokens) for j, n in chunks)
         self.stepping = True
         self.busy_s += seconds

@@ -12,8 +12,8 @@ chunks) are read once for the chunk, whatever its length (two threads, AVX512_BF
 16-token prefill after 1,024 cached tokens took 80 ms against 49 ms with none cached; the line
 without this term put it at 50 ms; docs/bench/plan_profile_avx512bf16.json). The same line
 prices a prefill node's batch of prompts, a decode step, and a mixed step (a local prefill's
-chunk in a decode batch). Fitted by least squares on
-relative error (a 20 ms decode step counts as much as a 2 s prefill), coefficients kept >= 0.
+chunk in a decode batch). Fitted by least squares on relative error (a 20 ms decode step counts
+as much as a 2 s prefill), coefficients kept >= 0.
 """
 
 from __future__ import annotations
