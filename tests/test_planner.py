@@ -21,7 +21,18 @@ from engine import EngineConfig
 from pdserve.cli import parser
 from pdserve.plan import profile as profiles
 from pdserve.plan import profile_file, search
-from pdserve.plan.simulator import Decoding, Deployment, Item, Prefill, Simulation, Workload, simulate, synthetic
+from pdserve.plan.simulator import (
+    ARRIVAL_JITTER_S,
+    Decoding,
+    Deployment,
+    Item,
+    Prefill,
+    Simulation,
+    Workload,
+    simulate,
+    synthetic,
+    timing_spread,
+)
 from pdserve.plan.step_model import Step, StepModel
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -214,6 +225,33 @@ def test_prefills_on_one_prefix_arriving_together_compute_it_once_as_the_engine_
     assert done["other"][0] == done["r0"][0] < done["r1"][0]  # in the first step, beside r0
 
 
+def test_prompts_sent_together_make_an_idle_engines_first_step_in_numbers_the_timing_seed_draws():
+    """Eight prompts sent at once to one idle engine: on time, the first alone makes the first
+    step (it starts at once); with a timing seed, arrivals and the engine's start are late by up
+    to ARRIVAL_JITTER_S and the first step holds a varying number of them, the same for a seed."""
+    work = synthetic(8, "100", "4", concurrency=8)  # 100-token prompts: 0.11 s steps, far past the jitter
+    dep = Deployment("c", colocated=1)
+
+    def first_step(rep_seed):
+        sim = Simulation(hand_profile(), dep, None, None, timing_seed=rep_seed)
+        rep = sim.run(work)
+        assert rep.completed == 8
+        firsts = sorted(r.first_token for r in sim.records)
+        return sum(t == firsts[0] for t in firsts), [(r.sent, r.first_token, r.done) for r in sim.records]
+
+    assert first_step(None)[0] == 1
+    counts = [first_step(seed)[0] for seed in range(20)]
+    assert len(set(counts)) > 1 and max(counts) > 1, counts
+    assert first_step(3) == first_step(3)
+    on_time, late = (
+        simulate(hand_profile(), dep, one(100, 4)),
+        simulate(hand_profile(), dep, one(100, 4), timing_seed=0),
+    )
+    assert on_time.ttft_s["p50"] < late.ttft_s["p50"] <= on_time.ttft_s["p50"] + 2 * ARRIVAL_JITTER_S
+    spread = timing_spread([simulate(hand_profile(), dep, work, timing_seed=s) for s in range(5)])
+    assert all(f["min"] <= f["median"] <= f["max"] for f in spread.values())
+
+
 def test_best_meets_the_slos_with_the_most_goodput_and_its_command_parses():
     prof = hand_profile(per_context=0.01)
     work = synthetic(24, "uniform:400:800", "32", concurrency=8)
@@ -323,6 +361,17 @@ def test_profile_simulate_and_best_end_to_end(tiny_llama, tmp_path):
     )
     assert sim.returncode == 0, sim.stderr
     assert json.loads(sim.stdout)["completed"] == 8
+    seeds = subprocess.run(
+        run + ["simulate", *workload, "--colocated", "1", "--timing-seeds", "3"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    assert seeds.returncode == 0, seeds.stderr
+    spread = json.loads(seeds.stdout)
+    assert [r["completed"] for r in spread["runs"]] == [8, 8, 8]
+    ttft = spread["spread"]["ttft_p50_s"]
+    assert ttft["min"] <= ttft["median"] <= ttft["max"] and ttft["min"] > 0
     best = subprocess.run(
         run + ["best", *workload, "--cores", "2", "--slo-ttft", "10"], capture_output=True, text=True, cwd=ROOT
     )
@@ -339,6 +388,7 @@ def test_profile_simulate_and_best_end_to_end(tiny_llama, tmp_path):
         (["simulate", "--transport", "rdma"], "the profile measured no 'rdma' hand-off"),
         (["best", "--cores", "2", "--num-requests", "0"], "--num-requests must be >= 1, got 0"),
         (["profile", "--threads", "0", "--out", "x.json"], "--threads must list thread counts >= 1"),
+        (["simulate", "--timing-seeds", "-1"], "--timing-seeds must be >= 0, got -1"),
     ],
 )
 def test_bad_input_is_one_line_naming_it(tmp_path, args, says):

@@ -16,7 +16,16 @@ from engine.config import DTYPES, GIB, EngineConfig
 from pdserve.bench import length_sampler
 from pdserve.bench_stats import format_report
 from pdserve.plan import memory, profile, profile_file, search
-from pdserve.plan.simulator import Deployment, Workload, conversations, simulate, synthetic
+from pdserve.plan.simulator import (
+    ARRIVAL_JITTER_S,
+    SPREAD,
+    Deployment,
+    Workload,
+    conversations,
+    simulate,
+    synthetic,
+    timing_spread,
+)
 from router.placement import MODES
 from serving.options import HelpFormatter
 
@@ -77,6 +86,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--local-prefill", default="auto", choices=MODES, help="the router's placement mode")
     s.add_argument("--max-local-prefill-tokens", type=int, default=search.Deployment.max_local_tokens)
     s.add_argument("--transport", default=None, help=TRANSPORT_HELP)
+    s.add_argument(
+        "--timing-seeds",
+        type=int,
+        default=0,
+        help=f"runs with arrivals late by up to {ARRIVAL_JITTER_S * 1e3:g} ms, each its own seed: the median and "
+        "range of each figure (0: one run, arrivals on time)",
+    )
 
     b = sub.add_parser(
         "best",
@@ -149,8 +165,24 @@ def main(args) -> int:
             transport=args.transport or search.default_transport(prof),
             gpu=search.on_gpu(prof),
         )
-        rep = simulate(prof, dep, workload(args), args.slo_ttft, args.slo_tpot)
-        print(json.dumps(rep.to_dict()) if args.json else format_report(rep, f"{dep.describe()}: "))
+        if args.timing_seeds < 0:
+            raise ValueError(f"--timing-seeds must be >= 0, got {args.timing_seeds}")
+        if not args.timing_seeds:
+            rep = simulate(prof, dep, workload(args), args.slo_ttft, args.slo_tpot)
+            print(json.dumps(rep.to_dict()) if args.json else format_report(rep, f"{dep.describe()}: "))
+            return 0
+        work = workload(args)
+        reps = [simulate(prof, dep, work, args.slo_ttft, args.slo_tpot, seed) for seed in range(args.timing_seeds)]
+        spread = timing_spread(reps)
+        if args.json:
+            print(
+                json.dumps({"timing_seeds": args.timing_seeds, "spread": spread, "runs": [r.to_dict() for r in reps]})
+            )
+            return 0
+        print(f"{dep.describe()}: over {args.timing_seeds} arrival timings, median [min - max]")
+        for name in SPREAD:
+            f = spread[name]
+            print(f"  {name:12s} {f['median']:.4g} [{f['min']:.4g} - {f['max']:.4g}]")
         return 0
     n, gpu = budget(args, prof)
     ranked = search.rank(

@@ -11,6 +11,15 @@ nodes whose cache holds its history. A remote prefill's first token goes out whe
 the decode node admits the sequence after the profile's hand-off line (the transport's). The
 records are `pdserve bench`'s, and the report is bench_stats' (TTFT, TPOT, goodput).
 
+Arrival timing: by default a request reaches its engine exactly router_s after it is sent, and
+an idle engine starts its step at once. In a real deployment the serving thread and the engine's
+step thread share one interpreter, so each is late by up to CPython's switch interval (5 ms),
+and which of the prompts sent together make an idle engine's first step varies from run to run
+(1 to 6 of the anchor's 8 in the measured runs of docs/benchmarks.md). In a closed loop that first
+step sets which requests finish together for the rest of the run, and so its latencies. With a
+timing seed both are drawn from U(0, ARRIVAL_JITTER_S); `timing_spread` summarizes the runs of
+several seeds.
+
 Not modelled: preemption (the KV is assumed to fit), speculative decoding, n > 1 and beams,
 failures, and the step-to-step noise of a shared machine.
 """
@@ -21,6 +30,7 @@ import contextlib
 import heapq
 import itertools
 import random
+import statistics
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,6 +42,8 @@ from pdserve.plan.step_model import Step, StepModel
 from pdserve_api import common_pb2
 from router.placement import MAX_LOCAL_TOKENS, Placement
 from router.pool import Endpoint, EndpointPool, block_hashes
+
+ARRIVAL_JITTER_S = 0.005  # CPython's default switch interval (sys.getswitchinterval()): see above
 
 
 # ---- what is simulated --------------------------------------------------------------------------
@@ -141,7 +153,7 @@ class Engine:
         self.running: list[Decoding] = []
         self.cache: OrderedDict[int, None] = OrderedDict()  # block names, least recently used first
         self.busy_s = 0.0
-        self.stepping = False
+        self.stepping = self.waking = False
 
     def add_prefill(self, job: Prefill) -> None:
         self.waiting.append(job)
@@ -169,6 +181,20 @@ class Engine:
             reported.discard(cache.popitem(last=False)[0])
 
     def kick(self) -> None:
+        """Work arrived: an idle engine starts a step, as late as its thread wakes (see above)."""
+        if self.stepping or self.waking or not (self.waiting or self.running):
+            return
+        late = self.sim.late()
+        if not late:
+            return self._step()
+        self.waking = True
+        self.sim.at(self.sim.now + late, self._woken)
+
+    def _woken(self) -> None:
+        self.waking = False
+        self._step()
+
+    def _step(self) -> None:
         if self.stepping or not (self.waiting or self.running):
             return
         decodes = list(self.running)
@@ -222,12 +248,19 @@ class Engine:
                 self.remember(job.names[: job.computed // self.sim.block_size])
         self.endpoint.load.num_waiting, self.endpoint.load.num_running = len(self.waiting), len(self.running)
         self.stepping = False
-        self.kick()
+        self._step()  # the engine's loop goes on without waking
 
 
 # ---- the run --------------------------------------------------------------------------------------
 class Simulation:
-    def __init__(self, profile: dict, deployment: Deployment, slo_ttft: float | None, slo_tpot: float | None):
+    def __init__(
+        self,
+        profile: dict,
+        deployment: Deployment,
+        slo_ttft: float | None,
+        slo_tpot: float | None,
+        timing_seed: int | None = None,
+    ):
         engines = profile["engines"]
         key = str(deployment.threads)
         if key not in engines:
@@ -253,6 +286,7 @@ class Simulation:
         self._events: list = []
         self._order = itertools.count()
         self._tokens = random.Random(7)
+        self._timing = None if timing_seed is None else random.Random(timing_seed)
         self.decode_pool = EndpointPool("decode", [])
         self.prefill_pool = EndpointPool("prefill", [])
         local = deployment.colocated > 0
@@ -274,6 +308,10 @@ class Simulation:
 
     def token(self) -> int:
         return self._tokens.randrange(1, 1 << 30)
+
+    def late(self) -> float:
+        """How late an arrival reaches its engine's thread (0 without a timing seed)."""
+        return self._timing.uniform(0.0, ARRIVAL_JITTER_S) if self._timing else 0.0
 
     def run(self, workload: Workload) -> Report:
         self.records: list[RequestRecord] = []  # each request's times, as `pdserve bench` keeps them
@@ -363,7 +401,7 @@ class Simulation:
             decode_running=decode.outstanding,
         )
         seq = Decoding(list(prompt), output_len, on_token)
-        began = self.now + self.router_s
+        began = self.now + self.router_s + self.late()
         engine = self.engine_of[decode.address]
         prefilling = contextlib.ExitStack()
         if plan.local or prefill is None:
@@ -403,5 +441,24 @@ def simulate(
     workload: Workload,
     slo_ttft: float | None = None,
     slo_tpot: float | None = None,
+    timing_seed: int | None = None,
 ) -> Report:
-    return Simulation(profile, deployment, slo_ttft, slo_tpot).run(workload)
+    return Simulation(profile, deployment, slo_ttft, slo_tpot, timing_seed).run(workload)
+
+
+SPREAD = {  # what timing_spread summarizes: a name, and the figure of a report
+    "goodput_tps": lambda r: r.goodput_tps,
+    "ttft_p50_s": lambda r: r.ttft_s["p50"],
+    "ttft_p95_s": lambda r: r.ttft_s["p95"],
+    "tpot_p50_s": lambda r: r.tpot_s["p50"],
+    "tpot_p95_s": lambda r: r.tpot_s["p95"],
+}
+
+
+def timing_spread(reports: list[Report]) -> dict:
+    """{figure: {"median", "min", "max"}} over the runs of several timing seeds."""
+    out = {}
+    for name, figure in SPREAD.items():
+        values = [figure(r) for r in reports]
+        out[name] = {"median": statistics.median(values), "min": min(values), "max": max(values)}
+    return out

@@ -1,0 +1,97 @@
+"""The simulator's predictions over arrival timings against measured runs: per cell (workload,
+deployment) of `plan_accuracy.py` runs, the prediction with arrivals on time (what those runs
+recorded), the median and range over --seeds timing seeds (simulator.py: arrivals late by up to
+ARRIVAL_JITTER_S), and each run's measurement, in or out of that range.
+
+    python benchmarks/plan_timings.py --profile PROFILE.json RUN.json ... [--seeds 21] [--json OUT.json]
+
+The runs must have been measured against this profile's predictions (their plan_accuracy.py
+--profile); this script only simulates.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from plan_accuracy import DEPLOYMENTS, WORKLOADS, error, workload  # noqa: E402
+
+from pdserve.plan import profile_file  # noqa: E402
+from pdserve.plan.simulator import simulate, timing_spread  # noqa: E402
+
+FIGURES = ("goodput_tps", "ttft_p50_s", "tpot_p50_s")  # plan_accuracy.py's, and the goal's
+
+
+def cell(prof: dict, wname: str, dname: str, rows: list[dict], seeds: int) -> dict:
+    work, _ = workload(wname)
+    dep, slo = DEPLOYMENTS[dname], WORKLOADS[wname]
+    spread = timing_spread([simulate(prof, dep, work, *slo, timing_seed=s) for s in range(seeds)])
+    on_time = simulate(prof, dep, work, *slo)
+    exact = {
+        "goodput_tps": on_time.goodput_tps,
+        "ttft_p50_s": on_time.ttft_s["p50"],
+        "tpot_p50_s": on_time.tpot_s["p50"],
+    }
+    out = {}
+    for f in FIGURES:
+        measured = [r[f]["measured"] for r in rows]
+        lo, hi, med = spread[f]["min"], spread[f]["max"], statistics.median(measured)
+        out[f] = {
+            "measured": measured,
+            "measured_median": med,
+            "on_time": exact[f],
+            "on_time_error": error(exact[f], med),
+            "timings": spread[f],
+            "timings_error": error(spread[f]["median"], med),
+            "runs_in_range": sum(lo <= m <= hi for m in measured),
+        }
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("runs", nargs="+", type=Path, help="plan_accuracy.json files measured on this profile")
+    ap.add_argument("--profile", required=True)
+    ap.add_argument("--seeds", type=int, default=21)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    began = time.monotonic()
+    prof = profile_file.load(args.profile)
+    runs = [json.loads(p.read_text()) for p in args.runs]
+    keys = [(r["workload"], r["deployment"]) for r in runs[0]["rows"]]
+    cells = {}
+    for w, d in keys:
+        rows = [row for run in runs for row in run["rows"] if (row["workload"], row["deployment"]) == (w, d)]
+        c = cells[f"{w}/{d}"] = cell(prof, w, d, rows, args.seeds)
+        print(
+            f"{w:7s} {d:13s} "
+            + "  ".join(
+                f"{f} {c[f]['on_time']:.3g} ({c[f]['on_time_error']:.0%}) | "
+                f"{c[f]['timings']['median']:.3g} ({c[f]['timings_error']:.0%}) "
+                f"[{c[f]['timings']['min']:.3g}-{c[f]['timings']['max']:.3g}] {c[f]['runs_in_range']}/{len(rows)} in"
+                for f in FIGURES
+            ),
+            flush=True,
+        )
+    if args.json:
+        result = {
+            "command": " ".join(["python", *sys.argv]),
+            "date": time.strftime("%Y-%m-%d"),
+            "seconds": round(time.monotonic() - began),
+            "profile": args.profile,
+            "runs": [str(p) for p in args.runs],
+            "seeds": args.seeds,
+            "cells": cells,
+        }
+        args.json.write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
