@@ -1,12 +1,12 @@
 """The simulator's predictions over arrival timings against measured runs: per cell (workload,
-deployment) of `plan_accuracy.py` runs, the prediction with arrivals on time (what those runs
+deployment) of `plan_accuracy.py` runs, the prediction with arrivals on time (the one those runs
 recorded), the median and range over --seeds timing seeds (simulator.py: arrivals late by up to
 ARRIVAL_JITTER_S), and each run's measurement, in or out of that range.
 
     python benchmarks/plan_timings.py --profile PROFILE.json RUN.json ... [--seeds 21] [--json OUT.json]
 
 The runs must have been measured against this profile's predictions (their plan_accuracy.py
---profile); this script only simulates.
+--profile; checked against what each run recorded of its profile); this script only simulates.
 """
 
 from __future__ import annotations
@@ -20,12 +20,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from plan_accuracy import DEPLOYMENTS, WORKLOADS, error, workload  # noqa: E402
+from plan_accuracy import DEPLOYMENTS, FIGURES, WORKLOADS, error, workload  # noqa: E402
 
 from pdserve.plan import profile_file  # noqa: E402
+from pdserve.plan.profile import provenance  # noqa: E402
 from pdserve.plan.simulator import simulate, timing_spread  # noqa: E402
-
-FIGURES = ("goodput_tps", "ttft_p50_s", "tpot_p50_s")  # plan_accuracy.py's, and the goal's
 
 
 def cell(prof: dict, wname: str, dname: str, rows: list[dict], seeds: int) -> dict:
@@ -61,9 +60,14 @@ def main() -> int:
     ap.add_argument("--seeds", type=int, default=21)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
+    if args.seeds < 1:
+        ap.error(f"--seeds must be >= 1, got {args.seeds}")
     began = time.monotonic()
     prof = profile_file.load(args.profile)
     runs = [json.loads(p.read_text()) for p in args.runs]
+    for path, run in zip(args.runs, runs):
+        if run["profile"] != provenance(prof, began)["profile"]:
+            ap.error(f"{path} was measured on the profile {run['profile']}, not on {args.profile}")
     keys = [(r["workload"], r["deployment"]) for r in runs[0]["rows"]]
     cells = {}
     for w, d in keys:
@@ -81,10 +85,8 @@ def main() -> int:
         )
     if args.json:
         result = {
-            "command": " ".join(["python", *sys.argv]),
-            "date": time.strftime("%Y-%m-%d"),
-            "seconds": round(time.monotonic() - began),
-            "profile": args.profile,
+            **provenance(prof, began),
+            "profile_file": args.profile,
             "runs": [str(p) for p in args.runs],
             "seeds": args.seeds,
             "cells": cells,

@@ -90,8 +90,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
         "--timing-seeds",
         type=int,
         default=0,
-        help=f"runs with arrivals late by up to {ARRIVAL_JITTER_S * 1e3:g} ms, each its own seed: the median and "
-        "range of each figure (0: one run, arrivals on time)",
+        help=f"K runs, seeds 0..K-1, each request's arrival and an idle engine's start late by up to "
+        f"{ARRIVAL_JITTER_S * 1e3:g} ms: the median and range of each figure (with --json: "
+        "{timing_seeds, spread, runs}); 0: one run, arrivals on time",
     )
 
     b = sub.add_parser(
@@ -140,6 +141,38 @@ def workload(args) -> Workload:
     return conversations(convs, answer_len(), seed=args.seed, **loop)
 
 
+def _simulate(args, prof: dict) -> int:
+    dep = Deployment(
+        "simulated",
+        colocated=args.colocated,
+        prefill=0 if args.colocated else args.prefill,
+        decode=0 if args.colocated else args.decode,
+        threads=args.threads,
+        local_prefill=args.local_prefill,
+        max_local_tokens=args.max_local_prefill_tokens,
+        transport=args.transport or search.default_transport(prof),
+        gpu=search.on_gpu(prof),
+    )
+    if args.timing_seeds < 0:
+        raise ValueError(f"--timing-seeds must be >= 0, got {args.timing_seeds}")
+    work = workload(args)
+    if not args.timing_seeds:
+        rep = simulate(prof, dep, work, args.slo_ttft, args.slo_tpot)
+        print(json.dumps(rep.to_dict()) if args.json else format_report(rep, f"{dep.describe()}: "))
+        return 0
+    reps = [simulate(prof, dep, work, args.slo_ttft, args.slo_tpot, seed) for seed in range(args.timing_seeds)]
+    spread = timing_spread(reps)
+    if args.json:
+        print(json.dumps({"timing_seeds": args.timing_seeds, "spread": spread, "runs": [r.to_dict() for r in reps]}))
+        return 0
+    seeds = f"seeds 0-{args.timing_seeds - 1}"
+    print(f"{dep.describe()}: over {args.timing_seeds} arrival timings ({seeds}), median [min - max]")
+    for name in SPREAD:
+        f = spread[name]
+        print(f"  {name:12s} {f['median']:.4g} [{f['min']:.4g} - {f['max']:.4g}]")
+    return 0
+
+
 def main(args) -> int:
     if args.plan == "memory":
         return memory.main(args)
@@ -154,36 +187,7 @@ def main(args) -> int:
         return 0
     prof = profile_file.load(args.profile)
     if args.plan == "simulate":
-        dep = Deployment(
-            "simulated",
-            colocated=args.colocated,
-            prefill=0 if args.colocated else args.prefill,
-            decode=0 if args.colocated else args.decode,
-            threads=args.threads,
-            local_prefill=args.local_prefill,
-            max_local_tokens=args.max_local_prefill_tokens,
-            transport=args.transport or search.default_transport(prof),
-            gpu=search.on_gpu(prof),
-        )
-        if args.timing_seeds < 0:
-            raise ValueError(f"--timing-seeds must be >= 0, got {args.timing_seeds}")
-        if not args.timing_seeds:
-            rep = simulate(prof, dep, workload(args), args.slo_ttft, args.slo_tpot)
-            print(json.dumps(rep.to_dict()) if args.json else format_report(rep, f"{dep.describe()}: "))
-            return 0
-        work = workload(args)
-        reps = [simulate(prof, dep, work, args.slo_ttft, args.slo_tpot, seed) for seed in range(args.timing_seeds)]
-        spread = timing_spread(reps)
-        if args.json:
-            print(
-                json.dumps({"timing_seeds": args.timing_seeds, "spread": spread, "runs": [r.to_dict() for r in reps]})
-            )
-            return 0
-        print(f"{dep.describe()}: over {args.timing_seeds} arrival timings, median [min - max]")
-        for name in SPREAD:
-            f = spread[name]
-            print(f"  {name:12s} {f['median']:.4g} [{f['min']:.4g} - {f['max']:.4g}]")
-        return 0
+        return _simulate(args, prof)
     n, gpu = budget(args, prof)
     ranked = search.rank(
         prof,

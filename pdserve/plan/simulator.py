@@ -15,10 +15,12 @@ Arrival timing: by default a request reaches its engine exactly router_s after i
 an idle engine starts its step at once. In a real deployment the serving thread and the engine's
 step thread share one interpreter, so each is late by up to CPython's switch interval (5 ms),
 and which of the prompts sent together make an idle engine's first step varies from run to run
-(1 to 6 of the anchor's 8 in the measured runs of docs/benchmarks.md). In a closed loop that first
-step sets which requests finish together for the rest of the run, and so its latencies. With a
-timing seed both are drawn from U(0, ARRIVAL_JITTER_S); `timing_spread` summarizes the runs of
-several seeds.
+(1 to 6 of the anchor's 8 in the colocated runs of docs/bench/plan_accuracy_repeats_r*.json). In
+a closed loop that first step sets which requests finish together for the rest of the run, and
+so its latencies. With a timing seed both delays are drawn from U(0, ARRIVAL_JITTER_S): a request's
+arrival at the engine that prefills it, and an idle engine's start (a sequence handed off to a
+decode node is admitted after the hand-off line, which was measured through that node's serving
+thread); `timing_spread` summarizes the runs of several seeds.
 
 Not modelled: preemption (the KV is assumed to fit), speculative decoding, n > 1 and beams,
 failures, and the step-to-step noise of a shared machine.
@@ -186,7 +188,8 @@ class Engine:
             return
         late = self.sim.late()
         if not late:
-            return self._step()
+            self._step()
+            return
         self.waking = True
         self.sim.at(self.sim.now + late, self._woken)
 
@@ -310,8 +313,9 @@ class Simulation:
         return self._tokens.randrange(1, 1 << 30)
 
     def late(self) -> float:
-        """How late an arrival reaches its engine's thread (0 without a timing seed)."""
-        return self._timing.uniform(0.0, ARRIVAL_JITTER_S) if self._timing else 0.0
+        """A draw of U(0, ARRIVAL_JITTER_S), 0 without a timing seed: how late a request reaches
+        its engine, or an idle engine starts the step that work arriving asks of it."""
+        return self._timing.uniform(0.0, ARRIVAL_JITTER_S) if self._timing is not None else 0.0
 
     def run(self, workload: Workload) -> Report:
         self.records: list[RequestRecord] = []  # each request's times, as `pdserve bench` keeps them
