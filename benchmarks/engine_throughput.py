@@ -209,7 +209,8 @@ def main() -> int:
     args.model_dir = resolve_model(args.model)
     prompts = chat_prompts(AutoTokenizer.from_pretrained(args.model_dir), args.num_requests)
     lens = sorted(len(p) for p in prompts)
-    prompts_file = Path(tempfile.mkdtemp()) / "prompts.json"
+    tmp = tempfile.TemporaryDirectory(prefix="pdserve-throughput-")  # removed when the runs end
+    prompts_file = Path(tmp.name) / "prompts.json"
     prompts_file.write_text(json.dumps(prompts))
     print(
         f"{args.num_requests} requests x {args.max_tokens} tokens, prompt tokens min/median/max "
@@ -235,6 +236,7 @@ def main() -> int:
             if rep == 0 and ids is not None:
                 first_ids[system] = ids
             runs[system].append(res)
+    tmp.cleanup()
     results = {
         "workload": {
             "num_requests": args.num_requests,
