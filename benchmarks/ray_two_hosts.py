@@ -33,6 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
 import yaml  # noqa: E402
+from host_client import answer  # noqa: E402
 from ray_hosts import ray_two_hosts  # noqa: E402
 from ray_serve import ray_config  # noqa: E402 (benchmarks/, this script's own folder)
 
@@ -159,7 +160,7 @@ def decode_host_lost(tmp: Path, streams: int = 8, max_tokens: int = 256) -> dict
         killed_at = time.time()
         c.hosts[1].kill()
         out, err = proc.communicate(timeout=1800)
-        records = json.loads(out.splitlines()[-1])
+        records = answer(out)
         time.sleep(5)
         left = c.client("loads", c.address)
         per_stream = []

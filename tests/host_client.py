@@ -1,5 +1,6 @@
 """What the two-host Ray tests and benchmark run inside a host's namespace (tests/ray_hosts.py):
-each command prints one JSON line last.
+each command prints its JSON answer on one line that begins with ANSWER (Ray may print warnings to
+the same stdout, even after it).
 
     nodes ADDRESS                       the alive Ray nodes' IPs
     status ADDRESS                      replicas RUNNING per deployment, the registry's view, nodes
@@ -21,6 +22,16 @@ import sys
 import time
 
 import grpc
+
+ANSWER = "ANSWER "
+
+
+def answer(stdout: str):
+    """The JSON answer in a host_client run's stdout: its last line that begins with ANSWER."""
+    lines = [line for line in stdout.splitlines() if line.startswith(ANSWER)]
+    if not lines:
+        raise AssertionError(f"host_client printed no answer line; its stdout ends: {stdout[-2000:]!r}")
+    return json.loads(lines[-1][len(ANSWER) :])
 
 
 def _ray(address: str):
@@ -156,7 +167,7 @@ def main(argv: list[str]) -> None:
         result = asyncio.run(load(args[0], json.loads(args[1]), int(args[2]), int(args[3]), args[4]))
     else:
         raise SystemExit(f"unknown command {command!r}")
-    print(json.dumps(result), flush=True)
+    print(ANSWER + json.dumps(result), flush=True)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+from host_client import answer
 from netns import host_prefix, set_link, two_hosts
 
 GCS_PORT = 6379
@@ -137,7 +138,7 @@ class RayTwoHosts:
     def client(self, *args: str, ns: str | None = None, timeout: float = HANG_S):
         """tests/host_client.py's JSON answer, run on host A (or ns)."""
         r = self.run(ns or self.a, str(HERE / "host_client.py"), *args, timeout=timeout)
-        return json.loads(r.stdout.strip().splitlines()[-1])
+        return answer(r.stdout)
 
     def status(self) -> dict:
         """{"replicas": {deployment: running}, "registry": {role: [address]}, "nodes": alive IPs};
@@ -146,7 +147,7 @@ class RayTwoHosts:
         r = self.run(self.a, str(HERE / "host_client.py"), "status", self.address, check=False, timeout=300)
         if r.returncode != 0:
             return {"replicas": {}, "registry": {}, "nodes": [], "error": r.stderr[-500:]}
-        return json.loads(r.stdout.strip().splitlines()[-1])
+        return answer(r.stdout)
 
     def wait_until(self, predicate, what: str, timeout_s: float = HANG_S, interval_s: float = 2.0) -> dict:
         """Polls status() until predicate(status) holds; returns that status. A timeout names `what`
@@ -175,7 +176,7 @@ class RayTwoHosts:
                     host.kill()
                     host.start()
             r = self.run(self.a, str(HERE / "host_client.py"), "nodes", self.address, check=False, timeout=120)
-            if r.returncode == 0 and len(json.loads(r.stdout.strip().splitlines()[-1])) >= n:
+            if r.returncode == 0 and len(answer(r.stdout)) >= n:
                 print(f"waited {time.time() - began:.1f} s for {n} Ray node(s)")
                 return
             time.sleep(2)

@@ -14,6 +14,7 @@ import time
 import pytest
 import yaml
 from conftest import engine_alone
+from host_client import answer
 from netns import why_no_namespaces
 from ray_cluster import free_port, tiny_config
 
@@ -159,7 +160,7 @@ def _grows(c, tmp_path, prompt, max_tokens: int, pool: str) -> dict:
     finally:
         stop.touch()
         out, err = load.communicate(timeout=600)
-        result = json.loads(out.splitlines()[-1]) if load.returncode == 0 else err[-2000:]
+        result = answer(out) if load.returncode == 0 else err[-2000:]
         assert load.returncode == 0 and result["done"] > 0 and not result["errors"], result
 
 
@@ -191,7 +192,7 @@ def _streams_across_a_loss(c, lose, prompts, max_tokens: int) -> tuple[list[dict
     lost_at = time.time()
     lose()
     out, err = streams.communicate(timeout=LOST_HOST_BOUND_S + 600)  # a guard: the bound is asserted below
-    records = json.loads(out.splitlines()[-1])
+    records = answer(out)
     return records, lost_at
 
 
