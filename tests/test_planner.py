@@ -139,9 +139,23 @@ def test_every_profiled_step_fits_the_engines_caps():
     tokens, seqs = EngineConfig.max_num_batched_tokens, EngineConfig.max_num_seqs
     for grid in [*profiles.GRIDS.values(), profiles.QUICK]:
         assert all(new <= tokens for new, _ in grid["prefill"])
-        assert all(batch <= seqs for batch, _ in grid["decode"])
+        assert all(batch <= seqs for batch, _ in grid["decode"] + grid["distinct"])
         assert all(batch + 1 <= seqs and batch + chunk <= tokens for batch, _, chunk in grid["mixed"])
     assert profiles.grid("cpu", False) is profiles.GRIDS["cpu"] and profiles.grid("cuda:0", True) is profiles.QUICK
+
+
+def test_distinct_decode_samples_share_no_block_and_the_others_do(tiny_llama):
+    """The profile's decode steps of sequences without a common prefix read each one's own blocks;
+    the grid's other steps share their leading blocks (one prefill sets a large batch up)."""
+    config = EngineConfig(model=str(tiny_llama), dtype="float32", num_threads=1, kv_cache_bytes=8 << 20)
+    prof = profiles.StepProfiler(config, repeat=1)
+    for shared in (True, False):
+        prof._add_prefilled([48, 48, 48], 4, shared)
+        tables = [set(seq.block_table) for seq in prof.llm.scheduler.running]
+        assert len(tables) == 3 and all(len(t) >= 3 for t in tables)  # 48 tokens: 3 blocks of 16 at least
+        assert bool(tables[0] & tables[1] & tables[2]) is shared
+        profiles._run_out(prof.llm)
+    assert prof.decode(2, 48, shared=False) > 0 and len(prof.samples[-1][0].decodes) == 2
 
 
 @pytest.mark.parametrize(

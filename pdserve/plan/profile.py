@@ -3,18 +3,18 @@
     pdserve plan profile --model smollm2-135m --dtype float32 --threads 1,2 --out profile.json
 
 For each thread count (a node's share of the cores), an engine of this model times its own steps:
-prefills alone over (new tokens, tokens already cached), decode steps over (batch, context), and
-decode steps with a prefill chunk mixed in (a local prefill); the step line (step_model.py) is
-fitted to them. Then a real prefill node and decode node (their own processes, one torch thread
-and one core each, as `pdserve up --pin-cpus` runs them) and a router on this host's loopback hand
-KV over each transport (layer-wise where it can): the time from the prefill's end to the decode
-node's admission is fitted as a line over the KV's tokens, and the router's own share of TTFT and
-what serving adds to a decode step are measured, and what it takes from the prefill node's
-prefills: a lone prompt's and a follow-up's (a few new tokens after a cached prefix), and the
-prompt's while streams decode beside them. What serving adds is measured again for `pdserve
-colocated` at each thread count, where the serving threads take time from the cores the engine
-computes on: to its decode steps, and to a lone prompt's and a follow-up's prefill. On CUDA the
-same command writes a GPU's profile (--device).
+prefills alone over (new tokens, tokens already cached), decode steps over (batch, context) (the
+sequences sharing their leading blocks, and a few sharing none), and decode steps with a prefill
+chunk mixed in (a local prefill); the step line (step_model.py) is fitted to them. Then a real
+prefill node and decode node (their own processes, one torch thread and one core each, as `pdserve
+up --pin-cpus` runs them) and a router on this host's loopback hand KV over each transport
+(layer-wise where it can): the time from the prefill's end to the decode node's admission is fitted
+as a line over the KV's tokens, and the router's own share of TTFT and what serving adds to a
+decode step are measured, and what it takes from the prefill node's prefills: a lone prompt's and a
+follow-up's (a few new tokens after a cached prefix), and the prompt's while streams decode beside
+them. What serving adds is measured again for `pdserve colocated` at each thread count, where the
+serving threads take time from the cores the engine computes on: to its decode steps, and to a lone
+prompt's and a follow-up's prefill. On CUDA the same command writes a GPU's profile (--device).
 
 Sizes are the device's grid (--quick: a smaller one, for tests); each figure is the median of
 --repeat runs. A GPU's grid reaches the engine's own caps (a step of max_num_batched_tokens, a
@@ -50,13 +50,19 @@ from pdserve.plan.step_model import Step, StepModel
 
 PREFILL_GRID = [(n, 0) for n in (16, 64, 256, 640, 1280, 2560)] + [(n, 1024) for n in (16, 64, 256, 640)]
 DECODE_GRID = [(1, 64), (1, 1024), (4, 64), (4, 640), (16, 64), (16, 640), (64, 64), (64, 640)]
+# decode steps whose sequences share no block (as requests without a common prefix decode): the
+# grid above shares their leading blocks, which a step reads from cache; at long contexts and small
+# batches the line fitted without these priced a step under what served ones took (1 thread,
+# AVX512_BF16: 2 sequences of ~1,150 tokens, 34 ms on the line, 39-43 ms in served steps)
+DISTINCT_GRID = [(2, 1024), (4, 1024), (8, 640)]
 MIXED_GRID = [(4, 640, 64), (4, 640, 640), (16, 640, 256)]  # (batch, context, prefill chunk)
 TOKENS, SEQS = EngineConfig.max_num_batched_tokens, EngineConfig.max_num_seqs  # the engine's caps: a GPU's grid
-GRIDS = {  # (new, cached) prefills, (batch, context) decode steps, (batch, context, chunk) mixed steps
-    "cpu": {"prefill": PREFILL_GRID, "decode": DECODE_GRID, "mixed": MIXED_GRID},
+GRIDS = {  # (new, cached) prefills, (batch, context) decode steps (shared, distinct), (batch, context, chunk) mixed
+    "cpu": {"prefill": PREFILL_GRID, "decode": DECODE_GRID, "distinct": DISTINCT_GRID, "mixed": MIXED_GRID},
     "cuda": {
         "prefill": PREFILL_GRID + [(TOKENS, 0), (TOKENS // 2, TOKENS // 2)],
         "decode": DECODE_GRID + [(64, 2048), (SEQS // 2, 640), (SEQS, 640), (SEQS, 2048)],
+        "distinct": DISTINCT_GRID,
         # a mixed step leaves its prompt a sequence's slot (at SEQS running it would wait: a decode step)
         "mixed": MIXED_GRID + [(64, 640, 1024), (SEQS - 1, 640, TOKENS // 2)],
     },
@@ -73,6 +79,7 @@ HANDOFF_BLOCKS = 1024  # the engines hold 16 streams of STREAM_PROMPT + 48 token
 QUICK = {
     "prefill": [(16, 0), (64, 0), (16, 64)],
     "decode": [(1, 16), (4, 16)],
+    "distinct": [(2, 16)],
     "mixed": [(2, 16, 16)],
     "handoff": (16, 48),
     "streams": (1, 2),
@@ -119,13 +126,13 @@ class StepProfiler:
     def _params(self, max_tokens: int) -> SamplingParams:
         return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
-    def _add_prefilled(self, contexts: list[int], max_tokens: int) -> None:
-        """Sequences decoding with these contexts (sharing their leading blocks, so that setting
-        up a large batch costs one prefill of the context, not one per sequence)."""
-        shared = _ids(self.rng, max(0, min(contexts) - 16), self.vocab)
+    def _add_prefilled(self, contexts: list[int], max_tokens: int, shared: bool = True) -> None:
+        """Sequences decoding with these contexts (shared: their leading blocks in common, so that
+        setting up a large batch costs one prefill of the context, not one per sequence)."""
+        prefix = _ids(self.rng, max(0, min(contexts) - 16), self.vocab) if shared else []
         for n in contexts:
             self.llm.add_request(
-                uuid.uuid4().hex, shared + _ids(self.rng, n - len(shared), self.vocab), self._params(max_tokens)
+                uuid.uuid4().hex, prefix + _ids(self.rng, n - len(prefix), self.vocab), self._params(max_tokens)
             )
         while (
             any(seq.num_computed_tokens < seq.num_prompt_tokens for seq in self.llm.scheduler.running)
@@ -147,9 +154,10 @@ class StepProfiler:
         self.samples.append((Step([(new, cached)], []), t))
         return t
 
-    def decode(self, batch: int, context: int, chunk: int = 0) -> float:
-        """A decode step of `batch` sequences (with a `chunk`-token prefill mixed in)."""
-        self._add_prefilled([context] * batch, DECODE_STEPS + self.repeat + 4)
+    def decode(self, batch: int, context: int, chunk: int = 0, shared: bool = True) -> float:
+        """A decode step of `batch` sequences (with a `chunk`-token prefill mixed in; shared: their
+        leading blocks in common)."""
+        self._add_prefilled([context] * batch, DECODE_STEPS + self.repeat + 4, shared)
         times = []
         for _ in range(self.repeat if chunk else DECODE_STEPS):
             contexts = [seq.num_tokens for seq in self.llm.scheduler.running]
@@ -183,6 +191,9 @@ def profile_steps(config: EngineConfig, repeat: int, quick: bool) -> dict:
         )
     for batch, context in sizes["decode"]:
         _say(f"{threads} thread(s): decode step, {batch} x {context} tokens: {prof.decode(batch, context):.4f} s")
+    for batch, context in sizes["distinct"]:
+        t = prof.decode(batch, context, shared=False)
+        _say(f"{threads} thread(s): decode step, {batch} x {context} tokens, no block shared: {t:.4f} s")
     for batch, context, chunk in sizes["mixed"]:
         t = prof.decode(batch, context, chunk)
         _say(f"{threads} thread(s): decode step, {batch} x {context} tokens, {chunk}-token prefill mixed in: {t:.4f} s")
