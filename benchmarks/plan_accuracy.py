@@ -110,6 +110,15 @@ def measure(command: list[str], lines: list[dict], concurrency: int, slo: tuple[
     return json.loads(out.read_text())["runs"][0]  # its report and records
 
 
+def runs_on(prof: dict, profile_path: str, paths: list[Path], ap: argparse.ArgumentParser) -> list[dict]:
+    """The runs (plan_accuracy.json files), each checked to have been measured on this profile."""
+    runs = [json.loads(p.read_text()) for p in paths]
+    for path, run in zip(paths, runs):
+        if run["profile"] != profiles.provenance(prof, time.monotonic())["profile"]:
+            ap.error(f"{path} was measured on the profile {run['profile']}, not on {profile_path}")
+    return runs
+
+
 def error(predicted: float, measured: float) -> float:
     return abs(predicted - measured) / measured if measured else float("inf")
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from plan_accuracy import DEPLOYMENTS, FIGURES, WORKLOADS, error, workload  # noqa: E402
+from plan_accuracy import DEPLOYMENTS, FIGURES, WORKLOADS, error, runs_on, workload  # noqa: E402
 
 from pdserve.plan import profile_file  # noqa: E402
 from pdserve.plan.profile import provenance  # noqa: E402
@@ -59,10 +59,7 @@ def main() -> int:
         ap.error(f"--seeds must be >= 1, got {args.seeds}")
     began = time.monotonic()
     prof = profile_file.load(args.profile)
-    runs = [json.loads(p.read_text()) for p in args.runs]
-    for path, run in zip(args.runs, runs):
-        if run["profile"] != provenance(prof, began)["profile"]:
-            ap.error(f"{path} was measured on the profile {run['profile']}, not on {args.profile}")
+    runs = runs_on(prof, args.profile, args.runs, ap)
     keys = [(r["workload"], r["deployment"]) for r in runs[0]["rows"]]
     cells = {}
     for w, d in keys:

@@ -1,0 +1,97 @@
+"""The simulator's errors against measured runs, with the profile's step lines as fitted and fitted
+again without its distinct decode samples (profile.DISTINCT_GRID: steps whose sequences share no
+block): what those samples change, on the same runs.
+
+    python benchmarks/plan_refit.py --profile PROFILE.json RUN.json ... [--json OUT.json]
+
+The runs must have been measured against this profile's predictions (plan_accuracy.py --profile);
+each cell's error is against the median of the runs' measurements. This script only simulates.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from plan_accuracy import DEPLOYMENTS, FIGURES, WORKLOADS, error, runs_on, workload  # noqa: E402
+
+from pdserve.plan import profile_file  # noqa: E402
+from pdserve.plan.profile import DISTINCT_GRID, provenance  # noqa: E402
+from pdserve.plan.simulator import SPREAD, simulate  # noqa: E402
+from pdserve.plan.step_model import Step, StepModel  # noqa: E402
+
+GOAL = 0.15
+
+
+def distinct(sample: dict) -> bool:
+    """A decode sample of DISTINCT_GRID's shape (its contexts a few tokens past the grid's, as
+    the step decodes; the shared grid has no step of these shapes)."""
+    d = sample["decodes"]
+    return not sample["prefills"] and any(len(d) == b and all(c <= n < c + 16 for n in d) for b, c in DISTINCT_GRID)
+
+
+def without_distinct(prof: dict) -> dict:
+    out = copy.deepcopy(prof)
+    for eng in out["engines"].values():
+        kept = [s for s in eng["samples"] if not distinct(s)]
+        if len(kept) == len(eng["samples"]):
+            raise SystemExit("the profile has no distinct decode samples: nothing to compare")
+        eng["step"] = StepModel.fit(
+            [(Step([tuple(p) for p in s["prefills"]], s["decodes"]), s["seconds"]) for s in kept]
+        ).to_dict()
+    return out
+
+
+def errors(prof: dict, runs: list[dict]) -> dict:
+    cells = {}
+    for w, slo in WORKLOADS.items():
+        work, _ = workload(w)
+        for d, dep in DEPLOYMENTS.items():
+            rows = [r for run in runs for r in run["rows"] if (r["workload"], r["deployment"]) == (w, d)]
+            if not rows:
+                continue
+            report = simulate(prof, dep, work, *slo)
+            cell = {}
+            for f in FIGURES:
+                measured = statistics.median(r[f]["measured"] for r in rows)
+                predicted = SPREAD[f](report)
+                cell[f] = {"predicted": predicted, "measured": measured, "error": error(predicted, measured)}
+            cell["within"] = all(cell[f]["error"] <= GOAL for f in FIGURES)
+            cells[f"{w}/{d}"] = cell
+    return cells
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("runs", nargs="+", type=Path, help="plan_accuracy.json files measured on this profile")
+    ap.add_argument("--profile", required=True)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    began = time.monotonic()
+    prof = profile_file.load(args.profile)
+    runs = runs_on(prof, args.profile, args.runs, ap)
+    fits = {"as_fitted": errors(prof, runs), "without_distinct": errors(without_distinct(prof), runs)}
+    for name, cells in fits.items():
+        for key, cell in cells.items():
+            figures = "  ".join(
+                f"{f} {cell[f]['predicted']:.3g}/{cell[f]['measured']:.3g} ({cell[f]['error']:.0%})" for f in FIGURES
+            )
+            print(f"{name:16s} {key:20s} {figures}" + ("  within" if cell["within"] else ""))
+        print(
+            f"{name}: {sum(c['within'] for c in cells.values())} of {len(cells)} cells within {GOAL:.0%} on all three"
+        )
+    if args.json:
+        result = {**provenance(prof, began), "profile_file": args.profile, "runs": [str(p) for p in args.runs]}
+        args.json.write_text(json.dumps(result | fits, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
