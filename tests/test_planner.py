@@ -56,9 +56,10 @@ def one(prompt_len: int, output_len: int) -> Workload:
 
 
 def test_the_step_line_recovers_the_costs_it_was_made_of():
-    truth = StepModel(0.004, 2e-4, 3e-4, 5e-3, 1e-4, 2e-3)
+    truth = StepModel(0.004, 2e-4, 3e-4, 5e-3, 1e-4, 2e-3, 4e-3)
     steps = [Step([(n, c)], []) for n in (16, 128, 700) for c in (0, 512)]
-    steps += [Step([], [ctx] * b) for b in (1, 8, 32) for ctx in (64, 900)]
+    steps += [Step([], [ctx] * b) for b in (1, 8, 32) for ctx in (64, 900)]  # no block shared
+    steps += [Step([], [ctx] * b, (b - 1) * (ctx - 16)) for b in (8, 32) for ctx in (64, 900)]  # a common prefix
     steps += [Step([(256, 0)], [640] * 4)]
     fit = StepModel.fit([(s, truth.seconds(s)) for s in steps])
     for got, want in zip(fit.coefficients(), truth.coefficients()):

@@ -161,14 +161,21 @@ class StepProfiler:
         times = []
         for _ in range(self.repeat if chunk else DECODE_STEPS):
             contexts = [seq.num_tokens for seq in self.llm.scheduler.running]
+            shared = self._shared_tokens()
             if chunk:  # a local prefill joins this step
                 self.llm.add_request(uuid.uuid4().hex, _ids(self.rng, chunk, self.vocab), self._params(1))
             times.append(_timed(self.llm))
             if self.llm.scheduler.waiting:  # (its slot or its tokens over the engine's caps)
                 raise RuntimeError(f"a {chunk}-token prompt beside {batch} sequences was not in the step timed")
-            self.samples.append((Step([(chunk, 0)] if chunk else [], contexts), times[-1]))
+            self.samples.append((Step([(chunk, 0)] if chunk else [], contexts, shared), times[-1]))
         _run_out(self.llm)
         return statistics.median(times)
+
+    def _shared_tokens(self) -> int:
+        """The decoding sequences' tokens in blocks that another of them holds too (Step.shared)."""
+        tables = [seq.block_table for seq in self.llm.scheduler.running]
+        held = sum(len(t) for t in tables) - len({b for t in tables for b in t})
+        return held * self.llm.config.block_size
 
 
 def _say(line: str) -> None:
@@ -208,7 +215,9 @@ def profile_steps(config: EngineConfig, repeat: int, quick: bool) -> dict:
         "step": fit.to_dict(),
         "fit_error_median": statistics.median(errors),
         "fit_error_max": max(errors),
-        "samples": [{"prefills": s.prefills, "decodes": s.decodes, "seconds": t} for s, t in prof.samples],
+        "samples": [
+            {"prefills": s.prefills, "decodes": s.decodes, "shared": s.shared, "seconds": t} for s, t in prof.samples
+        ],
     }
 
 
@@ -441,12 +450,17 @@ async def _streams(client, prompts: list[list[int]], max_tokens: int) -> list[tu
     return await asyncio.gather(*(one(p) for p in prompts))
 
 
-def serving_overhead(streams: list[tuple[int, float]], step: StepModel, prompt: int) -> dict:
+def serving_overhead(streams: list[tuple[int, float]], step: StepModel, prompt: int, block_size: int) -> dict:
     """What serving adds to each decode step (streaming, the router's relay, the processes'
     event loops and, in one colocated process, its serving threads' share of the engine's
-    cores), as fixed + per sequence: the streams' TPOT less the step line's decode step."""
-    context = prompt + 24  # the streams' mean context while they decode
-    extra = [(batch, max(0.0, tpot - step.seconds(Step([], [context] * batch)))) for batch, tpot in streams]
+    cores), as fixed + per sequence: the streams' TPOT less the step line's decode step (the
+    streams share their prompt's cached prefix, all but its last 16 tokens: _served_steps)."""
+    context, prefix = prompt + 24, (prompt - 16) // block_size * block_size  # their mean context while they decode
+
+    def line(batch: int) -> float:
+        return step.seconds(Step([], [context] * batch, (batch - 1) * prefix))
+
+    extra = [(batch, max(0.0, tpot - line(batch))) for batch, tpot in streams]
     line = _line(extra)
     return {"fixed_s": line["fixed_s"], "per_sequence_s": line["per_token_s"], "samples": extra}
 
@@ -542,7 +556,9 @@ def profile(
     one_thread = engines.get("1")  # the nodes ran one thread each
     prefills, follow_ups, follow_up = result.pop("prefills"), result.pop("follow_ups"), result.pop("follow_up")
     result["serving"] = (
-        serving_overhead(streams, StepModel(**one_thread["step"]), prompt) if one_thread else NO_OVERHEAD
+        serving_overhead(streams, StepModel(**one_thread["step"]), prompt, one_thread["block_size"])
+        if one_thread
+        else NO_OVERHEAD
     )
     result["prefill_serving"] = (
         prefill_serving(prefills, follow_ups, StepModel(**one_thread["step"]), prompt, follow_up)
@@ -550,7 +566,7 @@ def profile(
         else NO_SHARE
     )
     result["colocated_serving"] = {
-        t: serving_overhead(s, StepModel(**engines[t]["step"]), prompt)
+        t: serving_overhead(s, StepModel(**engines[t]["step"]), prompt, engines[t]["block_size"])
         for t, s in result.pop("colocated_streams").items()
     }
     result["colocated_prefill_serving"] = {

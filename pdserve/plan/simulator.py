@@ -35,7 +35,7 @@ import random
 import statistics
 from collections import OrderedDict, deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.scheduler import waits_for_prefix
 from pdserve.bench import arrival_times, length_sampler
@@ -134,6 +134,7 @@ class Decoding:
     tokens: list[int]  # the KV's tokens so far
     left: int  # tokens still to generate
     on_token: Callable[[float, bool], None]  # (time, last)
+    names: list[int] = field(default_factory=list)  # its prompt's blocks (block_hashes): a common prefix's are shared
 
 
 class Engine:
@@ -218,7 +219,8 @@ class Engine:
             chunks.append((job, n))
             budget -= n
         prefills = [(n, j.computed) for j, n in chunks]
-        seconds = self.model.seconds(Step(prefills, [len(s.tokens) for s in decodes]))
+        shared = self._shared_tokens(decodes) if self.model.per_distinct else 0
+        seconds = self.model.seconds(Step(prefills, [len(s.tokens) for s in decodes], shared))
         if decodes:  # what serving adds to a step that streams tokens
             seconds += self.sim.serving["fixed_s"] + self.sim.serving["per_sequence_s"] * len(decodes)
         if chunks and self.served:  # what serving adds to prompts: a share, and seconds per prompt that ends
@@ -231,6 +233,11 @@ class Engine:
         self.stepping = True
         self.busy_s += seconds
         self.sim.at(self.sim.now + seconds, lambda: self._step_done(decodes, chunks))
+
+    def _shared_tokens(self, decodes: list[Decoding]) -> int:
+        """Tokens of the decoding sequences' blocks that another of them holds too (Step.shared)."""
+        names = [name for seq in decodes for name in seq.names]
+        return (len(names) - len(set(names))) * self.sim.block_size
 
     def _step_done(self, decodes: list[Decoding], chunks: list[tuple[Prefill, int]]) -> None:
         now = self.sim.now  # still stepping: what its results add (a sequence, a prefill) waits for the next step
@@ -404,7 +411,7 @@ class Simulation:
             local_queued=decode.prefill_tokens,
             decode_running=decode.outstanding,
         )
-        seq = Decoding(list(prompt), output_len, on_token)
+        seq = Decoding(list(prompt), output_len, on_token, names)
         began = self.now + self.router_s + self.late()
         engine = self.engine_of[decode.address]
         prefilling = contextlib.ExitStack()

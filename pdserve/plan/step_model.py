@@ -3,6 +3,7 @@
     seconds = fixed + per_token x tokens + per_pair x prefill attention pairs / 1e3
               + per_context x decode context tokens / 1e3 + per_sequence x sequences
               + per_cached x prefill chunks' tokens already in their KV / 1e3
+              + per_distinct x distinct decode context tokens / 1e3
 
 tokens: every position computed in the step (prefill chunks and one per decoding sequence);
 prefill attention pairs: for each prefill chunk of n new tokens after c tokens already in its KV,
@@ -10,7 +11,11 @@ n x (c + (n + 1) / 2) (the causal attention's query-key pairs); decode context: 
 decoding sequence attends to; a prefill chunk's tokens already in its KV (a cached prefix, earlier
 chunks) are read once for the chunk, whatever its length (two threads, AVX512_BF16, bf16: a
 16-token prefill after 1,024 cached tokens took 80 ms against 49 ms with none cached; the line
-without this term put it at 50 ms; docs/bench/plan_profile_avx512bf16.json). The same line
+without this term put it at 50 ms; docs/bench/plan_profile_avx512bf16.json); distinct decode
+context: the decode context less the tokens of blocks another decoding sequence of the step also
+holds (a shared prefix's blocks are read from memory once a step: one thread, bf16, 2 x 1,024
+tokens took 38 ms sharing no block against 31 ms for 4 x 640 sharing all but the last; the line
+without this term put the first at 32 ms; docs/bench/plan_profile_avx512bf16_distinct.json). The same line
 prices a prefill node's batch of prompts, a decode step, and a mixed step (a local prefill's
 chunk in a decode batch). Fitted by least squares on relative error (a 20 ms decode step counts
 as much as a 2 s prefill), coefficients kept >= 0.
@@ -22,22 +27,26 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-TERMS = ("fixed", "per_token", "per_pair", "per_context", "per_sequence", "per_cached")
+TERMS = ("fixed", "per_token", "per_pair", "per_context", "per_sequence", "per_cached", "per_distinct")
 
 
 @dataclass
 class Step:
-    """What one step computes: prefill chunks as (new tokens, tokens already in the KV), and the
-    context length of each decoding sequence."""
+    """What one step computes: prefill chunks as (new tokens, tokens already in the KV), the
+    context length of each decoding sequence, and how many of those context tokens are in blocks
+    another decoding sequence of the step holds too (shared: read once)."""
 
     prefills: list[tuple[int, int]]
     decodes: list[int]
+    shared: int = 0
 
     def features(self) -> list[float]:
         tokens = sum(n for n, _ in self.prefills) + len(self.decodes)
         pairs = sum(n * (c + (n + 1) / 2) for n, c in self.prefills) / 1e3
         cached = sum(c for _, c in self.prefills) / 1e3
-        return [1.0, tokens, pairs, sum(self.decodes) / 1e3, len(self.prefills) + len(self.decodes), cached]
+        context = sum(self.decodes) / 1e3
+        sequences = len(self.prefills) + len(self.decodes)
+        return [1.0, tokens, pairs, context, sequences, cached, context - self.shared / 1e3]
 
 
 @dataclass
@@ -48,6 +57,7 @@ class StepModel:
     per_context: float
     per_sequence: float
     per_cached: float = 0.0  # (profiles before it: 0)
+    per_distinct: float = 0.0  # (profiles before it: 0)
 
     def seconds(self, step: Step) -> float:
         return sum(c * f for c, f in zip(self.coefficients(), step.features()))
