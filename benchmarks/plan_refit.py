@@ -1,6 +1,7 @@
 """The simulator's errors against measured runs, with the profile's step lines as fitted and fitted
-again without its distinct decode samples (profile.DISTINCT_GRID: steps whose sequences share no
-block): what those samples change, on the same runs.
+again without the distinct-context term (step_model.py), and without it and the distinct decode
+samples (profile.DISTINCT_GRID: steps whose sequences share no block): what each changes, on the
+same runs.
 
     python benchmarks/plan_refit.py --profile PROFILE.json RUN.json ... [--json OUT.json]
 
@@ -37,16 +38,30 @@ def distinct(sample: dict) -> bool:
     return not sample["prefills"] and any(len(d) == b and all(c <= n < c + 16 for n in d) for b, c in DISTINCT_GRID)
 
 
-def without_distinct(prof: dict) -> dict:
+def refit(prof: dict, keep, term: bool) -> dict:
+    """The profile with each engine's step line fitted again on the samples `keep` accepts, with
+    the distinct-context term (each sample's recorded shared tokens) or without it."""
     out = copy.deepcopy(prof)
     for eng in out["engines"].values():
-        kept = [s for s in eng["samples"] if not distinct(s)]
-        if len(kept) == len(eng["samples"]):
-            raise SystemExit("the profile has no distinct decode samples: nothing to compare")
-        eng["step"] = StepModel.fit(
-            [(Step([tuple(p) for p in s["prefills"]], s["decodes"]), s["seconds"]) for s in kept]
-        ).to_dict()
+        kept = [s for s in eng["samples"] if keep(s)]
+        steps = [Step([tuple(p) for p in s["prefills"]], s["decodes"], s["shared"] if term else 0) for s in kept]
+        line = StepModel.fit(list(zip(steps, [s["seconds"] for s in kept])))
+        if not term:  # (shared 0: the two context terms are one; folded into per_context)
+            line.per_context, line.per_distinct = line.per_context + line.per_distinct, 0.0
+        eng["step"] = line.to_dict()
     return out
+
+
+def fits(prof: dict) -> dict:
+    """{name: profile}: as fitted; without the distinct term (where the samples record their shared
+    tokens: profiles from e98848c on); without it and without the distinct samples."""
+    samples = [s for eng in prof["engines"].values() for s in eng["samples"]]
+    if not any(distinct(s) for s in samples):
+        raise SystemExit("the profile has no distinct decode samples: nothing to compare")
+    out = {"as_fitted": prof}
+    if all("shared" in s for s in samples):
+        out["without_distinct_term"] = refit(prof, lambda s: True, term=False)
+    return out | {"without_distinct": refit(prof, lambda s: not distinct(s), term=False)}
 
 
 def errors(prof: dict, runs: list[dict]) -> dict:
@@ -77,19 +92,19 @@ def main() -> int:
     began = time.monotonic()
     prof = profile_file.load(args.profile)
     runs = runs_on(prof, args.profile, args.runs, ap)
-    fits = {"as_fitted": errors(prof, runs), "without_distinct": errors(without_distinct(prof), runs)}
-    for name, cells in fits.items():
+    results = {name: errors(p, runs) for name, p in fits(prof).items()}
+    for name, cells in results.items():
         for key, cell in cells.items():
             figures = "  ".join(
                 f"{f} {cell[f]['predicted']:.3g}/{cell[f]['measured']:.3g} ({cell[f]['error']:.0%})" for f in FIGURES
             )
-            print(f"{name:16s} {key:20s} {figures}" + ("  within" if cell["within"] else ""))
+            print(f"{name:21s} {key:20s} {figures}" + ("  within" if cell["within"] else ""))
         print(
             f"{name}: {sum(c['within'] for c in cells.values())} of {len(cells)} cells within {GOAL:.0%} on all three"
         )
     if args.json:
         result = {**provenance(prof, began), "profile_file": args.profile, "runs": [str(p) for p in args.runs]}
-        args.json.write_text(json.dumps(result | fits, indent=1))
+        args.json.write_text(json.dumps(result | results, indent=1))
     return 0
 
 
