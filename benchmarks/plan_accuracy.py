@@ -111,7 +111,8 @@ def measure(command: list[str], lines: list[dict], concurrency: int, slo: tuple[
 
 
 def runs_on(prof: dict, profile_path: str, paths: list[Path], ap: argparse.ArgumentParser) -> list[dict]:
-    """The runs (plan_accuracy.json files), each checked to have been measured on this profile."""
+    """The runs (plan_accuracy.json files), each checked against what it recorded of its profile:
+    model, machine, date and dtype (two profiles of one machine and day pass alike)."""
     runs = [json.loads(p.read_text()) for p in paths]
     for path, run in zip(paths, runs):
         if run["profile"] != profiles.provenance(prof, time.monotonic())["profile"]:

@@ -38,17 +38,14 @@ def distinct(sample: dict) -> bool:
     return not sample["prefills"] and any(len(d) == b and all(c <= n < c + 16 for n in d) for b, c in DISTINCT_GRID)
 
 
-def refit(prof: dict, keep, term: bool) -> dict:
-    """The profile with each engine's step line fitted again on the samples `keep` accepts, with
-    the distinct-context term (each sample's recorded shared tokens) or without it."""
+def without_term(prof: dict, keep) -> dict:
+    """The profile with each engine's step line fitted again, without the distinct-context term
+    (every sample's shared tokens taken as 0), on the samples `keep` accepts."""
     out = copy.deepcopy(prof)
     for eng in out["engines"].values():
         kept = [s for s in eng["samples"] if keep(s)]
-        steps = [Step([tuple(p) for p in s["prefills"]], s["decodes"], s["shared"] if term else 0) for s in kept]
-        line = StepModel.fit(list(zip(steps, [s["seconds"] for s in kept])))
-        if not term:  # (shared 0: the two context terms are one; folded into per_context)
-            line.per_context, line.per_distinct = line.per_context + line.per_distinct, 0.0
-        eng["step"] = line.to_dict()
+        steps = [Step([tuple(p) for p in s["prefills"]], s["decodes"]) for s in kept]
+        eng["step"] = StepModel.fit(list(zip(steps, [s["seconds"] for s in kept]))).to_dict()
     return out
 
 
@@ -60,8 +57,8 @@ def fits(prof: dict) -> dict:
         raise SystemExit("the profile has no distinct decode samples: nothing to compare")
     out = {"as_fitted": prof}
     if all("shared" in s for s in samples):
-        out["without_distinct_term"] = refit(prof, lambda s: True, term=False)
-    return out | {"without_distinct": refit(prof, lambda s: not distinct(s), term=False)}
+        out["without_distinct_term"] = without_term(prof, lambda s: True)
+    return out | {"without_distinct": without_term(prof, lambda s: not distinct(s))}
 
 
 def errors(prof: dict, runs: list[dict]) -> dict:

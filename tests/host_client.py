@@ -167,7 +167,8 @@ def main(argv: list[str]) -> None:
         result = asyncio.run(load(args[0], json.loads(args[1]), int(args[2]), int(args[3]), args[4]))
     else:
         raise SystemExit(f"unknown command {command!r}")
-    print(ANSWER + json.dumps(result), flush=True)
+    sys.stdout.write(f"\n{ANSWER}{json.dumps(result)}\n")  # one write: a line of its own
+    sys.stdout.flush()
 
 
 if __name__ == "__main__":

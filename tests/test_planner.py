@@ -59,11 +59,49 @@ def test_the_step_line_recovers_the_costs_it_was_made_of():
     truth = StepModel(0.004, 2e-4, 3e-4, 5e-3, 1e-4, 2e-3, 4e-3)
     steps = [Step([(n, c)], []) for n in (16, 128, 700) for c in (0, 512)]
     steps += [Step([], [ctx] * b) for b in (1, 8, 32) for ctx in (64, 900)]  # no block shared
-    steps += [Step([], [ctx] * b, (b - 1) * (ctx - 16)) for b in (8, 32) for ctx in (64, 900)]  # a common prefix
+    steps += [Step([], [ctx] * b, (b - 1) * (ctx // 16 - 1) * 16) for b in (8, 32) for ctx in (64, 900)]  # a prefix
     steps += [Step([(256, 0)], [640] * 4)]
     fit = StepModel.fit([(s, truth.seconds(s)) for s in steps])
     for got, want in zip(fit.coefficients(), truth.coefficients()):
         assert got == pytest.approx(want, rel=1e-6, abs=1e-12)
+
+
+def test_the_distinct_context_leaves_out_the_copies_of_shared_blocks():
+    assert Step([], [100, 100], 64).features()[-1] == pytest.approx(0.136)  # 200 tokens, 64 of them a second copy
+    assert Step([], [100, 100]).features()[-1] == Step([], [100, 100]).features()[3]
+    # without a sample that shares blocks the two context terms are one: the fit leaves per_distinct at 0
+    truth = StepModel(0.004, 2e-4, 0.0, 5e-3, 0.0)
+    steps = [Step([], [ctx] * b) for b in (1, 4, 16) for ctx in (64, 640)] + [Step([(64, 0)], [])]
+    fit = StepModel.fit([(s, truth.seconds(s)) for s in steps])
+    assert fit.per_distinct == 0.0 and fit.per_context == pytest.approx(5e-3)
+
+
+@pytest.mark.parametrize("transport, shares", [("shm", True), ("grpc", False)])
+def test_sequences_with_a_common_prefix_decode_in_cheaper_steps(transport, shares):
+    """The simulator counts the blocks decoding sequences share (a cached prefix, on their engine or
+    imported by a hand-off that leaves out the blocks a decode node holds), and no more: where
+    nothing is shared, a distinct-context cost simulates exactly as the same context cost."""
+    distinct, context = hand_profile(per_distinct=0.05), hand_profile(per_context=0.05)
+    for prof in (distinct, context):
+        prof["handoff"]["grpc"] = prof["handoff"]["shm"]
+    prefix = list(range(1, 161))  # 10 blocks
+    common = Workload([Item([prefix + [500 + i] * 16], 8) for i in range(4)], concurrency=4)
+    apart = Workload([Item([[1000 * (i + 1) + j for j in range(176)]], 8) for i in range(4)], concurrency=4)
+
+    def times(prof: dict, dep: Deployment, work: Workload) -> list[tuple]:
+        sim = Simulation(prof, dep, 30.0, 0.35)
+        sim.run(work)
+        return [(r.sent, r.first_token, r.done) for r in sim.records]
+
+    colocated = Deployment("c", colocated=1)
+    pd = Deployment("pd", prefill=1, decode=1, local_prefill="off", transport=transport)
+    for dep, shared in ((colocated, True), (pd, shares)):
+        if shared:
+            by_distinct, by_context = simulate(distinct, dep, common), simulate(context, dep, common)
+            assert by_distinct.tpot_s["p50"] < by_context.tpot_s["p50"] - 0.003, dep
+        else:
+            assert times(distinct, dep, common) == times(context, dep, common), dep
+        assert times(distinct, dep, apart) == times(context, dep, apart), dep
 
 
 def test_one_request_alone_costs_what_the_profile_says():
@@ -156,7 +194,9 @@ def test_distinct_decode_samples_share_no_block_and_the_others_do(tiny_llama):
         assert len(tables) == 3 and all(len(t) >= 3 for t in tables)  # 48 tokens: 3 blocks of 16 at least
         assert bool(tables[0] & tables[1] & tables[2]) is shared
         profiles._run_out(prof.llm)
-    assert prof.decode(2, 48, shared=False) > 0 and len(prof.samples[-1][0].decodes) == 2
+    assert prof.decode(2, 48, shared=False) > 0 and prof.samples[-1][0].shared == 0
+    assert prof.decode(4, 48) > 0 and prof.samples[-1][0].shared == 3 * 32  # 2 blocks held by 4: 3 copies
+    assert len(prof.samples[-1][0].decodes) == 4
 
 
 @pytest.mark.parametrize(

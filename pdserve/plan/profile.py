@@ -53,7 +53,7 @@ DECODE_GRID = [(1, 64), (1, 1024), (4, 64), (4, 640), (16, 64), (16, 640), (64, 
 # decode steps whose sequences share no block (as requests without a common prefix decode): the
 # grid above shares their leading blocks, which a step reads from cache; at long contexts and small
 # batches the line fitted without these priced a step under what served ones took (1 thread,
-# AVX512_BF16: 2 sequences of ~1,150 tokens, 34 ms on the line, 39-43 ms in served steps)
+# AVX512_BF16: 2 sequences of ~1,150 tokens, 34 ms on the line, 41-42 ms in colocated-x2's served steps)
 DISTINCT_GRID = [(2, 1024), (4, 1024), (8, 640)]
 MIXED_GRID = [(4, 640, 64), (4, 640, 640), (16, 640, 256)]  # (batch, context, prefill chunk)
 TOKENS, SEQS = EngineConfig.max_num_batched_tokens, EngineConfig.max_num_seqs  # the engine's caps: a GPU's grid
@@ -161,18 +161,18 @@ class StepProfiler:
         times = []
         for _ in range(self.repeat if chunk else DECODE_STEPS):
             contexts = [seq.num_tokens for seq in self.llm.scheduler.running]
-            shared = self._shared_tokens()
+            held = self._shared_tokens()
             if chunk:  # a local prefill joins this step
                 self.llm.add_request(uuid.uuid4().hex, _ids(self.rng, chunk, self.vocab), self._params(1))
             times.append(_timed(self.llm))
             if self.llm.scheduler.waiting:  # (its slot or its tokens over the engine's caps)
                 raise RuntimeError(f"a {chunk}-token prompt beside {batch} sequences was not in the step timed")
-            self.samples.append((Step([(chunk, 0)] if chunk else [], contexts, shared), times[-1]))
+            self.samples.append((Step([(chunk, 0)] if chunk else [], contexts, held), times[-1]))
         _run_out(self.llm)
         return statistics.median(times)
 
     def _shared_tokens(self) -> int:
-        """The decoding sequences' tokens in blocks that another of them holds too (Step.shared)."""
+        """Step.shared of the decoding sequences: for each block k of them hold, k - 1 blocks' tokens."""
         tables = [seq.block_table for seq in self.llm.scheduler.running]
         held = sum(len(t) for t in tables) - len({b for t in tables for b in t})
         return held * self.llm.config.block_size
@@ -457,10 +457,10 @@ def serving_overhead(streams: list[tuple[int, float]], step: StepModel, prompt: 
     streams share their prompt's cached prefix, all but its last 16 tokens: _served_steps)."""
     context, prefix = prompt + 24, (prompt - 16) // block_size * block_size  # their mean context while they decode
 
-    def line(batch: int) -> float:
+    def step_s(batch: int) -> float:
         return step.seconds(Step([], [context] * batch, (batch - 1) * prefix))
 
-    extra = [(batch, max(0.0, tpot - line(batch))) for batch, tpot in streams]
+    extra = [(batch, max(0.0, tpot - step_s(batch))) for batch, tpot in streams]
     line = _line(extra)
     return {"fixed_s": line["fixed_s"], "per_sequence_s": line["per_token_s"], "samples": extra}
 

@@ -235,7 +235,11 @@ class Engine:
         self.sim.at(self.sim.now + seconds, lambda: self._step_done(decodes, chunks))
 
     def _shared_tokens(self, decodes: list[Decoding]) -> int:
-        """Tokens of the decoding sequences' blocks that another of them holds too (Step.shared)."""
+        """Step.shared: for each block k decoding sequences hold, k - 1 blocks' tokens. Block
+        names are chained hashes: sequences share a block only if they share their first."""
+        firsts = [seq.names[0] for seq in decodes if seq.names]
+        if len(firsts) == len(set(firsts)):
+            return 0
         names = [name for seq in decodes for name in seq.names]
         return (len(names) - len(set(names))) * self.sim.block_size
 
@@ -411,7 +415,7 @@ class Simulation:
             local_queued=decode.prefill_tokens,
             decode_running=decode.outstanding,
         )
-        seq = Decoding(list(prompt), output_len, on_token, names)
+        seq = Decoding(list(prompt), output_len, on_token)
         began = self.now + self.router_s + self.late()
         engine = self.engine_of[decode.address]
         prefilling = contextlib.ExitStack()
@@ -427,8 +431,12 @@ class Simulation:
                 if seq.left > 0:
                     engine.add_decoding(seq)
 
+            seq.names = names  # its prompt's blocks, a cached prefix's shared
             self.at(began, lambda: engine.add_prefill(Prefill(prompt, names, local_done)))
             return
+        # a hand-off that can leave out the blocks the decode node holds shares them (and names the
+        # ones it imports); one that moves the whole KV writes fresh blocks: nothing shared
+        seq.names = names if self.partial else []
         prefilling.enter_context(prefill.track())
         alone = prefilling.enter_context(prefill.prefill(plan.remote_tokens))
 
