@@ -46,7 +46,7 @@ import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from pdserve.plan.profile_file import VERSION
-from pdserve.plan.step_model import Step, StepModel
+from pdserve.plan.step_model import Step, StepModel, shared_tokens
 
 PREFILL_GRID = [(n, 0) for n in (16, 64, 256, 640, 1280, 2560)] + [(n, 1024) for n in (16, 64, 256, 640)]
 DECODE_GRID = [(1, 64), (1, 1024), (4, 64), (4, 640), (16, 64), (16, 640), (64, 64), (64, 640)]
@@ -161,7 +161,7 @@ class StepProfiler:
         times = []
         for _ in range(self.repeat if chunk else DECODE_STEPS):
             contexts = [seq.num_tokens for seq in self.llm.scheduler.running]
-            held = self._shared_tokens()
+            held = shared_tokens([seq.block_table for seq in self.llm.scheduler.running], self.llm.config.block_size)
             if chunk:  # a local prefill joins this step
                 self.llm.add_request(uuid.uuid4().hex, _ids(self.rng, chunk, self.vocab), self._params(1))
             times.append(_timed(self.llm))
@@ -170,12 +170,6 @@ class StepProfiler:
             self.samples.append((Step([(chunk, 0)] if chunk else [], contexts, held), times[-1]))
         _run_out(self.llm)
         return statistics.median(times)
-
-    def _shared_tokens(self) -> int:
-        """Step.shared of the decoding sequences: for each block k of them hold, k - 1 blocks' tokens."""
-        tables = [seq.block_table for seq in self.llm.scheduler.running]
-        held = sum(len(t) for t in tables) - len({b for t in tables for b in t})
-        return held * self.llm.config.block_size
 
 
 def _say(line: str) -> None:

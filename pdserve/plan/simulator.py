@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from engine.scheduler import waits_for_prefix
 from pdserve.bench import arrival_times, length_sampler
 from pdserve.bench_stats import Report, RequestRecord, report
-from pdserve.plan.step_model import Step, StepModel
+from pdserve.plan.step_model import Step, StepModel, shared_tokens
 from pdserve_api import common_pb2
 from router.placement import MAX_LOCAL_TOKENS, Placement
 from router.pool import Endpoint, EndpointPool, block_hashes
@@ -235,13 +235,11 @@ class Engine:
         self.sim.at(self.sim.now + seconds, lambda: self._step_done(decodes, chunks))
 
     def _shared_tokens(self, decodes: list[Decoding]) -> int:
-        """Step.shared: for each block k decoding sequences hold, k - 1 blocks' tokens. Block
-        names are chained hashes: sequences share a block only if they share their first."""
+        """Block names are chained hashes: sequences share a block only if they share their first."""
         firsts = [seq.names[0] for seq in decodes if seq.names]
         if len(firsts) == len(set(firsts)):
             return 0
-        names = [name for seq in decodes for name in seq.names]
-        return (len(names) - len(set(names))) * self.sim.block_size
+        return shared_tokens([seq.names for seq in decodes], self.sim.block_size)
 
     def _step_done(self, decodes: list[Decoding], chunks: list[tuple[Prefill, int]]) -> None:
         now = self.sim.now  # still stepping: what its results add (a sequence, a prefill) waits for the next step

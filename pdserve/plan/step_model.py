@@ -49,6 +49,11 @@ class Step:
         return [1.0, tokens, pairs, context, sequences, cached, context - self.shared / 1e3]
 
 
+def shared_tokens(blocks: list[list], block_size: int) -> int:
+    """Step.shared of decoding sequences holding these blocks (ids or names, one list each)."""
+    return (sum(len(b) for b in blocks) - len({x for b in blocks for x in b})) * block_size
+
+
 @dataclass
 class StepModel:
     fixed: float
