@@ -10,9 +10,9 @@ on the real deployment, same prompts, same window.
    chat: 8 conversations of 4 turns, a shared 1,000-token system prompt, ~40-token questions,
    32-token answers, closed loop at concurrency 4. Output lengths are fixed (ignore_eos).
 3. Deployments on the 2 cores, each started, measured by `pdserve bench`, stopped:
-   colocated (one engine, 2 threads), colocated x 2 (`up --prefill 0 --decode 2`, one core each),
-   1P1D with local prefill auto (the default), 1P1D with local prefill off; the P/D and x2 ones
-   pinned, one thread per node.
+   colocated (one engine, 2 threads), colocated on one core (one engine, 1 thread, pinned to core
+   0), colocated x 2 (`up --prefill 0 --decode 2`, one core each), 1P1D with local prefill auto
+   (the default), 1P1D with local prefill off; the P/D and x2 ones pinned, one thread per node.
 4. For each, the simulator's prediction from the profile; the relative error of goodput (tokens/s
    within both SLOs), TTFT p50 and TPOT p50. The SLOs (WORKLOADS) are loose enough that nearly
    every request of every deployment meets them here: an SLO that cuts through the middle of a
@@ -53,6 +53,7 @@ DEPLOYMENTS = {
     d.name: d
     for d in (
         Deployment("colocated", colocated=1, threads=2),
+        Deployment("colocated-1core", colocated=1, threads=1),
         Deployment("colocated-x2", colocated=2, threads=1),
         Deployment("1P1D", prefill=1, decode=1, threads=1),
         Deployment("1P1D-off", prefill=1, decode=1, threads=1, local_prefill="off"),
