@@ -121,6 +121,14 @@ def runs_on(prof: dict, profile_path: str, paths: list[Path], ap: argparse.Argum
     return runs
 
 
+GOAL = 0.15  # the issue's bound on the relative error
+
+
+def rows_of(runs: list[dict], workload: str, deployment: str) -> list[dict]:
+    """One cell's rows over several runs (plan_accuracy.json files)."""
+    return [r for run in runs for r in run["rows"] if (r["workload"], r["deployment"]) == (workload, deployment)]
+
+
 def error(predicted: float, measured: float) -> float:
     return abs(predicted - measured) / measured if measured else float("inf")
 

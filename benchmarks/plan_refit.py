@@ -21,14 +21,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from plan_accuracy import DEPLOYMENTS, FIGURES, WORKLOADS, error, runs_on, workload  # noqa: E402
+from plan_accuracy import DEPLOYMENTS, FIGURES, GOAL, WORKLOADS, error, rows_of, runs_on, workload  # noqa: E402
 
 from pdserve.plan import profile_file  # noqa: E402
 from pdserve.plan.profile import DISTINCT_GRID, provenance  # noqa: E402
 from pdserve.plan.simulator import SPREAD, simulate  # noqa: E402
 from pdserve.plan.step_model import Step, StepModel  # noqa: E402
-
-GOAL = 0.15
 
 
 def distinct(sample: dict) -> bool:
@@ -66,7 +64,7 @@ def errors(prof: dict, runs: list[dict]) -> dict:
     for w, slo in WORKLOADS.items():
         work, _ = workload(w)
         for d, dep in DEPLOYMENTS.items():
-            rows = [r for run in runs for r in run["rows"] if (r["workload"], r["deployment"]) == (w, d)]
+            rows = rows_of(runs, w, d)
             if not rows:
                 continue
             report = simulate(prof, dep, work, *slo)

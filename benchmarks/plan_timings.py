@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from plan_accuracy import DEPLOYMENTS, FIGURES, WORKLOADS, error, runs_on, workload  # noqa: E402
+from plan_accuracy import DEPLOYMENTS, FIGURES, WORKLOADS, error, rows_of, runs_on, workload  # noqa: E402
 
 from pdserve.plan import profile_file  # noqa: E402
 from pdserve.plan.profile import provenance  # noqa: E402
@@ -63,7 +63,7 @@ def main() -> int:
     keys = [(r["workload"], r["deployment"]) for r in runs[0]["rows"]]
     cells = {}
     for w, d in keys:
-        rows = [row for run in runs for row in run["rows"] if (row["workload"], row["deployment"]) == (w, d)]
+        rows = rows_of(runs, w, d)
         c = cells[f"{w}/{d}"] = cell(prof, w, d, rows, args.seeds)
         print(
             f"{w:7s} {d:13s} "

@@ -27,9 +27,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from plan_accuracy import DEPLOYMENTS, FIGURES, WORKLOADS  # noqa: E402
+from plan_accuracy import DEPLOYMENTS, FIGURES, GOAL, WORKLOADS, rows_of  # noqa: E402
 
-GOAL = 0.15
 WAVE_S = 0.15  # first tokens this close came out of one prefill step (steps of 610-token prompts take ~1 s)
 NO_COMMON_PREDICTION = (1 + GOAL) / (1 - GOAL) - 1  # two medians further apart than this: none within GOAL of both
 
@@ -39,17 +38,13 @@ def apart(values: list[float]) -> float:
     return max(values) / min(values) - 1 if min(values) > 0 else float("inf")
 
 
-def rows_of(runs: list[dict], cell: str) -> list[dict]:
-    return [r for run in runs for r in run["rows"] if f"{r['workload']}/{r['deployment']}" == cell]
-
-
 def cells(sets: dict[str, list[dict]]) -> tuple[dict, list[str]]:
     """({cell: figures} for the cells measured in two sets or more, the cells in one set only)."""
     out, alone = {}, []
     for key in (f"{w}/{d}" for w in WORKLOADS for d in DEPLOYMENTS):
         per_set = {}
         for name, runs in sets.items():
-            if rows := rows_of(runs, key):
+            if rows := rows_of(runs, *key.split("/")):
                 per_set[name] = {f: [r[f]["measured"] for r in rows] for f in FIGURES}
         if len(per_set) == 1:
             alone.append(key)
@@ -83,7 +78,7 @@ def run_waves(sets: dict[str, list[dict]], key: str) -> dict:
     """{set: [{measured, predicted: waves, tpot_p50_s}, ...]} of the runs that kept their records."""
     out = {}
     for name, runs in sets.items():
-        rows = [r for r in rows_of(runs, key) if "records" in r]
+        rows = [r for r in rows_of(runs, *key.split("/")) if "records" in r]
         out[name] = [
             {side: waves(r["records"][side]) for side in ("measured", "predicted")} | {"tpot_p50_s": r["tpot_p50_s"]}
             for r in rows
@@ -104,7 +99,7 @@ def main() -> int:
         if name in sets:
             ap.error(f"--set {name} is given twice")
         sets[name] = [json.loads(Path(p).read_text()) for p in paths]
-    if args.waves and not any(rows_of(runs, args.waves) for runs in sets.values()):
+    if args.waves and not any(rows_of(runs, *args.waves.partition("/")[::2]) for runs in sets.values()):
         ap.error(f"--waves {args.waves}: no set measured that cell")
     result, alone = cells(sets)
     for key, cell in result.items():
