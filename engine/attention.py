@@ -4,8 +4,9 @@ back through its block table, and attend with scaled_dot_product_attention.
 A step's tokens are laid out decode-first: the first `num_decode_tokens` are single-token
 queries (one per sequence), the rest are prefill chunks of any length. Each group is one
 batched SDPA call over [B, heads, q_len, context] with a boolean mask, so mixed batches never
-pad a decode query up to a prefill's length. On a CPU the decodes run in the C++ kernel instead
-and, in bf16, the prefills as chunked matmuls per sequence (`_attend_matmul`).
+pad a decode query up to a prefill's length. Decodes run in a kernel that reads the KV in place
+instead where one runs: the C++ kernel on a CPU, the Triton kernel on CUDA (cuda_kernels.py). On a
+CPU in bf16 the prefills run as chunked matmuls per sequence (`_attend_matmul`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from engine import cuda_kernels
 
 # On CUDA, not cuDNN's attention: it builds a plan per shape (1.7 ms of CPU each on an H200), and
 # a decode step's key length is new every step (bf16 decode steps ran 3x slower with it).
@@ -38,7 +41,8 @@ class AttendGroup:
 
 @dataclass
 class DecodeGroup:
-    """For the C++ CPU kernel, which reads K/V in place through the block table."""
+    """For the decode kernels (C++ on a CPU, Triton on CUDA), which read K/V in place through the
+    block table."""
 
     block_table: torch.Tensor  # [B, max_blocks] int64
     context_lens: torch.Tensor  # [B] int64, the new token included
@@ -77,7 +81,7 @@ def build_metadata(
 ) -> AttentionMetadata:
     """starts[i]: KV positions sequence i already has; lens[i]: positions computed this step.
     The first `num_decode` sequences have lens == 1. With decode_kernel, their attention runs in
-    the C++ kernel (see cpu_kernels.py); with prefill_matmul, the prefills' runs in
+    a decode kernel (cpu_kernels.py, cuda_kernels.py); with prefill_matmul, the prefills' runs in
     `_attend_matmul`. Entries may share one block table (the queries of one sequence: the same
     list object), which is then copied to a tensor once."""
     num_seqs = len(starts)
@@ -160,7 +164,8 @@ def paged_attention(
     nd = meta.num_decode_tokens
     out = q.new_empty(q.shape)  # q may be a strided view into the fused qkv output
     if isinstance(meta.decode, DecodeGroup):
-        torch.ops.pdserve.paged_decode_attention(
+        kernel = cuda_kernels.paged_decode_attention if q.is_cuda else torch.ops.pdserve.paged_decode_attention
+        kernel(
             out[:nd],
             q[:nd],
             k_cache,

@@ -59,6 +59,11 @@ class EngineConfig:
         "plain torch ops on the CPU (by default C++ attention and fused ops, where they build)",
         flag="--no-cpu-kernels",
     )
+    cuda_kernels: bool = option(
+        True,
+        "CUDA decodes attend through SDPA over gathered KV (by default in Triton's paged kernel, where installed)",
+        flag="--no-cuda-kernels",
+    )
     deterministic: bool = option(
         False,
         "batch-invariant numerics: each token's logits and KV the same whatever else is in the batch, how its "

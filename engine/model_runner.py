@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from engine import cpu_kernels
+from engine import cpu_kernels, cuda_kernels
 from engine.attention import build_metadata
 from engine.config import EngineConfig
 from engine.hardware import cpu_features, cpu_vendor
@@ -38,13 +38,16 @@ class ModelRunner:
         self.block_size = config.block_size
         # The C++ kernels (decode attention, fused elementwise ops) on CPUs where they build.
         self.use_cpu_kernels = config.cpu_kernels and device.type == "cpu" and cpu_kernels.load()
-        self.decode_kernel = self.use_cpu_kernels and cpu_kernels.decode_attention_fits(cfg.head_dim)
+        # Decodes read the KV in place through the block table: the C++ kernel on a CPU, Triton's on CUDA.
+        self.decode_kernel = (self.use_cpu_kernels and cpu_kernels.decode_attention_fits(cfg.head_dim)) or (
+            config.cuda_kernels and device.type == "cuda" and cuda_kernels.available()
+        )
         # Prefill attention as chunked matmuls: faster than torch's flash kernel on a CPU in bf16.
         self.prefill_matmul = self.use_cpu_kernels and dtype == torch.bfloat16
         # Deterministic: every token a single query through the C++ kernel (its sums run over the
         # context in blocks of absolute positions), every linear summed in k order (engine/csrc/ordered_linear.cpp).
         self.deterministic = config.deterministic
-        if self.deterministic and not self.decode_kernel:
+        if self.deterministic and not (self.decode_kernel and self.use_cpu_kernels):
             raise ValueError(
                 "deterministic: needs the C++ CPU attention kernel, which this engine does not run (device "
                 f"{device.type}, cpu_kernels {config.cpu_kernels}, kernels built {self.use_cpu_kernels}, head_dim "

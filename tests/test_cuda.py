@@ -7,7 +7,7 @@ import torch
 from conftest import make_engine, run_to_completion
 from transformers import AutoModelForCausalLM
 
-from engine import SamplingParams
+from engine import SamplingParams, cuda_kernels
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -25,11 +25,39 @@ def test_greedy_on_cuda_equals_transformers(tiny_llama):
     hf = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval().cuda()
     engine = make_engine(tiny_llama, device="cuda")
     assert engine.kv_cache.kv.is_cuda and not engine.runner.use_cpu_kernels
+    assert engine.runner.decode_kernel == cuda_kernels.available()  # Triton's, where installed
     for i, p in enumerate(PROMPTS):
         engine.add_request(str(i), p, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
     outs = run_to_completion(engine)
     for i, p in enumerate(PROMPTS):
         assert outs[str(i)].token_ids == hf_greedy(hf, p, 16)
+
+
+@pytest.mark.skipif(not cuda_kernels.available(), reason="needs Triton")
+def test_triton_decode_kernel_gives_the_tokens_of_sdpa_with_speculation_prefix_caching_and_preemption(tiny_llama):
+    """fp32 on CUDA: the engine whose decodes and speculative verifications read the KV in place
+    (engine/cuda_kernels.py) gives the greedy tokens of the engine attending through SDPA over
+    gathered KV, with n-gram speculation, prompts sharing a cached prefix, and a pool small enough
+    to preempt."""
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    stem = "Hello world! Hello world! Hello world! "
+    prompts = [stem + tail for tail in ["Hello", "Hello world", "0123 0123 01", "fox fox", "Hello world! Hello"]]
+    runs = {}
+    for kernel in (True, False):
+        engine = make_engine(
+            tiny_llama,
+            device="cuda",
+            cuda_kernels=kernel,
+            num_kv_blocks=56,
+            speculative={"method": "ngram", "num_speculative_tokens": 3},
+        )
+        assert engine.runner.decode_kernel == kernel
+        for i, p in enumerate(prompts):
+            engine.add_request(str(i), p, params)
+        runs[kernel] = {rid: o.token_ids for rid, o in run_to_completion(engine).items()}
+        assert engine.scheduler.num_preemptions > 0 and engine.num_accepted_tokens > 0
+        assert engine.block_manager.num_hit_tokens > 0
+    assert runs[True] == runs[False]
 
 
 def test_seeded_sampling_on_cuda_is_reproducible(tiny_llama):

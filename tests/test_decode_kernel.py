@@ -1,16 +1,32 @@
-"""The C++ paged decode attention (engine/csrc/paged_attention.cpp) against attention written out
-in torch, over what varies in the field: dtypes, head sizes, GQA group sizes, block sizes,
-contexts that end mid-block, sliding windows, scattered block tables, and a batch split over
-threads by sequence and by KV head."""
+"""The paged decode attention kernels against attention written out in torch: the C++ CPU kernel
+(engine/csrc/paged_attention.cpp) and the Triton kernel for CUDA (engine/cuda_kernels.py; on a GPU
+where there is one, else in Triton's interpreter on the CPU where Triton is installed), over what
+varies in the field: dtypes, head sizes, GQA group sizes, block sizes, contexts that end
+mid-block, sliding windows, scattered block tables, and a batch split over threads by sequence
+and by KV head."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from engine import cpu_kernels
+from engine import cpu_kernels, cuda_kernels
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.load(), reason="the C++ CPU kernels do not build here")
+# Where each kernel runs: the C++ one on the CPU with 1 or 2 threads; the Triton one on the GPU.
+KERNELS = [
+    pytest.param(
+        "cpu", 1, marks=pytest.mark.skipif(not cpu_kernels.load(), reason="the C++ CPU kernels do not build here")
+    ),
+    pytest.param(
+        "cpu", 2, marks=pytest.mark.skipif(not cpu_kernels.load(), reason="the C++ CPU kernels do not build here")
+    ),
+    pytest.param(
+        "triton",
+        1,
+        marks=pytest.mark.skipif(not cuda_kernels.available(), reason="Triton is not installed"),
+    ),
+]
+TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: Triton's interpreter (conftest.py)
 
 
 def reference(q, k_cache, v_cache, block_tables, context_lens, block_size, window):
@@ -45,9 +61,9 @@ CASES = [  # dtype, head_dim, heads, kv_heads, block_size, context lengths, wind
 ]
 
 
-@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("kernel,threads", KERNELS)
 @pytest.mark.parametrize("dtype,head_dim,heads,kv_heads,block_size,lens,window", CASES)
-def test_decode_kernel_matches_torch(dtype, head_dim, heads, kv_heads, block_size, lens, window, threads):
+def test_decode_kernel_matches_torch(dtype, head_dim, heads, kv_heads, block_size, lens, window, kernel, threads):
     g = torch.Generator().manual_seed(head_dim + block_size + len(lens))
     widths = [(n + block_size - 1) // block_size for n in lens]
     num_blocks = sum(widths) + 3
@@ -64,19 +80,25 @@ def test_decode_kernel_matches_torch(dtype, head_dim, heads, kv_heads, block_siz
     qkv = torch.randn(len(lens), (heads + 2 * kv_heads) * head_dim, generator=g).to(dtype)
     q = qkv[:, : heads * head_dim].view(len(lens), heads, head_dim)
     out = torch.empty(len(lens), heads, head_dim, dtype=dtype)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        torch.ops.pdserve.paged_decode_attention(
-            out, q, k_cache, v_cache, block_tables, context_lens, block_size, head_dim**-0.5, window
-        )
-    finally:
-        torch.set_num_threads(before)
     expected = reference(q, k_cache, v_cache, block_tables, context_lens, block_size, window)
+    args = (q, k_cache, v_cache, block_tables, context_lens)
+    if kernel == "triton":
+        args = tuple(a.to(TRITON_DEVICE) for a in args)
+        out = out.to(TRITON_DEVICE)
+        cuda_kernels.paged_decode_attention(out, *args, block_size, head_dim**-0.5, window)
+        out = out.cpu()
+    else:
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            torch.ops.pdserve.paged_decode_attention(out, *args, block_size, head_dim**-0.5, window)
+        finally:
+            torch.set_num_threads(before)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
 
 
+@pytest.mark.skipif(not cpu_kernels.load(), reason="the C++ CPU kernels do not build here")
 def test_head_sizes_outside_the_kernel_are_refused_by_name():
     assert cpu_kernels.decode_attention_fits(64) and cpu_kernels.decode_attention_fits(256)
     assert not cpu_kernels.decode_attention_fits(72) and not cpu_kernels.decode_attention_fits(512)
