@@ -93,6 +93,7 @@ def main() -> None:
             kv_cache_bytes=int(args.kv_cache_gb * (1 << 30)),
             max_num_seqs=256,
             enable_prefix_caching=False,
+            cuda_kernels=True,
         )
     )
     assert llm.runner.decode_kernel, "the Triton kernel does not run here"

@@ -12,7 +12,7 @@
 # Results land in $OUT (the tool brings them back). Arguments pick parts (default: 135m 8b tests);
 # `kernel` runs the decode kernels' tests and the CUDA tests first and stops the lease's script if
 # they fail; `decode` times the Triton paged decode against SDPA on both shapes
-# (benchmarks/cuda_paged_decode.py); PROFILE_TAG names the profiles' files (plan_profile_h200_8b$PROFILE_TAG.json).
+# (benchmarks/cuda_paged_decode.py).
 set -uo pipefail
 umask 077
 # what the image lacks travels as wheels in .whl/ (grpcio at the generated code's version, its health and reflection services, fastapi and uvicorn)
@@ -28,7 +28,6 @@ python3 -c 'import torch; print("torch", torch.__version__, torch.cuda.get_devic
 python3 -m pip list 2>/dev/null | grep -E "^(grpcio|protobuf|transformers) "
 step() { echo "== $* ($(date +%T))"; }
 parts=" ${*:-135m 8b tests} "
-tag=${PROFILE_TAG:-}
 twin() {  # twin NAME CONFIG_JSON: a random twin of that shape in /tmp/NAME, once
   python3 benchmarks/random_twin.py "$2" .gpu "/tmp/$1" --device cuda > /dev/null
 }
@@ -51,14 +50,14 @@ if [[ $parts == *" 135m "* ]]; then
   step profile 135m
   twin twin135 .gpu/config.json
   timeout 150 python3 -m pdserve plan profile --model /tmp/twin135 --device cuda --dtype bfloat16 --threads 1 \
-    --kv-cache-gb 16 --out "$OUT/plan_profile_h200_135m$tag.json" 2> "$OUT/profile_135m.log"
+    --kv-cache-gb 16 --out "$OUT/plan_profile_h200_135m.json" 2> "$OUT/profile_135m.log"
   echo "rc=$?"; tail -3 "$OUT/profile_135m.log"
 fi
 if [[ $parts == *" 8b "* ]]; then
   step profile 8b
   twin twin8b deploy/model_configs/llama-3.1-8b/config.json
   timeout 240 python3 -m pdserve plan profile --model /tmp/twin8b --device cuda --dtype bfloat16 --threads 1 \
-    --kv-cache-gb 40 --out "$OUT/plan_profile_h200_8b$tag.json" 2> "$OUT/profile_8b.log"
+    --kv-cache-gb 40 --out "$OUT/plan_profile_h200_8b.json" 2> "$OUT/profile_8b.log"
   echo "rc=$?"; tail -3 "$OUT/profile_8b.log"
 fi
 if [[ $parts == *" tests "* ]]; then

@@ -3,7 +3,7 @@
 
 One program per (sequence, KV head): the query heads that share the KV head (GQA) are the rows of
 one tile, each key and value row is read once, in place, through the block table (no gather copy
-into a padded tensor), and an online softmax runs over the context in tiles of 64 positions. All
+into a padded tensor), and an online softmax runs over the context in tiles of 32 positions. All
 arithmetic is fp32 (IEEE, not TF32): scores, softmax and the weighted sum of values are rounded to
 the cache's dtype only at the output, so a sequence's result does not depend on what else is in
 its batch.
@@ -25,7 +25,11 @@ try:
 except ImportError:  # CPU installs carry no Triton
     triton = None
 
-TILE = 64  # context positions a program reads per iteration
+# Context positions a program reads per iteration, and its warps: the tile's fp32 K and V stay in
+# registers at head sizes 64 and 128, bf16 or fp32 (ptxas for sm_90: head_dim 128 in bf16 takes
+# 112 registers a thread; at 64 positions and 4 warps, 255 and 1,344 bytes spilled;
+# tests/test_decode_kernel.py builds it so). Not tuned on a GPU yet.
+TILE, NUM_WARPS = 32, 8
 
 
 @cache
@@ -152,4 +156,5 @@ def paged_decode_attention(
         HEAD_DIM=head_dim,
         DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
         TILE=TILE,
+        num_warps=NUM_WARPS,
     )

@@ -21,11 +21,16 @@ def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
     return out[0, len(prompt) :].tolist()
 
 
-def test_greedy_on_cuda_equals_transformers(tiny_llama):
+TRITON = pytest.mark.skipif(not cuda_kernels.available(), reason="needs Triton")
+
+
+@pytest.mark.parametrize("kernel", [False, pytest.param(True, marks=TRITON)], ids=["sdpa", "triton"])
+def test_greedy_on_cuda_equals_transformers(tiny_llama, kernel):
+    """fp32: decodes through SDPA over gathered KV, or through the Triton paged kernel."""
     hf = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval().cuda()
-    engine = make_engine(tiny_llama, device="cuda")
+    engine = make_engine(tiny_llama, device="cuda", cuda_kernels=kernel)
     assert engine.kv_cache.kv.is_cuda and not engine.runner.use_cpu_kernels
-    assert engine.runner.decode_kernel == cuda_kernels.available()  # Triton's, where installed
+    assert engine.runner.decode_kernel == kernel
     for i, p in enumerate(PROMPTS):
         engine.add_request(str(i), p, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
     outs = run_to_completion(engine)
@@ -33,7 +38,7 @@ def test_greedy_on_cuda_equals_transformers(tiny_llama):
         assert outs[str(i)].token_ids == hf_greedy(hf, p, 16)
 
 
-@pytest.mark.skipif(not cuda_kernels.available(), reason="needs Triton")
+@TRITON
 def test_triton_decode_kernel_gives_the_tokens_of_sdpa_with_speculation_prefix_caching_and_preemption(tiny_llama):
     """fp32 on CUDA: the engine whose decodes and speculative verifications read the KV in place
     (engine/cuda_kernels.py) gives the greedy tokens of the engine attending through SDPA over
