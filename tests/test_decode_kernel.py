@@ -1,5 +1,5 @@
 """The paged decode attention kernels against attention written out in torch: the C++ CPU kernel
-(engine/csrc/paged_attention.cpp) and the Triton kernel for CUDA (engine/cuda_kernels.py; on a GPU
+(engine/csrc/paged_attention.cpp) and the Triton kernel for CUDA (engine/paged_decode_triton.py; on a GPU
 where there is one, else in Triton's interpreter on the CPU where Triton is installed), over what
 varies in the field: dtypes, head sizes, GQA group sizes, block sizes, contexts that end
 mid-block, sliding windows, scattered block tables, and a batch split over threads by sequence
@@ -124,14 +124,14 @@ from pathlib import Path
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from engine import cuda_kernels
+from engine import paged_decode_triton as kernel
 
-fn = cuda_kernels._paged_decode_kernel
+fn = kernel.paged_decode_kernel
 names = list(inspect.signature(fn.fn).parameters)
 for case in sys.argv[1:]:
     dtype, group, head_dim = case.split(",")
     constexprs = {"GROUP": int(group), "GROUP_PAD": 16, "HEAD_DIM": int(head_dim), "DIM_PAD": int(head_dim)}
-    constexprs["TILE"] = cuda_kernels.TILE
+    constexprs["TILE"] = kernel.TILE
     signature = {n: "constexpr" for n in constexprs}
     signature.update({n: "*" + dtype for n in ("out_ptr", "q_ptr", "k_ptr", "v_ptr")})
     signature.update({n: "*i64" for n in ("block_table_ptr", "context_lens_ptr")})
@@ -141,7 +141,7 @@ for case in sys.argv[1:]:
     compiled = triton.compile(
         ASTSource(fn=fn, signature=signature, constexprs=constexprs),
         target=GPUTarget("cuda", 90, 32),
-        options={"num_warps": cuda_kernels.NUM_WARPS, "enable_fp_fusion": True},
+        options={"num_warps": kernel.NUM_WARPS, "enable_fp_fusion": True},
     )
     tools = Path(triton.__file__).parent / "backends/nvidia/bin"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:  # owner-only
@@ -158,8 +158,8 @@ def test_the_triton_kernel_builds_for_hopper_without_spilling():
     """Built for an H100/H200 (sm_90) by Triton's own compiler and ptxas, no GPU needed (in a
     process of its own, out of the interpreter): the kernel compiles at the default model's and
     Llama-3-8B's shapes in bf16 and fp32, and its tiles stay in registers (64 positions and 4
-    warps spilled hundreds of bytes to local memory), which is what chose cuda_kernels.TILE and
-    NUM_WARPS."""
+    warps spilled hundreds of bytes to local memory), which is what chose paged_decode_triton's TILE
+    and NUM_WARPS."""
     import os
     import subprocess
     import sys
