@@ -1,7 +1,7 @@
 """The simulator against measured runs: `pdserve plan simulate`'s prediction beside `pdserve bench`
 on the real deployment, same prompts, same window.
 
-    python benchmarks/plan_accuracy.py [--profile FILE] [--out docs/bench] [--only anchor,chat]
+    python benchmarks/plan_accuracy.py [--profile FILE] [--out docs/bench] [--only anchor,chat] [--step-log]
 
 1. Profiles this machine (`pdserve plan profile`, threads 1 and 2, default model, dtype auto),
    unless --profile gives one measured earlier.
@@ -139,6 +139,9 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=Path("docs/bench"))
     ap.add_argument("--only", default=",".join(WORKLOADS), help="workloads")
     ap.add_argument("--deployments", default=",".join(DEPLOYMENTS))
+    ap.add_argument(
+        "--step-log", action="store_true", help="keep each engine's steps in its row (--step-log; plan_steps.py)"
+    )
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     began = time.monotonic()
@@ -155,6 +158,8 @@ def main() -> int:
             for dname in args.deployments.split(","):
                 dep = DEPLOYMENTS[dname]
                 command = shlex.split(search.command(dep))[1:]  # the command `pdserve plan best` prints
+                steps = Path(tmp) / f"steps-{wname}-{dname}.jsonl"
+                command += ["--step-log", str(steps)] if args.step_log else []
                 sim = Simulation(prof, dep, *slo)
                 predicted = sim.run(work)
                 run = measure(command, lines, work.concurrency, slo, Path(tmp))
@@ -169,6 +174,8 @@ def main() -> int:
                 ):
                     row[key] = {"predicted": pred, "measured": meas, "error": error(pred, meas)}
                 row["records"] = {"predicted": [r.__dict__ for r in sim.records], "measured": run["records"]}
+                if args.step_log:
+                    row["steps"] = [json.loads(line) for line in steps.read_text().splitlines()]
                 rows.append(row)
                 print(
                     f"{wname:7s} {dname:13s} "

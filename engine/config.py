@@ -70,6 +70,11 @@ class EngineConfig:
         "prompt was chunked, what was cached, on whichever node (CPU with the C++ kernels; costs speed)",
     )
     num_threads: int | None = option(None, "torch threads on CPU (default: torch's choice)")
+    step_log: str | None = option(
+        None,
+        "append one JSON line per engine step to this file (owner-only): its prefill chunks, its decodes' "
+        "contexts, its seconds (engine/step_log.py; benchmarks/plan_steps.py sets them beside the planner's line)",
+    )
     seed: int = option(0, "seeds the sampler for requests without their own seed", where=("serve",))
     speculative: dict | None = option(
         None,

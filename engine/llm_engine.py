@@ -6,6 +6,7 @@ request) and admits a sequence whose prompt KV was computed elsewhere (the decod
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -27,6 +28,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import FinishReason, Sequence
 from engine.speculative import NgramProposer, SpeculativeConfig
+from engine.step_log import StepLog
 from engine.tokenizer import check_prompt_length, load_tokenizer, prompt_token_ids
 
 
@@ -74,6 +76,7 @@ class LLMEngine:
         self.proposer = self._proposer(config.speculative_config)
         self.num_verifications = self.num_draft_tokens = self.num_accepted_tokens = 0
         self.idle = False  # the last step ran nothing
+        self.step_log = StepLog(config.step_log, config.block_size) if config.step_log else None
 
     def _proposer(self, spec: SpeculativeConfig | None):
         if spec is None:
@@ -234,6 +237,7 @@ class LLMEngine:
 
     # ---- the step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        started, clock = time.time(), time.perf_counter()
         if self.proposer is not None:
             self.proposer.propose(self.scheduler.running)
         batch = self.scheduler.schedule()
@@ -243,6 +247,7 @@ class LLMEngine:
         for seq, n in zip(batch.seqs, batch.num_scheduled_tokens):
             if seq.kv_progress is not None and seq.num_computed_tokens + n == seq.num_tokens:
                 seq.kv_progress.scheduled(seq.block_table, seq.num_tokens)  # the last chunk: blocks fixed
+        logged = self.step_log.describe(batch) if self.step_log else None
         sampled = self.runner.execute(batch)
         for seq, tokens in zip(batch.seqs, sampled.token_ids):
             if seq.draft_token_ids:
@@ -265,6 +270,8 @@ class LLMEngine:
             outputs.extend(group.emit(out))
             if not group.live:
                 del self.groups[seq.request_id]
+        if logged is not None:
+            self.step_log.write(logged, started, time.perf_counter() - clock)
         return outputs
 
     def _start_beam_search(self, request_id: str, ids: list[int], params: SamplingParams) -> None:

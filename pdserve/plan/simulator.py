@@ -220,19 +220,26 @@ class Engine:
             budget -= n
         prefills = [(n, j.computed) for j, n in chunks]
         shared = self._shared_tokens(decodes) if self.model.per_distinct else 0
-        seconds = self.model.seconds(Step(prefills, [len(s.tokens) for s in decodes], shared))
-        if decodes:  # what serving adds to a step that streams tokens
-            seconds += self.sim.serving["fixed_s"] + self.sim.serving["per_sequence_s"] * len(decodes)
-        if chunks and self.served:  # what serving adds to prompts: a share, and seconds per prompt that ends
+        ending = sum(j.computed + n == len(j.tokens) for j, n in chunks)
+        seconds = self.step_seconds(Step(prefills, [len(s.tokens) for s in decodes], shared), ending)
+        self.stepping = True
+        self.busy_s += seconds
+        self.sim.at(self.sim.now + seconds, lambda: self._step_done(decodes, chunks))
+
+    def step_seconds(self, step: Step, ending: int) -> float:
+        """A step's seconds: the step line, what serving adds to a step that streams tokens, and
+        what it adds to prompts (a share of their line, and seconds per prompt that ends here)."""
+        seconds = self.model.seconds(step)
+        if step.decodes:
+            seconds += self.sim.serving["fixed_s"] + self.sim.serving["per_sequence_s"] * len(step.decodes)
+        if step.prefills and self.served:
             # (on a prefill node the share grows with the streams decoding elsewhere: the router relays them;
             # a colocated step that also decodes pays both figures, whose per-step parts may overlap: ms)
             streams = sum(len(e.running) for e in self.sim.decodes) if self.prefill_node else 0
             share = self.served["fixed"] + self.served["per_sequence"] * streams
-            seconds += share * self.model.seconds(Step(prefills, []))
-            seconds += self.served.get("fixed_s", 0.0) * sum(j.computed + n == len(j.tokens) for j, n in chunks)
-        self.stepping = True
-        self.busy_s += seconds
-        self.sim.at(self.sim.now + seconds, lambda: self._step_done(decodes, chunks))
+            seconds += share * self.model.seconds(Step(step.prefills, []))
+            seconds += self.served.get("fixed_s", 0.0) * ending
+        return seconds
 
     def _shared_tokens(self, decodes: list[Decoding]) -> int:
         """Block names are chained hashes: sequences share a block only if they share their first."""

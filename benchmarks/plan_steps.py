@@ -1,0 +1,106 @@
+"""Served engine steps beside the simulator's price of each: runs of plan_accuracy.py --step-log
+(each engine's steps as engine/step_log.py writes them), priced by the simulator's own
+Engine.step_seconds on the profile the runs were measured on.
+
+    python benchmarks/plan_steps.py --profile docs/bench/PROFILE.json docs/bench/plan_accuracy_*.json \
+        [--json docs/bench/plan_steps.json]
+
+Per cell and kind of step (decode: decodes only; prefill: prefill chunks only; mixed: both): the
+steps' count, the median of measured / priced, the sum of measured over the sum priced, and the
+same against the step line alone (without what serving adds); for decode steps, per batch size.
+Gap: the median time between one step's end and the next's start on the same engine, where the
+next starts within 50 ms (a busy engine; longer gaps are waits for work), which the simulator
+prices as nothing of its own (what serving adds is measured from TPOT, so it holds the gaps).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from plan_accuracy import DEPLOYMENTS, WORKLOADS, runs_on  # noqa: E402
+
+from pdserve.plan import profile_file  # noqa: E402
+from pdserve.plan.simulator import Simulation  # noqa: E402
+from pdserve.plan.step_model import Step  # noqa: E402
+
+BUSY_GAP_S = 0.05
+BATCHES = ((1, 2), (3, 4), (5, 8), (9, 16), (17, 256))
+
+
+def kind(step: dict) -> str:
+    return "mixed" if step["prefills"] and step["decodes"] else "prefill" if step["prefills"] else "decode"
+
+
+def summary(rows: list[tuple[float, float, float]]) -> dict:
+    """rows: (measured, priced, line) seconds."""
+    return {
+        "steps": len(rows),
+        "measured_ms": statistics.median(m for m, _, _ in rows) * 1e3,
+        "over_priced": statistics.median(m / p for m, p, _ in rows),
+        "sum_over_priced": sum(m for m, _, _ in rows) / sum(p for _, p, _ in rows),
+        "over_line": statistics.median(m / line for m, _, line in rows),
+    }
+
+
+def cell(prof: dict, workload: str, deployment: str, steps: list[dict]) -> dict:
+    sim = Simulation(prof, DEPLOYMENTS[deployment], *WORKLOADS[workload])
+    by_pid = defaultdict(list)
+    for s in steps:
+        by_pid[s["pid"]].append(s)
+    kinds, batches, gaps = defaultdict(list), defaultdict(list), []
+    for engine_steps in by_pid.values():
+        decodes = any(s["decodes"] for s in engine_steps)  # a prefill node's engine never decodes
+        engine = sim.decodes[0] if decodes or not sim.prefills else sim.prefills[0]
+        engine_steps.sort(key=lambda s: s["t"])
+        for s, after in zip(engine_steps, engine_steps[1:] + [None]):
+            step = Step([tuple(p) for p in s["prefills"]], s["decodes"], s["shared"])
+            row = (s["s"], engine.step_seconds(step, s["ending"]), engine.model.seconds(step))
+            kinds[kind(s)].append(row)
+            if kind(s) == "decode":
+                batches[next(f"{lo}-{hi}" for lo, hi in BATCHES if lo <= len(s["decodes"]) <= hi)].append(row)
+                if after is not None and 0 <= after["t"] - s["t"] - s["s"] < BUSY_GAP_S:
+                    gaps.append(after["t"] - s["t"] - s["s"])
+    return {
+        "workload": workload,
+        "deployment": deployment,
+        "kinds": {k: summary(v) for k, v in sorted(kinds.items())},
+        "decode_batches": {b: summary(v) for b, v in batches.items()},
+        "busy_gap_ms": statistics.median(gaps) * 1e3 if gaps else None,
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--profile", required=True, help="the profile the runs were measured on")
+    ap.add_argument("runs", nargs="+", type=Path, help="plan_accuracy.py --step-log outputs")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    prof = profile_file.load(args.profile)
+    cells = defaultdict(list)
+    for run in runs_on(prof, args.profile, args.runs, ap):
+        for row in run["rows"]:
+            cells[row["workload"], row["deployment"]] += row.get("steps", [])
+    if not any(cells.values()):
+        ap.error("no run kept its steps (plan_accuracy.py --step-log)")
+    out = [cell(prof, w, d, steps) for (w, d), steps in cells.items() if steps]
+    for c in out:
+        print(f"{c['workload']} {c['deployment']}: busy gap {c['busy_gap_ms'] or 0:.1f} ms")
+        for name, k in [*c["kinds"].items(), *((f"  decode {b}", v) for b, v in c["decode_batches"].items())]:
+            print(
+                f"  {name:14s} {k['steps']:4d} steps, {k['measured_ms']:7.1f} ms; measured / priced "
+                f"{k['over_priced']:.2f} (sums {k['sum_over_priced']:.2f}), / line {k['over_line']:.2f}"
+            )
+    if args.json:
+        args.json.write_text(json.dumps({"command": " ".join(sys.argv), "cells": out}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
