@@ -16,6 +16,7 @@ prices as nothing of its own (what serving adds is measured from TPOT, so it hol
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import statistics
 import sys
@@ -31,7 +32,7 @@ from pdserve.plan.simulator import Simulation  # noqa: E402
 from pdserve.plan.step_model import Step  # noqa: E402
 
 BUSY_GAP_S = 0.05
-BATCHES = ((1, 2), (3, 4), (5, 8), (9, 16), (17, 256))
+BATCHES = ((1, 2), (3, 4), (5, 8), (9, 16), (17, 1 << 30))
 
 
 def kind(step: dict) -> str:
@@ -55,16 +56,21 @@ def cell(prof: dict, workload: str, deployment: str, steps: list[dict]) -> dict:
     for s in steps:
         by_pid[s["pid"]].append(s)
     kinds, batches, gaps = defaultdict(list), defaultdict(list), []
+    # a prefill node's engine never decodes; its served share grows with the streams decoding
+    # elsewhere: those of the latest decode step begun on any other engine
+    decoding = sorted((s["t"], len(s["decodes"])) for s in steps if s["decodes"])
     for engine_steps in by_pid.values():
-        decodes = any(s["decodes"] for s in engine_steps)  # a prefill node's engine never decodes
-        engine = sim.decodes[0] if decodes or not sim.prefills else sim.prefills[0]
+        prefill_node = sim.prefills and not any(s["decodes"] for s in engine_steps)
+        engine = sim.prefills[0] if prefill_node else sim.decodes[0]
         engine_steps.sort(key=lambda s: s["t"])
         for s, after in zip(engine_steps, engine_steps[1:] + [None]):
             step = Step([tuple(p) for p in s["prefills"]], s["decodes"], s["shared"])
-            row = (s["s"], engine.step_seconds(step, s["ending"]), engine.model.seconds(step))
+            before = bisect.bisect(decoding, (s["t"], 1 << 30))
+            streams = decoding[before - 1][1] if before else 0
+            row = (s["s"], engine.step_seconds(step, s["ending"], streams), engine.model.seconds(step))
             kinds[kind(s)].append(row)
             if kind(s) == "decode":
-                batches[next(f"{lo}-{hi}" for lo, hi in BATCHES if lo <= len(s["decodes"]) <= hi)].append(row)
+                batches[next(f"{lo}-{min(hi, 99)}" for lo, hi in BATCHES if lo <= len(s["decodes"]) <= hi)].append(row)
                 if after is not None and 0 <= after["t"] - s["t"] - s["s"] < BUSY_GAP_S:
                     gaps.append(after["t"] - s["t"] - s["s"])
     return {

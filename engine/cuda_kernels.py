@@ -10,6 +10,7 @@ imported, it runs on CPU tensors in Triton's interpreter (the tests check its in
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 from functools import cache
 
@@ -44,6 +45,12 @@ def paged_decode_attention(
         )
     if q.stride(2) != 1 or out.stride(2) != 1 or k_cache.stride() != v_cache.stride() or k_cache.stride(2) != 1:
         raise ValueError("paged_decode_attention: head_dim must be dense in q, out and the caches, both caches alike")
+    if block_tables.dtype != torch.int64 or context_lens.dtype != torch.int64:
+        raise ValueError(
+            "paged_decode_attention: block_tables and context_lens must be int64 (slot offsets exceed 2^31)"
+        )
+    if len({t.device for t in (out, q, k_cache, v_cache, block_tables, context_lens)}) != 1:
+        raise ValueError("paged_decode_attention: all tensors must be on one device")
     if batch == 0:
         return
     import triton  # on first use: a CPU engine never pays for Triton's import
@@ -51,27 +58,30 @@ def paged_decode_attention(
     from engine.paged_decode_triton import NUM_WARPS, TILE, paged_decode_kernel
 
     group = num_heads // num_kv_heads
-    paged_decode_kernel[(batch, num_kv_heads)](
-        out,
-        q,
-        k_cache,
-        v_cache,
-        block_tables,
-        context_lens,
-        q.stride(0),
-        q.stride(1),
-        out.stride(0),
-        out.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        block_tables.stride(0),
-        scale,
-        window if window > 0 else 2**31 - 1,
-        block_size,
-        GROUP=group,
-        GROUP_PAD=max(16, triton.next_power_of_2(group)),  # tl.dot's rows: at least 16
-        HEAD_DIM=head_dim,
-        DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
-        TILE=TILE,
-        num_warps=NUM_WARPS,
-    )
+    # Triton launches on the thread's current device, not the tensors' (an engine on cuda:1
+    # steps in a thread whose current device is cuda:0); the interpreter runs on CPU tensors.
+    with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
+        paged_decode_kernel[(batch, num_kv_heads)](
+            out,
+            q,
+            k_cache,
+            v_cache,
+            block_tables,
+            context_lens,
+            q.stride(0),
+            q.stride(1),
+            out.stride(0),
+            out.stride(1),
+            k_cache.stride(0),
+            k_cache.stride(1),
+            block_tables.stride(0),
+            scale,
+            window if window > 0 else 2**31 - 1,
+            block_size,
+            GROUP=group,
+            GROUP_PAD=max(16, triton.next_power_of_2(group)),  # tl.dot's rows: at least 16
+            HEAD_DIM=head_dim,
+            DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
+            TILE=TILE,
+            num_warps=NUM_WARPS,
+        )

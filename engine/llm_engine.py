@@ -247,7 +247,11 @@ class LLMEngine:
         for seq, n in zip(batch.seqs, batch.num_scheduled_tokens):
             if seq.kv_progress is not None and seq.num_computed_tokens + n == seq.num_tokens:
                 seq.kv_progress.scheduled(seq.block_table, seq.num_tokens)  # the last chunk: blocks fixed
-        logged = self.step_log.describe(batch) if self.step_log else None
+        logged = None
+        if self.step_log:
+            t = time.perf_counter()
+            logged = self.step_log.describe(batch)
+            clock += time.perf_counter() - t  # the log's own cost is not the step's
         sampled = self.runner.execute(batch)
         for seq, tokens in zip(batch.seqs, sampled.token_ids):
             if seq.draft_token_ids:

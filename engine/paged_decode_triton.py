@@ -14,10 +14,11 @@ import triton
 import triton.language as tl
 
 # Context positions a program reads per iteration, and its warps: the tile's fp32 K and V stay in
-# registers at head sizes 64 and 128, bf16 or fp32 (ptxas for sm_90: head_dim 128 in bf16 takes
-# 112 registers a thread; at 64 positions and 4 warps, 255 and 1,344 bytes spilled;
-# tests/test_decode_kernel.py builds it so). Not tuned on a GPU yet.
-TILE, NUM_WARPS = 32, 8
+# registers at head sizes 64 and 128, bf16 or fp32, built as a launch specializes it (16-byte
+# aligned pointers and strides: vectorized loads). ptxas for sm_90, registers a thread / bytes
+# spilled, head size 128: bf16 170 / 0 and fp32 74 / 0 here; bf16 at 32 positions and 8 warps 255
+# / 160, at 16 and 4 warps 255 / 192 (tests/test_decode_kernel.py builds it). Not tuned on a GPU.
+TILE, NUM_WARPS = 16, 8
 
 
 @triton.jit
@@ -44,8 +45,8 @@ def paged_decode_kernel(
     DIM_PAD: tl.constexpr,
     TILE: tl.constexpr,
 ):
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    seq = tl.program_id(0).to(tl.int64)  # offsets in int64 throughout: a KV cache passes 2^31 elements
+    kv_head = tl.program_id(1).to(tl.int64)
     ctx = tl.load(context_lens_ptr + seq)
     rows = tl.arange(0, GROUP_PAD)
     dims = tl.arange(0, DIM_PAD)

@@ -226,17 +226,19 @@ class Engine:
         self.busy_s += seconds
         self.sim.at(self.sim.now + seconds, lambda: self._step_done(decodes, chunks))
 
-    def step_seconds(self, step: Step, ending: int) -> float:
+    def step_seconds(self, step: Step, ending: int, streams: int | None = None) -> float:
         """A step's seconds: the step line, what serving adds to a step that streams tokens, and
-        what it adds to prompts (a share of their line, and seconds per prompt that ends here)."""
+        what it adds to prompts (a share of their line, and seconds per prompt that ends here;
+        on a prefill node, more with the streams decoding elsewhere: by default the simulation's)."""
         seconds = self.model.seconds(step)
         if step.decodes:
             seconds += self.sim.serving["fixed_s"] + self.sim.serving["per_sequence_s"] * len(step.decodes)
         if step.prefills and self.served:
             # (on a prefill node the share grows with the streams decoding elsewhere: the router relays them;
             # a colocated step that also decodes pays both figures, whose per-step parts may overlap: ms)
-            streams = sum(len(e.running) for e in self.sim.decodes) if self.prefill_node else 0
-            share = self.served["fixed"] + self.served["per_sequence"] * streams
+            if streams is None:
+                streams = sum(len(e.running) for e in self.sim.decodes)
+            share = self.served["fixed"] + self.served["per_sequence"] * (streams if self.prefill_node else 0)
             seconds += share * self.model.seconds(Step(step.prefills, []))
             seconds += self.served.get("fixed_s", 0.0) * ending
         return seconds
