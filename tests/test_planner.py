@@ -431,8 +431,10 @@ def test_profile_simulate_and_best_end_to_end(tiny_llama, tmp_path):
     assert stat.S_IMODE(os.stat(out).st_mode) == 0o600
     prof = profile_file.load(out)
     assert {"shm", "tcp", "grpc"} <= set(prof["handoff"])
-    assert sorted(b for b, _ in prof["serving"]["samples"]) == [1, 1, 2, 2]  # 1 and 2 streams, twice
-    assert len(prof["colocated_serving"]["1"]["samples"]) == 4  # `pdserve colocated --num-threads 1`
+    # the decode steps of 1 and 2 streams (twice each, 48 tokens), as the decode node logged them
+    assert {b for b, _ in prof["serving"]["samples"]} == {1, 2} and len(prof["serving"]["samples"]) >= 4 * 40
+    colocated_steps = prof["colocated_serving"]["1"]["samples"]  # `pdserve colocated --num-threads 1`'s
+    assert {b for b, _ in colocated_steps} == {1, 2} and len(colocated_steps) >= 4 * 40
     share = prof["prefill_serving"]  # a prefill beside 0, 1 and 2 streams, twice each, and two follow-ups
     assert sorted(b for b, seconds in share["samples"] if seconds > 0) == [0, 0, 1, 1, 2, 2]
     assert share["follow_up"] == [16, 16] and len([s for s in share["follow_up_samples"] if s > 0]) == 2

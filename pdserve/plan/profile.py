@@ -10,11 +10,12 @@ prefill node and decode node (their own processes, one torch thread and one core
 up --pin-cpus` runs them) and a router on this host's loopback hand KV over each transport
 (layer-wise where it can): the time from the prefill's end to the decode node's admission is fitted
 as a line over the KV's tokens, and the router's own share of TTFT and what serving adds to a
-decode step are measured, and what it takes from the prefill node's prefills: a lone prompt's and a
-follow-up's (a few new tokens after a cached prefix), and the prompt's while streams decode beside
-them. What serving adds is measured again for `pdserve colocated` at each thread count, where the
-serving threads take time from the cores the engine computes on: to its decode steps, and to a lone
-prompt's and a follow-up's prefill. On CUDA the same command writes a GPU's profile (--device).
+decode step are measured (from the decode node's own step log), and what it takes from the
+prefill node's prefills: a lone prompt's and a follow-up's (a few new tokens after a cached
+prefix), and the prompt's while streams decode beside them. What serving adds is measured again
+for `pdserve colocated` at each thread count, where the serving threads take time from the cores
+the engine computes on: to its decode steps, and to a lone prompt's and a follow-up's prefill. On
+CUDA the same command writes a GPU's profile (--device).
 
 Sizes are the device's grid (--quick: a smaller one, for tests); each figure is the median of
 --repeat runs. A GPU's grid reaches the engine's own caps (a step of max_num_batched_tokens, a
@@ -31,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import json
 import os
 import platform
 import random
@@ -87,6 +89,7 @@ QUICK = {
     "follow_up": (16, 16),
 }
 DECODE_STEPS = 6  # timed per decode sample (median)
+BUSY_GAP_S = 0.05  # a served engine's next step within this is serving's time between steps; later, a wait for work
 STREAM_LONG = 256  # tokens a stream may decode while a prefill beside it is timed (it is stopped then)
 FOLLOW_UP = (64, 1024)  # a served prefill of this many new tokens after this many cached (a chat's next turn)
 
@@ -219,11 +222,21 @@ async def profile_serving(model: str, dtype: str, device: str, threads: list[int
     """Laid out as `pdserve up --prefill 1 --decode 1 --pin-cpus` runs them (_node_processes),
     the router in this process. Per transport (and layer-wise where it streams): seconds from the
     prefill's end to the decode node's admission over the KV's tokens; the router's share of TTFT;
-    and, through the first transport, the TPOT of B streams decoding together (what serving adds
-    to a step is this less the step line's), the prefill node's prefills beside them, and a
-    follow-up's prefill. Then the same streams, a lone prompt's and a follow-up's prefill from
-    `pdserve colocated` at each thread count: one process whose serving threads share the cores
-    its engine's compute threads use."""
+    and, through the first transport, the decode steps of B streams decoding together as the
+    decode node logged them (what serving adds to a step is their time less the step line's),
+    the prefill node's prefills beside them, and a follow-up's prefill. Then the same streams, a
+    lone prompt's and a follow-up's prefill from `pdserve colocated` at each thread count: one
+    process whose serving threads share the cores its engine's compute threads use."""
+    steps = Path(tempfile.mkdtemp(prefix="pdserve-steps-"))  # the engines' step logs (owner-only)
+    try:
+        return await _profile_serving(model, dtype, device, threads, repeat, quick, steps)
+    finally:
+        shutil.rmtree(steps, ignore_errors=True)
+
+
+async def _profile_serving(
+    model: str, dtype: str, device: str, threads: list[int], repeat: int, quick: bool, steps: Path
+) -> dict:
     from kvtransfer import transports
     from router.client import AsyncClient
     from router.config import RouterConfig
@@ -234,7 +247,7 @@ async def profile_serving(model: str, dtype: str, device: str, threads: list[int
     stream_prompt = QUICK["stream_prompt"] if quick else STREAM_PROMPT
     follow_up = QUICK["follow_up"] if quick else FOLLOW_UP
     out, router_s, streams, prefills, follow_ups = {}, [], [], [], []
-    async with _node_processes(model, dtype, device, list(transports.TRANSPORTS)) as nodes:
+    async with _node_processes(model, dtype, device, list(transports.TRANSPORTS), steps) as nodes:
         prefill = nodes.pop("prefill")
         for name, decode in nodes.items():
             for layerwise in ("off", "auto"):  # auto: layer-wise where the transport streams
@@ -257,7 +270,8 @@ async def profile_serving(model: str, dtype: str, device: str, threads: list[int
                                 router_s.append(t.first_token - t.queued - (t.prefill_end - t.prefill_start))
                                 used = t.kv_transport
                         if not streams:
-                            streams = await _served_steps(client, rng, vocab, stream_prompt, repeat, quick)
+                            log = steps / f"{name}.jsonl"
+                            streams = await _served_steps(client, log, rng, vocab, stream_prompt, repeat, quick)
                             prefills = await _served_prefills(client, rng, vocab, stream_prompt, repeat, quick)
                             follow_ups = await _served_follow_ups(client, rng, vocab, follow_up, repeat)
                 finally:
@@ -268,12 +282,13 @@ async def profile_serving(model: str, dtype: str, device: str, threads: list[int
         raise RuntimeError("pdserve plan profile: no KV transport worked between the two nodes")
     colocated, colocated_prefills, cores = {}, {}, usable_cores()
     for t in threads:  # on the first t cores, as `pdserve plan best` runs it (search.command)
-        args = ["-m", "pdserve", "colocated", *_engine_args(model, dtype, device, t)]
+        log = steps / f"colocated-{t}.jsonl"
+        args = ["-m", "pdserve", "colocated", *_engine_args(model, dtype, device, t, log)]
         args += ["--cpus", ",".join(map(str, cores[:t]))]
         async with _processes({"colocated": args}) as servers:
             async with AsyncClient(servers["colocated"].address) as client:
                 colocated[str(t)] = await _served_steps(
-                    client, rng, vocab, stream_prompt, repeat, quick, f"colocated x {t}"
+                    client, log, rng, vocab, stream_prompt, repeat, quick, f"colocated x {t}"
                 )
                 lone = await _served_prefills(client, rng, vocab, stream_prompt, repeat, quick, streams=())
                 colocated_prefills[str(t)] = (lone, await _served_follow_ups(client, rng, vocab, follow_up, repeat))
@@ -290,20 +305,23 @@ async def profile_serving(model: str, dtype: str, device: str, threads: list[int
     }
 
 
-def _engine_args(model: str, dtype: str, device: str, threads: int) -> list[str]:
+def _engine_args(model: str, dtype: str, device: str, threads: int, step_log: Path | None = None) -> list[str]:
     args = ["--model", model, "--dtype", dtype, "--device", device, "--num-threads", str(threads)]
+    args += ["--step-log", str(step_log)] if step_log else []
     return args + ["--port", "0", "--num-kv-blocks", str(HANDOFF_BLOCKS)]
 
 
-def _node_processes(model: str, dtype: str, device: str, transports: list[str]):
+def _node_processes(model: str, dtype: str, device: str, transports: list[str], steps: Path):
     """A prefill node process on the first core this process may use and a decode node process
-    per transport on the last, one torch thread each."""
+    per transport on the last, one torch thread each; each decode node logs its steps to
+    steps/NAME.jsonl."""
     from serving.process import usable_cores
 
     cores, common = usable_cores(), _engine_args(model, dtype, device, 1)
     specs = {"prefill": ["-m", "prefill_node", *common, "--cpus", str(cores[0])]}
     for name in transports:
-        specs[name] = ["-m", "decode_node", *common, "--cpus", str(cores[-1]), "--kv-transport", name]
+        logged = _engine_args(model, dtype, device, 1, steps / f"{name}.jsonl")
+        specs[name] = ["-m", "decode_node", *logged, "--cpus", str(cores[-1]), "--kv-transport", name]
     return _processes(specs)
 
 
@@ -342,22 +360,50 @@ def _vocab(model: str) -> int:
 
 
 async def _served_steps(
-    client, rng: random.Random, vocab: int, prompt: int, repeat: int, quick: bool, through: str = "the router"
-) -> list[tuple[int, float]]:
-    """(B, median TPOT) of B streams decoding together, `repeat` times each (what serving adds is
-    a difference of two times: with one run of each B, two profiles of one machine an hour apart
-    put its fixed part 3.7x and its per-stream part 5.8x apart). Their prompts share all but 16
-    tokens, cached (on the prefill node, or the colocated engine) by a first request, so that
-    they start decoding together rather than a prefill apart."""
+    client,
+    log: Path,
+    rng: random.Random,
+    vocab: int,
+    prompt: int,
+    repeat: int,
+    quick: bool,
+    through: str = "the router",
+) -> dict:
+    """B streams decoding together, `repeat` times each: "steps", the decode steps their engine
+    ran, as [decoding sequences, seconds to the next step's start (the step and the serving
+    between two steps), their contexts, the KV tokens they share] from the engine's step log
+    (--step-log), which serving_overhead prices against the step line; and "tpots", (B, the
+    streams' median TPOT) per run, as the client saw it (kept beside: a TPOT less the line, how
+    this was priced before, also counts the streams' own prefills). Their prompts share all but 16 tokens, cached
+    (on the prefill node, or the colocated engine) by a first request, so that they start decoding
+    together rather than a prefill apart."""
     shared = await _cached_prefix(client, rng, vocab, prompt - 16, 2)
-    streams = []
+    steps, tpots = [], []
     for batch in QUICK["streams"] if quick else STREAMS:
         for _ in range(repeat):
+            start = log.stat().st_size
             done = await _streams(client, [shared + _ids(rng, 16, vocab) for _ in range(batch)], 48)
-            streams.append((batch, statistics.median(tpot for tpot, _ in done)))
-        tpot = statistics.median(t for b, t in streams if b == batch)
+            tpots.append((batch, statistics.median(tpot for tpot, _ in done)))
+            steps += _decode_steps(log, start)
+        tpot = statistics.median(t for b, t in tpots if b == batch)
         _say(f"{batch} stream(s) of {prompt} prompt tokens through {through}: TPOT {tpot * 1e3:.1f} ms")
-    return streams
+    return {"steps": steps, "tpots": tpots}
+
+
+def _decode_steps(log: Path, start: int) -> list[list]:
+    """The decode-only steps logged after byte `start`, each until the next step's start (where
+    that comes within BUSY_GAP_S: a longer gap is the engine waiting for work)."""
+    with open(log, "rb") as f:
+        f.seek(start)
+        lines = [json.loads(line) for line in f.read().decode().splitlines()]
+    found = []
+    for s, after in zip(lines, lines[1:] + [None]):
+        if s["prefills"] or not s["decodes"]:
+            continue
+        gap = after["t"] - s["t"] - s["s"] if after else 0.0
+        seconds = s["s"] + (gap if 0.0 <= gap < BUSY_GAP_S else 0.0)
+        found.append([len(s["decodes"]), seconds, s["decodes"], s["shared"]])
+    return found
 
 
 async def _served_prefills(
@@ -444,19 +490,18 @@ async def _streams(client, prompts: list[list[int]], max_tokens: int) -> list[tu
     return await asyncio.gather(*(one(p) for p in prompts))
 
 
-def serving_overhead(streams: list[tuple[int, float]], step: StepModel, prompt: int, block_size: int) -> dict:
+def serving_overhead(served: dict, step: StepModel) -> dict:
     """What serving adds to each decode step (streaming, the router's relay, the processes'
     event loops and, in one colocated process, its serving threads' share of the engine's
-    cores), as fixed + per sequence: the streams' TPOT less the step line's decode step (the
-    streams share their prompt's cached prefix, all but its last 16 tokens: _served_steps)."""
-    context, prefix = prompt + 24, (prompt - 16) // block_size * block_size  # their mean context while they decode
-
-    def step_s(batch: int) -> float:
-        return step.seconds(Step([], [context] * batch, (batch - 1) * prefix))
-
-    extra = [(batch, max(0.0, tpot - step_s(batch))) for batch, tpot in streams]
+    cores), as fixed + per sequence: each served decode step's seconds (to the next one's start,
+    _served_steps) less the step line's for what it computed. The streams' TPOTs ride along."""
+    extra = [
+        (n, seconds - step.seconds(Step([], contexts, shared))) for n, seconds, contexts, shared in served["steps"]
+    ]
     line = _line(extra)
-    return {"fixed_s": line["fixed_s"], "per_sequence_s": line["per_token_s"], "samples": extra}
+    return {"fixed_s": line["fixed_s"], "per_sequence_s": line["per_token_s"], "samples": extra} | {
+        "tpot_samples": served["tpots"]
+    }
 
 
 def prefill_serving(
@@ -549,19 +594,14 @@ def profile(
     streams, prompt = result.pop("streams"), result.pop("stream_prompt")
     one_thread = engines.get("1")  # the nodes ran one thread each
     prefills, follow_ups, follow_up = result.pop("prefills"), result.pop("follow_ups"), result.pop("follow_up")
-    result["serving"] = (
-        serving_overhead(streams, StepModel(**one_thread["step"]), prompt, one_thread["block_size"])
-        if one_thread
-        else NO_OVERHEAD
-    )
+    result["serving"] = serving_overhead(streams, StepModel(**one_thread["step"])) if one_thread else NO_OVERHEAD
     result["prefill_serving"] = (
         prefill_serving(prefills, follow_ups, StepModel(**one_thread["step"]), prompt, follow_up)
         if one_thread
         else NO_SHARE
     )
     result["colocated_serving"] = {
-        t: serving_overhead(s, StepModel(**engines[t]["step"]), prompt, engines[t]["block_size"])
-        for t, s in result.pop("colocated_streams").items()
+        t: serving_overhead(s, StepModel(**engines[t]["step"])) for t, s in result.pop("colocated_streams").items()
     }
     result["colocated_prefill_serving"] = {
         t: prefill_serving(lone, ups, StepModel(**engines[t]["step"]), prompt, follow_up)
