@@ -514,3 +514,14 @@ def test_bad_input_is_one_line_naming_it(tmp_path, args, says):
     )
     assert done.returncode != 0
     assert done.stderr.count("\n") == 1 and says in done.stderr, done.stderr
+
+
+def test_servings_fit_leaves_out_the_few_steps_between_the_stream_counts():
+    """Served decode steps of 1, 4 and 8 streams (100 each) cost 2 ms + 1 ms a sequence over the
+    line; a step of 6 sequences as streams start or finish, at 50 ms, carries no weight."""
+    from pdserve.plan.profile import serving_fit
+
+    extra = [(n, 0.002 + 0.001 * n) for n in (1, 4, 8) for _ in range(100)] + [(6, 0.050)]
+    fit = serving_fit(extra)
+    assert fit["fixed_s"] == pytest.approx(0.002) and fit["per_sequence_s"] == pytest.approx(0.001)
+    assert len(fit["samples"]) == 301

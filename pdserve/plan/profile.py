@@ -42,6 +42,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -89,6 +90,7 @@ QUICK = {
     "follow_up": (16, 16),
 }
 DECODE_STEPS = 6  # timed per decode sample (median)
+MIN_BATCH_SHARE = 0.05  # batch sizes of fewer served decode steps than this share stay out of serving's fit
 BUSY_GAP_S = 0.05  # a served engine's next step within this is serving's time between steps; later, a wait for work
 STREAM_LONG = 256  # tokens a stream may decode while a prefill beside it is timed (it is stopped then)
 FOLLOW_UP = (64, 1024)  # a served prefill of this many new tokens after this many cached (a chat's next turn)
@@ -498,10 +500,17 @@ def serving_overhead(served: dict, step: StepModel) -> dict:
     extra = [
         (n, seconds - step.seconds(Step([], contexts, shared))) for n, seconds, contexts, shared in served["steps"]
     ]
-    line = _line(extra)
-    return {"fixed_s": line["fixed_s"], "per_sequence_s": line["per_token_s"], "samples": extra} | {
-        "tpot_samples": served["tpots"]
-    }
+    return serving_fit(extra) | {"tpot_samples": served["tpots"]}
+
+
+def serving_fit(extra: list[tuple[int, float]]) -> dict:
+    """fixed + per sequence through the per-batch medians of (batch, seconds serving added), over
+    the batch sizes that hold at least MIN_BATCH_SHARE of the steps: the sizes the streams were
+    asked for, not the few steps between them as streams start and finish (single steps that
+    would carry as much of the fit as a size's hundred)."""
+    counts = Counter(n for n, _ in extra)
+    line = _line([(n, x) for n, x in extra if counts[n] >= MIN_BATCH_SHARE * len(extra)])
+    return {"fixed_s": line["fixed_s"], "per_sequence_s": line["per_token_s"], "samples": extra}
 
 
 def prefill_serving(
