@@ -2,12 +2,15 @@
 the profile keeps, everything else copied as it is, so that runs measured on the profile check
 against the result too (plan_refit.py, plan_steps.py):
 
-    python benchmarks/plan_serving_refit.py PROFILE.json OUT.json --priced-by steps|tpot
+    python benchmarks/plan_serving_refit.py PROFILE.json OUT.json --priced-by steps|line|tpot
 
 steps: the served decode steps' samples as this pdserve's `profile.serving_fit` fits them (a
-profile written by an earlier fit refitted). tpot: as profiles priced serving before the step log,
-the streams' median TPOT less the step line's decode step of as many streams (their context the
-prompt + 24, all but its last 16 tokens shared), fitted as fixed + per sequence; the profile must
+profile written by an earlier fit refitted; since the reference steps, each over the line less
+what the unserved steps of its window took over it). line: the served steps over the step line
+alone, as profiles priced serving before the reference steps (`line_samples`). tpot: as
+profiles priced serving before the step log, the streams' median TPOT less the step line's decode
+step of as many streams (their context the prompt + 24, all but its last 16 tokens shared),
+fitted as fixed + per sequence; the profile must
 keep its streams' TPOTs (`tpot_samples`, written since the step log).
 """
 
@@ -38,18 +41,22 @@ def tpot_priced(serving: dict, engine: dict) -> dict:
 def refit(serving: dict, engine: dict, priced_by: str) -> dict:
     if priced_by == "tpot":
         return tpot_priced(serving, engine)
-    return serving_fit([tuple(x) for x in serving["samples"]]) | {"tpot_samples": serving["tpot_samples"]}
+    kept = {k: serving[k] for k in ("tpot_samples", "line_samples", "reference") if k in serving}
+    samples = serving["line_samples" if priced_by == "line" else "samples"]
+    return serving_fit([tuple(x) for x in samples]) | kept
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("profile")
     ap.add_argument("out", type=Path)
-    ap.add_argument("--priced-by", choices=("steps", "tpot"), required=True)
+    ap.add_argument("--priced-by", choices=("steps", "line", "tpot"), required=True)
     args = ap.parse_args()
     prof = profile_file.load(args.profile)
     if "tpot_samples" not in prof["serving"]:
         ap.error(f"{args.profile} keeps no streams' TPOTs (profiled before the step log)")
+    if args.priced_by == "line" and "line_samples" not in prof["serving"]:
+        ap.error(f"{args.profile} keeps no served steps over the line alone (profiled before the reference steps)")
     prof["serving"] = refit(prof["serving"], prof["engines"]["1"], args.priced_by)
     for threads, serving in prof["colocated_serving"].items():
         prof["colocated_serving"][threads] = refit(serving, prof["engines"][threads], args.priced_by)

@@ -433,6 +433,9 @@ def test_profile_simulate_and_best_end_to_end(tiny_llama, tmp_path):
     assert {"shm", "tcp", "grpc"} <= set(prof["handoff"])
     # the decode steps of 1 and 2 streams (twice each, 48 tokens), as the decode node logged them
     assert {b for b, _ in prof["serving"]["samples"]} == {1, 2} and len(prof["serving"]["samples"]) >= 4 * 40
+    # before each run, 6 unserved steps of as many sequences in the profiler's own engine
+    assert sorted({b for b, *_ in prof["serving"]["reference"]}) == [1, 2] and len(prof["serving"]["reference"]) == 24
+    assert len(prof["serving"]["line_samples"]) == len(prof["serving"]["samples"])
     colocated_steps = prof["colocated_serving"]["1"]["samples"]  # `pdserve colocated --num-threads 1`'s
     assert {b for b, _ in colocated_steps} == {1, 2} and len(colocated_steps) >= 4 * 40
     share = prof["prefill_serving"]  # a prefill beside 0, 1 and 2 streams, twice each, and two follow-ups
@@ -525,3 +528,23 @@ def test_servings_fit_leaves_out_the_few_steps_between_the_stream_counts():
     fit = serving_fit(extra)
     assert fit["fixed_s"] == pytest.approx(0.002) and fit["per_sequence_s"] == pytest.approx(0.001)
     assert len(fit["samples"]) == 301
+
+
+def test_serving_is_priced_over_the_unserved_steps_of_its_window():
+    """Served steps 10 ms over the step line, and unserved ones of as many sequences timed just
+    before them 7 ms over it (the machine slower than when the line's samples were taken):
+    serving adds 3 ms a step, not 10."""
+    from pdserve.plan.profile import serving_overhead
+
+    line = StepModel(fixed=0.02, per_token=0.0, per_pair=0.0, per_context=0.001, per_sequence=0.0)
+
+    def steps(n, over):
+        contexts = [600] * n
+        return [[n, line.seconds(Step([], contexts)) + over, contexts, 0] for _ in range(20)]
+
+    served = {"steps": steps(1, 0.010) + steps(4, 0.010), "reference": steps(1, 0.007) + steps(4, 0.007), "tpots": []}
+    fit = serving_overhead(served, line)
+    assert fit["fixed_s"] == pytest.approx(0.003) and fit["per_sequence_s"] == pytest.approx(0.0, abs=1e-12)
+    assert [x for _, x in fit["line_samples"]] == pytest.approx([0.010] * 40)
+    alone = serving_overhead({"steps": served["steps"], "tpots": []}, line)  # no reference (a GPU): the line's
+    assert alone["fixed_s"] == pytest.approx(0.010)

@@ -10,7 +10,8 @@ prefill node and decode node (their own processes, one torch thread and one core
 up --pin-cpus` runs them) and a router on this host's loopback hand KV over each transport
 (layer-wise where it can): the time from the prefill's end to the decode node's admission is fitted
 as a line over the KV's tokens, and the router's own share of TTFT and what serving adds to a
-decode step are measured (from the decode node's own step log), and what it takes from the
+decode step are measured (from the decode node's own step log, over steps of the same shape timed
+unserved in this process just before: on a CPU), and what it takes from the
 prefill node's prefills: a lone prompt's and a follow-up's (a few new tokens after a cached
 prefix), and the prompt's while streams decode beside them. What serving adds is measured again
 for `pdserve colocated` at each thread count, where the serving threads take time from the cores
@@ -159,6 +160,12 @@ class StepProfiler:
         self.samples.append((Step([(new, cached)], []), t))
         return t
 
+    def reference(self, batch: int, context: int) -> list[list]:
+        """DECODE_STEPS decode steps of `batch` sequences of `context` tokens sharing their leading
+        blocks, as _decode_steps lists served ones: [sequences, seconds, contexts, shared]."""
+        self.decode(batch, context)
+        return [[len(s.decodes), t, s.decodes, s.shared] for s, t in self.samples[-DECODE_STEPS:]]
+
     def decode(self, batch: int, context: int, chunk: int = 0, shared: bool = True) -> float:
         """A decode step of `batch` sequences (with a `chunk`-token prefill mixed in; shared: their
         leading blocks in common)."""
@@ -249,6 +256,7 @@ async def _profile_serving(
     stream_prompt = QUICK["stream_prompt"] if quick else STREAM_PROMPT
     follow_up = QUICK["follow_up"] if quick else FOLLOW_UP
     out, router_s, streams, prefills, follow_ups = {}, [], [], [], []
+    reference = _reference(model, dtype, device, 1)
     async with _node_processes(model, dtype, device, list(transports.TRANSPORTS), steps) as nodes:
         prefill = nodes.pop("prefill")
         for name, decode in nodes.items():
@@ -273,7 +281,9 @@ async def _profile_serving(
                                 used = t.kv_transport
                         if not streams:
                             log = steps / f"{name}.jsonl"
-                            streams = await _served_steps(client, log, rng, vocab, stream_prompt, repeat, quick)
+                            streams = await _served_steps(
+                                client, log, rng, vocab, stream_prompt, repeat, quick, reference
+                            )
                             prefills = await _served_prefills(client, rng, vocab, stream_prompt, repeat, quick)
                             follow_ups = await _served_follow_ups(client, rng, vocab, follow_up, repeat)
                 finally:
@@ -284,13 +294,14 @@ async def _profile_serving(
         raise RuntimeError("pdserve plan profile: no KV transport worked between the two nodes")
     colocated, colocated_prefills, cores = {}, {}, usable_cores()
     for t in threads:  # on the first t cores, as `pdserve plan best` runs it (search.command)
+        reference = _reference(model, dtype, device, t)
         log = steps / f"colocated-{t}.jsonl"
         args = ["-m", "pdserve", "colocated", *_engine_args(model, dtype, device, t, log)]
         args += ["--cpus", ",".join(map(str, cores[:t]))]
         async with _processes({"colocated": args}) as servers:
             async with AsyncClient(servers["colocated"].address) as client:
                 colocated[str(t)] = await _served_steps(
-                    client, log, rng, vocab, stream_prompt, repeat, quick, f"colocated x {t}"
+                    client, log, rng, vocab, stream_prompt, repeat, quick, reference, f"colocated x {t}"
                 )
                 lone = await _served_prefills(client, rng, vocab, stream_prompt, repeat, quick, streams=())
                 colocated_prefills[str(t)] = (lone, await _served_follow_ups(client, rng, vocab, follow_up, repeat))
@@ -305,6 +316,19 @@ async def _profile_serving(
         "colocated_streams": colocated,
         "stream_prompt": stream_prompt,
     }
+
+
+def _reference(model: str, dtype: str, device: str, threads: int) -> StepProfiler | None:
+    """An engine of `threads` torch threads in this process, to time decode steps of the streams'
+    shape just before each served run of them (_served_steps); none on a GPU, whose memory the
+    nodes' KV caches take."""
+    from engine.hardware import resolve_device
+
+    if resolve_device(device).type != "cpu":
+        return None
+    torch.set_num_threads(threads)
+    config = EngineConfig(model=model, dtype=dtype, device=device, num_threads=threads, num_kv_blocks=HANDOFF_BLOCKS)
+    return StepProfiler(config, repeat=1)
 
 
 def _engine_args(model: str, dtype: str, device: str, threads: int, step_log: Path | None = None) -> list[str]:
@@ -369,6 +393,7 @@ async def _served_steps(
     prompt: int,
     repeat: int,
     quick: bool,
+    reference: StepProfiler | None,
     through: str = "the router",
 ) -> dict:
     """B streams decoding together, `repeat` times each: "steps", the decode steps their engine
@@ -378,18 +403,22 @@ async def _served_steps(
     streams' median TPOT) per run, as the client saw it (kept beside: a TPOT less the line, how
     this was priced before, also counts the streams' own prefills). Their prompts share all but 16 tokens, cached
     (on the prefill node, or the colocated engine) by a first request, so that they start decoding
-    together rather than a prefill apart."""
+    together rather than a prefill apart. "reference": before each run, the same engine's steps
+    of as many sequences of that context, timed unserved by `reference` in this process (a window
+    apart of seconds, not the minutes since the step line's samples; none without one)."""
     shared = await _cached_prefix(client, rng, vocab, prompt - 16, 2)
-    steps, tpots = [], []
+    steps, tpots, unserved = [], [], []
     for batch in QUICK["streams"] if quick else STREAMS:
         for _ in range(repeat):
+            if reference:
+                unserved += reference.reference(batch, prompt + 24)
             start = log.stat().st_size
             done = await _streams(client, [shared + _ids(rng, 16, vocab) for _ in range(batch)], 48)
             tpots.append((batch, statistics.median(tpot for tpot, _ in done)))
             steps += _decode_steps(log, start)
         tpot = statistics.median(t for b, t in tpots if b == batch)
         _say(f"{batch} stream(s) of {prompt} prompt tokens through {through}: TPOT {tpot * 1e3:.1f} ms")
-    return {"steps": steps, "tpots": tpots}
+    return {"steps": steps, "tpots": tpots, "reference": unserved}
 
 
 def _decode_steps(log: Path, start: int) -> list[list]:
@@ -496,11 +525,23 @@ def serving_overhead(served: dict, step: StepModel) -> dict:
     """What serving adds to each decode step (streaming, the router's relay, the processes'
     event loops and, in one colocated process, its serving threads' share of the engine's
     cores), as fixed + per sequence: each served decode step's seconds (to the next one's start,
-    _served_steps) less the step line's for what it computed. The streams' TPOTs ride along."""
-    extra = [
-        (n, seconds - step.seconds(Step([], contexts, shared))) for n, seconds, contexts, shared in served["steps"]
-    ]
-    return serving_fit(extra) | {"tpot_samples": served["tpots"]}
+    _served_steps) less the step line's for what it computed, less what the unserved reference
+    steps of as many sequences took over the line (the machine's drift since the line's samples:
+    the two differ by serving alone). Beside the fit: "line_samples", the served steps over the
+    line alone (how this was priced before the reference), the reference steps, and the streams'
+    TPOTs."""
+    over = _over_line(served["steps"], step)
+    drift = {}
+    for n, x in _over_line(served.get("reference", []), step):
+        drift.setdefault(n, []).append(x)
+    drift = {n: statistics.median(xs) for n, xs in drift.items()}
+    fit = serving_fit([(n, x - drift.get(n, 0.0)) for n, x in over])
+    return fit | {"line_samples": over, "reference": served.get("reference", []), "tpot_samples": served["tpots"]}
+
+
+def _over_line(steps: list[list], step: StepModel) -> list[tuple[int, float]]:
+    """(sequences, seconds over the step line) of decode steps listed as _decode_steps lists them."""
+    return [(n, seconds - step.seconds(Step([], contexts, shared))) for n, seconds, contexts, shared in steps]
 
 
 def serving_fit(extra: list[tuple[int, float]]) -> dict:
