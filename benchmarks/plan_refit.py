@@ -1,7 +1,8 @@
 """The simulator's errors against measured runs, with the profile's step lines as fitted and fitted
-again without the distinct-context term (step_model.py), and without it and the distinct decode
-samples (profile.DISTINCT_GRID: steps whose sequences share no block): what each changes, on the
-same runs.
+again without the distinct-context term (step_model.py), without it and the distinct decode
+samples (profile.DISTINCT_GRID: steps whose sequences share no block), and without the decode
+samples of sequences sharing a long prefix (where the profile has them): what each changes, on
+the same runs.
 
     python benchmarks/plan_refit.py --profile PROFILE.json RUN.json ... [--json OUT.json]
 
@@ -36,27 +37,39 @@ def distinct(sample: dict) -> bool:
     return not sample["prefills"] and any(len(d) == b and all(c <= n < c + 16 for n in d) for b, c in DISTINCT_GRID)
 
 
-def without_term(prof: dict, keep) -> dict:
-    """The profile with each engine's step line fitted again, without the distinct-context term
-    (every sample's shared tokens taken as 0), on the samples `keep` accepts."""
+def long_shared(sample: dict) -> bool:
+    """A decode sample of sequences sharing a prefix of ~1,000 tokens (profile.DECODE_GRID's
+    (4, 1024) and (16, 1024), added after the paired set)."""
+    d = sample["decodes"]
+    return not sample["prefills"] and sample.get("shared", 0) > 0 and len(d) in (4, 16) and min(d) >= 1024
+
+
+def refitted(prof: dict, keep, distinct_term: bool = True) -> dict:
+    """The profile with each engine's step line fitted again on the samples `keep` accepts (without
+    the distinct-context term: every sample's shared tokens taken as 0)."""
     out = copy.deepcopy(prof)
     for eng in out["engines"].values():
         kept = [s for s in eng["samples"] if keep(s)]
-        steps = [Step([tuple(p) for p in s["prefills"]], s["decodes"]) for s in kept]
+        steps = [
+            Step([tuple(p) for p in s["prefills"]], s["decodes"], s["shared"] if distinct_term else 0) for s in kept
+        ]
         eng["step"] = StepModel.fit(list(zip(steps, [s["seconds"] for s in kept]))).to_dict()
     return out
 
 
 def fits(prof: dict) -> dict:
     """{name: profile}: as fitted; without the distinct term (where the samples record their shared
-    tokens: profiles from e98848c on); without it and without the distinct samples."""
+    tokens: profiles from e98848c on); without the samples sharing a long prefix (where there are
+    some); without the distinct term and the distinct samples."""
     samples = [s for eng in prof["engines"].values() for s in eng["samples"]]
     if not any(distinct(s) for s in samples):
         raise SystemExit("the profile has no distinct decode samples: nothing to compare")
     out = {"as_fitted": prof}
     if all("shared" in s for s in samples):
-        out["without_distinct_term"] = without_term(prof, lambda s: True)
-    return out | {"without_distinct": without_term(prof, lambda s: not distinct(s))}
+        out["without_distinct_term"] = refitted(prof, lambda s: True, distinct_term=False)
+    if any(long_shared(s) for s in samples):
+        out["without_long_shared"] = refitted(prof, lambda s: not long_shared(s))
+    return out | {"without_distinct": refitted(prof, lambda s: not distinct(s), distinct_term=False)}
 
 
 def errors(prof: dict, runs: list[dict]) -> dict:

@@ -53,7 +53,10 @@ from pdserve.plan.profile_file import VERSION
 from pdserve.plan.step_model import Step, StepModel, shared_tokens
 
 PREFILL_GRID = [(n, 0) for n in (16, 64, 256, 640, 1280, 2560)] + [(n, 1024) for n in (16, 64, 256, 640)]
-DECODE_GRID = [(1, 64), (1, 1024), (4, 64), (4, 640), (16, 64), (16, 640), (64, 64), (64, 640)]
+# (4, 1024) and (16, 1024): sequences sharing a long prefix, as a chat's turns share its system prompt
+# (without them the line priced served chat steps of 4 sequences of ~1,150 tokens, ~1,000 shared, at
+# 43-44 ms where they took 35-43 ms: 1 thread, AVX512_BF16, docs/bench/plan_accuracy_paired_r*.json)
+DECODE_GRID = [(1, 64), (1, 1024), (4, 64), (4, 640), (4, 1024), (16, 64), (16, 640), (16, 1024), (64, 64), (64, 640)]
 # decode steps whose sequences share no block (as requests without a common prefix decode): the
 # grid above shares their leading blocks, which a step reads from cache; at long contexts and small
 # batches the line fitted without these priced a step under what served ones took (1 thread,
