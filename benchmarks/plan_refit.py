@@ -32,9 +32,13 @@ from pdserve.plan.step_model import Step, StepModel  # noqa: E402
 
 def distinct(sample: dict) -> bool:
     """A decode sample of DISTINCT_GRID's shape (its contexts a few tokens past the grid's, as
-    the step decodes; the shared grid has no step of these shapes)."""
+    the step decodes) sharing no block (the shared grid has (4, 1024) too, since 2026-11-28)."""
     d = sample["decodes"]
-    return not sample["prefills"] and any(len(d) == b and all(c <= n < c + 16 for n in d) for b, c in DISTINCT_GRID)
+    return (
+        not sample["prefills"]
+        and not sample.get("shared", 0)
+        and any(len(d) == b and all(c <= n < c + 16 for n in d) for b, c in DISTINCT_GRID)
+    )
 
 
 def long_shared(sample: dict) -> bool:

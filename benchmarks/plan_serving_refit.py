@@ -4,14 +4,14 @@ against the result too (plan_refit.py, plan_steps.py):
 
     python benchmarks/plan_serving_refit.py PROFILE.json OUT.json --priced-by steps|line|tpot
 
-steps: the served decode steps' samples as this pdserve's `profile.serving_fit` fits them (a
+steps: the served decode steps as this pdserve's `profile.serving_overhead` prices them (a
 profile written by an earlier fit refitted; since the reference steps, each over the line less
-what the unserved steps of its window took over it). line: the served steps over the step line
-alone, as profiles priced serving before the reference steps (`line_samples`). tpot: as
-profiles priced serving before the step log, the streams' median TPOT less the step line's decode
-step of as many streams (their context the prompt + 24, all but its last 16 tokens shared),
-fitted as fixed + per sequence; the profile must
-keep its streams' TPOTs (`tpot_samples`, written since the step log).
+what the unserved steps of the nearest batch size, in its window, took over it). line: the
+served steps over the step line alone, as profiles priced serving before the reference steps
+(`line_samples`). tpot: as profiles priced serving before the step log, the streams' median
+TPOT less the step line's decode step of as many streams (their context the prompt + 24, all but
+its last 16 tokens shared), fitted as fixed + per sequence; the profile must keep its streams'
+TPOTs (`tpot_samples`, written since the step log).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pdserve.plan import profile_file  # noqa: E402
-from pdserve.plan.profile import STREAM_PROMPT, _line, serving_fit  # noqa: E402
+from pdserve.plan.profile import STREAM_PROMPT, _line, _over_line, less_drift, serving_fit  # noqa: E402
 from pdserve.plan.step_model import Step, StepModel  # noqa: E402
 
 
@@ -42,8 +42,12 @@ def refit(serving: dict, engine: dict, priced_by: str) -> dict:
     if priced_by == "tpot":
         return tpot_priced(serving, engine)
     kept = {k: serving[k] for k in ("tpot_samples", "line_samples", "reference") if k in serving}
-    samples = serving["line_samples" if priced_by == "line" else "samples"]
-    return serving_fit([tuple(x) for x in samples]) | kept
+    if "line_samples" not in serving:  # (profiled before the reference steps)
+        return serving_fit([tuple(x) for x in serving["samples"]]) | kept
+    over = [tuple(x) for x in serving["line_samples"]]
+    if priced_by == "steps":  # as the code now prices it
+        over = less_drift(over, _over_line(serving["reference"], StepModel(**engine["step"])))
+    return serving_fit(over) | kept
 
 
 def main() -> int:

@@ -548,3 +548,15 @@ def test_serving_is_priced_over_the_unserved_steps_of_its_window():
     assert [x for _, x in fit["line_samples"]] == pytest.approx([0.010] * 40)
     alone = serving_overhead({"steps": served["steps"], "tpots": []}, line)  # no reference (a GPU): the line's
     assert alone["fixed_s"] == pytest.approx(0.010)
+
+
+def test_a_served_batch_size_with_no_reference_takes_the_nearest_ones_drift():
+    from pdserve.plan.profile import less_drift
+
+    reference = [(4, 0.002), (4, 0.004), (4, 0.003), (8, 0.004)]  # medians: 3 ms at 4, 4 ms at 8
+    served = [(7, 0.010), (2, 0.010), (6, 0.010), (8, 0.010)]  # 6: as far from 4 as from 8, takes 4's
+    priced = less_drift(served, reference)
+    assert [n for n, _ in priced] == [7, 2, 6, 8] and [x for _, x in priced] == pytest.approx(
+        [0.006, 0.007, 0.007, 0.006]
+    )
+    assert less_drift(served, []) == served

@@ -54,6 +54,7 @@ from pdserve.plan.step_model import Step, StepModel, shared_tokens
 
 PREFILL_GRID = [(n, 0) for n in (16, 64, 256, 640, 1280, 2560)] + [(n, 1024) for n in (16, 64, 256, 640)]
 # (4, 1024) and (16, 1024): sequences sharing a long prefix, as a chat's turns share its system prompt
+# (a GPU's grid, built on this one, has them too)
 # (without them the line priced served chat steps of 4 sequences of ~1,150 tokens, ~1,000 shared, at
 # 43-44 ms where they took 35-43 ms: 1 thread, AVX512_BF16, docs/bench/plan_accuracy_paired_r*.json)
 DECODE_GRID = [(1, 64), (1, 1024), (4, 64), (4, 640), (4, 1024), (16, 64), (16, 640), (16, 1024), (64, 64), (64, 640)]
@@ -297,6 +298,7 @@ async def _profile_serving(
         raise RuntimeError("pdserve plan profile: no KV transport worked between the two nodes")
     colocated, colocated_prefills, cores = {}, {}, usable_cores()
     for t in threads:  # on the first t cores, as `pdserve plan best` runs it (search.command)
+        reference = None  # (the last one's memory back before the next loads)
         reference = _reference(model, dtype, device, t)
         log = steps / f"colocated-{t}.jsonl"
         args = ["-m", "pdserve", "colocated", *_engine_args(model, dtype, device, t, log)]
@@ -413,7 +415,7 @@ async def _served_steps(
     steps, tpots, unserved = [], [], []
     for batch in QUICK["streams"] if quick else STREAMS:
         for _ in range(repeat):
-            if reference:
+            if reference is not None:
                 unserved += reference.reference(batch, prompt + 24)
             start = log.stat().st_size
             done = await _streams(client, [shared + _ids(rng, 16, vocab) for _ in range(batch)], 48)
@@ -529,17 +531,26 @@ def serving_overhead(served: dict, step: StepModel) -> dict:
     event loops and, in one colocated process, its serving threads' share of the engine's
     cores), as fixed + per sequence: each served decode step's seconds (to the next one's start,
     _served_steps) less the step line's for what it computed, less what the unserved reference
-    steps of as many sequences took over the line (the machine's drift since the line's samples:
-    the two differ by serving alone). Beside the fit: "line_samples", the served steps over the
-    line alone (how this was priced before the reference), the reference steps, and the streams'
-    TPOTs."""
-    over = _over_line(served["steps"], step)
-    drift = {}
-    for n, x in _over_line(served.get("reference", []), step):
-        drift.setdefault(n, []).append(x)
-    drift = {n: statistics.median(xs) for n, xs in drift.items()}
-    fit = serving_fit([(n, x - drift.get(n, 0.0)) for n, x in over])
-    return fit | {"line_samples": over, "reference": served.get("reference", []), "tpot_samples": served["tpots"]}
+    steps took over the line (less_drift). Beside the fit: "line_samples", the served steps over
+    the line alone (how this was priced before the reference), the reference steps, and the
+    streams' TPOTs."""
+    over, reference = _over_line(served["steps"], step), served.get("reference", [])
+    fit = serving_fit(less_drift(over, _over_line(reference, step)))
+    return fit | {"line_samples": over, "reference": reference, "tpot_samples": served["tpots"]}
+
+
+def less_drift(over: list[tuple[int, float]], reference: list[tuple[int, float]]) -> list[tuple[int, float]]:
+    """Served steps' (sequences, seconds over the line), each less the median over the line of the
+    unserved reference steps of the nearest batch size (the machine's drift since the line's
+    samples, and the line's own error there: the two differ by serving alone); none without
+    reference steps (a GPU)."""
+    by = {}
+    for n, x in reference:
+        by.setdefault(n, []).append(x)
+    if not by:
+        return list(over)
+    drift = {n: statistics.median(xs) for n, xs in by.items()}
+    return [(n, x - drift[min(drift, key=lambda b: (abs(b - n), b))]) for n, x in over]
 
 
 def _over_line(steps: list[list], step: StepModel) -> list[tuple[int, float]]:
