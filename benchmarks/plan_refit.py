@@ -25,27 +25,28 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from plan_accuracy import DEPLOYMENTS, FIGURES, GOAL, WORKLOADS, error, rows_of, runs_on, workload  # noqa: E402
 
 from pdserve.plan import profile_file  # noqa: E402
-from pdserve.plan.profile import DISTINCT_GRID, provenance  # noqa: E402
+from pdserve.plan.profile import DECODE_GRID, DISTINCT_GRID, provenance  # noqa: E402
 from pdserve.plan.simulator import SPREAD, simulate  # noqa: E402
 from pdserve.plan.step_model import Step, StepModel  # noqa: E402
 
 
-def distinct(sample: dict) -> bool:
-    """A decode sample of DISTINCT_GRID's shape (its contexts a few tokens past the grid's, as
-    the step decodes) sharing no block (the shared grid has (4, 1024) too, since 2026-11-28)."""
+def of_grid(sample: dict, grid: list[tuple[int, int]]) -> bool:
+    """A decode sample of one of the grid's (batch, context) shapes (its contexts a few tokens past
+    the grid's, as the step decodes)."""
     d = sample["decodes"]
-    return (
-        not sample["prefills"]
-        and not sample.get("shared", 0)
-        and any(len(d) == b and all(c <= n < c + 16 for n in d) for b, c in DISTINCT_GRID)
-    )
+    return not sample["prefills"] and any(len(d) == b and all(c <= n < c + 16 for n in d) for b, c in grid)
+
+
+def distinct(sample: dict) -> bool:
+    """A decode sample of DISTINCT_GRID's shape sharing no block (the shared grid has (4, 1024)
+    too, since 2026-11-28)."""
+    return of_grid(sample, DISTINCT_GRID) and not sample.get("shared", 0)
 
 
 def long_shared(sample: dict) -> bool:
-    """A decode sample of sequences sharing a prefix of ~1,000 tokens (profile.DECODE_GRID's
-    (4, 1024) and (16, 1024), added after the paired set)."""
-    d = sample["decodes"]
-    return not sample["prefills"] and sample.get("shared", 0) > 0 and len(d) in (4, 16) and min(d) >= 1024
+    """A decode sample of several sequences sharing a prefix of ~1,000 tokens (DECODE_GRID's
+    shapes of 1,024 tokens and more sequences than one, added after the paired set)."""
+    return of_grid(sample, [(b, c) for b, c in DECODE_GRID if c >= 1024 and b > 1]) and sample.get("shared", 0) > 0
 
 
 def refitted(prof: dict, keep, distinct_term: bool = True) -> dict:

@@ -331,7 +331,6 @@ def _reference(model: str, dtype: str, device: str, threads: int) -> StepProfile
 
     if resolve_device(device).type != "cpu":
         return None
-    torch.set_num_threads(threads)
     config = EngineConfig(model=model, dtype=dtype, device=device, num_threads=threads, num_kv_blocks=HANDOFF_BLOCKS)
     return StepProfiler(config, repeat=1)
 
