@@ -60,9 +60,10 @@ class EngineConfig:
         flag="--no-cpu-kernels",
     )
     cuda_kernels: bool = option(
-        False,
-        "CUDA decodes in the Triton paged kernel, reading the KV in place (needs Triton; not yet measured on a "
-        "GPU, so by default they attend through SDPA over gathered KV)",
+        True,
+        "CUDA decodes attend through SDPA over gathered KV (by default the Triton paged kernel reads the KV in "
+        "place, where Triton is installed, as it is with torch's CUDA wheels)",
+        flag="--no-cuda-kernels",
     )
     deterministic: bool = option(
         False,

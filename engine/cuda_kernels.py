@@ -3,8 +3,8 @@
 output), launching the Triton kernel of paged_decode_triton.py.
 
 Triton ships with torch's CUDA wheels; without it (CPU installs) `available()` is False and CUDA
-decodes attend through SDPA over gathered KV (engine/attention.py), as they do unless the engine is
-asked for this kernel (`cuda_kernels`). With TRITON_INTERPRET=1 set before the kernel's module is
+decodes attend through SDPA over gathered KV (engine/attention.py), as they do with `cuda_kernels`
+off (`--no-cuda-kernels`). With TRITON_INTERPRET=1 set before the kernel's module is
 imported, it runs on CPU tensors in Triton's interpreter (the tests check its indexing so).
 """
 

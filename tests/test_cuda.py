@@ -70,6 +70,7 @@ def test_seeded_sampling_on_cuda_is_reproducible(tiny_llama):
     runs = []
     for _ in range(2):
         engine = make_engine(tiny_llama, device="cuda")
+        assert engine.runner.decode_kernel == cuda_kernels.available()  # the Triton kernel by default
         engine.add_request("x", PROMPTS[0], params)
         runs.append(run_to_completion(engine)["x"].token_ids)
     assert runs[0] == runs[1]
