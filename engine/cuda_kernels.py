@@ -23,6 +23,68 @@ def available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
+def why_not(
+    device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int
+) -> str | None:
+    """Why decodes on this device cannot run the kernel at this shape, or None when they can:
+    Triton installed, an NVIDIA GPU of compute capability 8.0 or later (what Triton supports), and
+    one launch that builds (Triton compiles its launcher with the host's C compiler) and agrees
+    with attention written out in torch. An engine asks once as it starts, so a GPU or an image the
+    kernel cannot serve decodes through SDPA from the start, not failing at a request's first step."""
+    if not available():
+        return "Triton is not installed"
+    if device.type == "cuda":
+        if torch.version.hip is not None:
+            return "a ROCm GPU (the kernel has run on NVIDIA GPUs only)"
+        capability = torch.cuda.get_device_capability(device)
+        if capability < (8, 0):
+            return f"compute capability {capability[0]}.{capability[1]} (Triton needs 8.0 or later)"
+    g = torch.Generator().manual_seed(0)
+    lens = [2 * block_size + 3, 5]  # a context ending mid-block, a short one
+    widths = [-(-n // block_size) for n in lens]
+    num_blocks = sum(widths) + 1
+    blocks = torch.randperm(num_blocks, generator=g).tolist()  # scattered, not in order
+    block_tables = torch.tensor(
+        [blocks[sum(widths[:i]) : sum(widths[: i + 1])] + [0] * (max(widths) - w) for i, w in enumerate(widths)]
+    )
+    k_cache, v_cache = (
+        torch.randn(num_blocks * block_size, num_kv_heads, head_dim, generator=g).to(dtype) for _ in "kv"
+    )
+    q = torch.randn(len(lens), num_heads, head_dim, generator=g).to(dtype)
+    context_lens = torch.tensor(lens, dtype=torch.long)
+    expected = reference_attention(q, k_cache, v_cache, block_tables, context_lens, block_size, 0)
+    args = [t.to(device) for t in (q, k_cache, v_cache, block_tables, context_lens)]
+    out = torch.empty_like(args[0])
+    try:
+        paged_decode_attention(out, *args, block_size, head_dim**-0.5, 0)
+        got = out.float().cpu()
+    except Exception as e:  # noqa: BLE001 - whatever stops the build or the launch, SDPA serves instead
+        return f"its launch failed: {type(e).__name__}: {e}"
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    if not torch.allclose(got, expected, atol=tol, rtol=tol):
+        return f"its output differs from torch's attention by up to {(got - expected).abs().max().item():.3g}"
+    return None
+
+
+def reference_attention(q, k_cache, v_cache, block_tables, context_lens, block_size: int, window: int) -> torch.Tensor:
+    """What the kernel computes, written out in torch in fp32 (its check, and the tests'): q: [B,
+    Hq, D]; caches [slots, Hkv, D] -> [B, Hq, D]."""
+    out = []
+    for b in range(q.shape[0]):
+        ctx = int(context_lens[b])
+        pos = torch.arange(ctx)
+        slots = block_tables[b][pos // block_size] * block_size + pos % block_size
+        if window:
+            slots = slots[max(0, ctx - window) :]
+        k = k_cache[slots].float().transpose(0, 1)  # [Hkv, Lk, D]
+        v = v_cache[slots].float().transpose(0, 1)
+        group = q.shape[1] // k.shape[0]
+        k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
+        scores = (q[b].float()[:, None, :] @ k.transpose(1, 2)) * q.shape[-1] ** -0.5  # [Hq, 1, Lk]
+        out.append((scores.softmax(-1) @ v)[:, 0])
+    return torch.stack(out)
+
+
 def paged_decode_attention(
     out: torch.Tensor,
     q: torch.Tensor,

@@ -3,6 +3,7 @@ queues or requests beyond what the batch says."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from pathlib import Path
 
@@ -20,6 +21,8 @@ from engine.sampler import Sampler, SamplerOutput
 from engine.scheduler import ScheduledBatch
 from engine.speculative import first_rejected
 from engine.weights import load_weights
+
+log = logging.getLogger(__name__)
 
 
 class ModelRunner:
@@ -39,9 +42,9 @@ class ModelRunner:
         # The C++ kernels (decode attention, fused elementwise ops) on CPUs where they build.
         self.use_cpu_kernels = config.cpu_kernels and device.type == "cpu" and cpu_kernels.load()
         # Decodes read the KV in place through the block table: the C++ kernel on a CPU, Triton's on
-        # CUDA where Triton is installed.
+        # CUDA where it builds and agrees with torch on this GPU (else SDPA over gathered KV).
         self.decode_kernel = (self.use_cpu_kernels and cpu_kernels.decode_attention_fits(cfg.head_dim)) or (
-            config.cuda_kernels and device.type == "cuda" and cuda_kernels.available()
+            config.cuda_kernels and device.type == "cuda" and self._cuda_kernel_runs(device, dtype, config)
         )
         # Prefill attention as chunked matmuls: faster than torch's flash kernel on a CPU in bf16.
         self.prefill_matmul = self.use_cpu_kernels and dtype == torch.bfloat16
@@ -69,6 +72,16 @@ class ModelRunner:
             cfg.num_layers, num_blocks, config.block_size, cfg.num_kv_heads, cfg.head_dim, dtype, device, buffer
         )
         self.sampler = Sampler(config.seed, device)
+
+    def _cuda_kernel_runs(self, device: torch.device, dtype: torch.dtype, config: EngineConfig) -> bool:
+        why = cuda_kernels.why_not(
+            device, dtype, self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim, config.block_size
+        )
+        if why:
+            log.warning(
+                "CUDA decodes attend through SDPA over gathered KV: the Triton paged kernel cannot run: %s", why
+            )
+        return why is None
 
     def _numerics(self) -> str:
         """What decides the bits of the KV and logits: "default", or in deterministic mode the

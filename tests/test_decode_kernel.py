@@ -29,24 +29,6 @@ KERNELS = [
 TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: Triton's interpreter (conftest.py)
 
 
-def reference(q, k_cache, v_cache, block_tables, context_lens, block_size, window):
-    """q: [B, Hq, D]; caches [slots, Hkv, D] -> [B, Hq, D] in fp32."""
-    out = []
-    for b in range(q.shape[0]):
-        ctx = int(context_lens[b])
-        pos = torch.arange(ctx)
-        slots = block_tables[b][pos // block_size] * block_size + pos % block_size
-        if window:
-            slots = slots[max(0, ctx - window) :]
-        k = k_cache[slots].float().transpose(0, 1)  # [Hkv, Lk, D]
-        v = v_cache[slots].float().transpose(0, 1)
-        group = q.shape[1] // k.shape[0]
-        k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
-        scores = (q[b].float()[:, None, :] @ k.transpose(1, 2)) * q.shape[-1] ** -0.5  # [Hq, 1, Lk]
-        out.append((scores.softmax(-1) @ v)[:, 0])
-    return torch.stack(out)
-
-
 CASES = [  # dtype, head_dim, heads, kv_heads, block_size, context lengths, window
     (torch.float32, 64, 9, 3, 16, [1, 15, 16, 17, 650], 0),
     (torch.bfloat16, 64, 9, 3, 16, [1, 33, 650], 0),
@@ -80,7 +62,7 @@ def test_decode_kernel_matches_torch(dtype, head_dim, heads, kv_heads, block_siz
     qkv = torch.randn(len(lens), (heads + 2 * kv_heads) * head_dim, generator=g).to(dtype)
     q = qkv[:, : heads * head_dim].view(len(lens), heads, head_dim)
     out = torch.empty(len(lens), heads, head_dim, dtype=dtype)
-    expected = reference(q, k_cache, v_cache, block_tables, context_lens, block_size, window)
+    expected = cuda_kernels.reference_attention(q, k_cache, v_cache, block_tables, context_lens, block_size, window)
     args = (q, k_cache, v_cache, block_tables, context_lens)
     if kernel == "triton":
         args = tuple(a.to(TRITON_DEVICE) for a in args)
@@ -197,3 +179,29 @@ def test_an_engine_imports_no_triton():
         [sys.executable, "-c", code], cwd=Path(__file__).parent.parent, capture_output=True, text=True, timeout=600
     )
     assert out.returncode == 0, out.stderr[-2000:]
+
+
+@pytest.mark.skipif(not cuda_kernels.available(), reason="Triton is not installed")
+def test_a_cuda_engine_checks_the_kernel_once_and_says_why_it_falls_back(monkeypatch):
+    """cuda_kernels.why_not: what a CUDA engine asks as it starts (engine/model_runner.py), on
+    CPU tensors here in Triton's interpreter. None where the kernel agrees with torch; else a
+    reason naming what failed, and the engine decodes through SDPA."""
+    shape = dict(num_heads=9, num_kv_heads=3, head_dim=64, block_size=16)
+    cpu = torch.device("cpu")
+    assert cuda_kernels.why_not(cpu, torch.bfloat16, **shape) is None
+    assert cuda_kernels.why_not(cpu, torch.float32, num_heads=4, num_kv_heads=2, head_dim=16, block_size=1) is None
+
+    def wrong(out, *args):
+        out.zero_()
+
+    def broken(out, *args):
+        raise RuntimeError("Failed to find C compiler")
+
+    monkeypatch.setattr(cuda_kernels, "paged_decode_attention", wrong)
+    assert "differs from torch's attention" in cuda_kernels.why_not(cpu, torch.bfloat16, **shape)
+    monkeypatch.setattr(cuda_kernels, "paged_decode_attention", broken)
+    assert cuda_kernels.why_not(cpu, torch.bfloat16, **shape) == (
+        "its launch failed: RuntimeError: Failed to find C compiler"
+    )
+    monkeypatch.setattr(cuda_kernels, "available", lambda: False)
+    assert cuda_kernels.why_not(cpu, torch.bfloat16, **shape) == "Triton is not installed"

@@ -445,6 +445,7 @@ def test_profile_simulate_and_best_end_to_end(tiny_llama, tmp_path):
     assert sorted(b for b, _ in colocated["samples"]) == [0, 0] and len(colocated["follow_up_samples"]) == 2
     engine = prof["engines"]["1"]
     assert engine["dtype"] == "float32" and engine["step"]["fixed"] > 0 and len(engine["samples"]) >= 8
+    assert isinstance(engine["decode_kernel"], bool)  # which attention path the steps were timed through
     workload = ["--profile", str(out), "--num-requests", "8", "--prompt-len", "40", "--output-len", "6", "--json"]
     sim = subprocess.run(
         run + ["simulate", *workload, "--prefill", "1", "--decode", "1"], capture_output=True, text=True, cwd=ROOT

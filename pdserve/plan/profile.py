@@ -56,7 +56,7 @@ PREFILL_GRID = [(n, 0) for n in (16, 64, 256, 640, 1280, 2560)] + [(n, 1024) for
 # (4, 1024) and (16, 1024): sequences sharing a long prefix, as a chat's turns share its system prompt
 # (a GPU's grid, built on this one, has them too)
 # (without them the line priced served chat steps of 4 sequences of ~1,150 tokens, ~1,000 shared, at
-# 43-44 ms where they took 35-43 ms: 1 thread, AVX512_BF16, docs/bench/plan_accuracy_paired_r*.json)
+# 43-44 ms where they took 35-44 ms: 1 thread, AVX512_BF16, docs/bench/plan_accuracy_paired_r*.json)
 DECODE_GRID = [(1, 64), (1, 1024), (4, 64), (4, 640), (4, 1024), (16, 64), (16, 640), (16, 1024), (64, 64), (64, 640)]
 # decode steps whose sequences share no block (as requests without a common prefix decode): the
 # grid above shares their leading blocks, which a step reads from cache; at long contexts and small
@@ -221,6 +221,7 @@ def profile_steps(config: EngineConfig, repeat: int, quick: bool) -> dict:
         "dtype": str(prof.llm.dtype).removeprefix("torch."),
         "block_size": config.block_size,
         "num_kv_blocks": prof.llm.kv_cache.num_blocks,
+        "decode_kernel": prof.llm.runner.decode_kernel,  # decodes read the KV in place (else SDPA over gathered KV)
         "max_num_batched_tokens": config.max_num_batched_tokens,
         "step": fit.to_dict(),
         "fit_error_median": statistics.median(errors),
