@@ -43,10 +43,8 @@ def why_not(
     lens = [2 * block_size + 3, 5]  # a context ending mid-block, a short one
     widths = [-(-n // block_size) for n in lens]
     num_blocks = sum(widths) + 1
-    blocks = torch.randperm(num_blocks, generator=g).tolist()  # scattered, not in order
-    block_tables = torch.tensor(
-        [blocks[sum(widths[:i]) : sum(widths[: i + 1])] + [0] * (max(widths) - w) for i, w in enumerate(widths)]
-    )
+    blocks = iter(torch.randperm(num_blocks, generator=g).tolist())  # scattered, not in order
+    block_tables = torch.tensor([[next(blocks) for _ in range(w)] + [0] * (max(widths) - w) for w in widths])
     k_cache, v_cache = (
         torch.randn(num_blocks * block_size, num_kv_heads, head_dim, generator=g).to(dtype) for _ in "kv"
     )
