@@ -3,9 +3,10 @@ aggregated server: anything serving pdserve.v1.Generation).
 
 Open loop: arrivals at --rate requests/s (Poisson or constant gaps), optionally capped at
 --concurrency requests in flight; closed loop: --concurrency workers, each sending its next
-request when the last one finishes. Prompts come from a JSONL file or from length distributions
-(`N`, `uniform:A:B`, `normal:MEAN:STD`), made of the server's own tokens. Streaming is on: TTFT is
-the first streamed token. A comma-separated --rate runs a sweep.
+request when the last one finishes; a trace (pdserve/trace.py): its requests at its times. Prompts
+come from a JSONL file or from length distributions (`N`, `uniform:A:B`, `normal:MEAN:STD`), made
+of the server's own tokens. Streaming is on: TTFT is the first streamed token. A comma-separated
+--rate runs a sweep.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import grpc
 
+from pdserve import trace
 from pdserve.bench_stats import Report, RequestRecord, format_report, report
 from router.client import AsyncClient
 
@@ -95,6 +97,15 @@ def _max_tokens(row, where: str) -> int | None:
 async def build_workload(client: AsyncClient, args, rng: random.Random) -> list[dict]:
     """A list of requests, {"prompt": ids or text, "max_tokens": n}, or conversations,
     {"turns": [ids, ...], "max_tokens": n}."""
+    if args.trace:
+        pool = await client.tokenize(FILLER * 40)  # the server's own tokens
+        requests = trace.read(args.trace, args.trace_speedup, args.trace_block_tokens)
+        block = args.trace_block_tokens
+        draw = lambda g: pool[g.randrange(len(pool))]  # noqa: E731
+        return [
+            {"prompt": trace.prompt(r, i, block, draw), "max_tokens": r.output_length, "at": r.at_s}
+            for i, r in enumerate(requests)
+        ]
     if args.dataset:
         items = read_dataset(args.dataset)
         for item in items:  # turns as token ids: each prompt is then exactly the history + the turn
@@ -187,14 +198,14 @@ async def run_once(args, items: list[dict], rate: float, rng: random.Random) -> 
 
         progress = tqdm(
             total=sum(len(it.get("turns", [None])) for it in items),
-            desc=f"rate {rate:g}" if rate != float("inf") else "requests",
+            desc="trace" if args.trace else f"rate {rate:g}" if rate != float("inf") else "requests",
             unit="req",
             file=sys.stderr,
             leave=True,
         )  # left at its final count, not cleared
     async with AsyncClient(args.addr, timeout=args.timeout, metadata=metadata) as client:
         t0 = time.perf_counter()
-        if args.rate is None:  # closed loop
+        if args.rate is None and not args.trace:  # closed loop
             queue = list(items)
             records: list[RequestRecord] = []
 
@@ -213,7 +224,7 @@ async def run_once(args, items: list[dict], rate: float, rng: random.Random) -> 
                 async with limit:
                     return await one_item(client, item, t0, args, progress)
 
-            times = arrival_times(len(items), rate, args.arrival, rng)
+            times = [it["at"] for it in items] if args.trace else arrival_times(len(items), rate, args.arrival, rng)
             records = [
                 r for rs in await asyncio.gather(*(scheduled(it, at) for it, at in zip(items, times))) for r in rs
             ]
@@ -233,7 +244,13 @@ async def bench(args) -> list[dict]:
     runs = []
     for rate in rates:
         rep, records = await run_once(args, items, rate, rng)
-        label = f"[rate {rate:g} req/s] " if args.rate else f"[closed loop, concurrency {args.concurrency or 1}] "
+        label = (
+            f"[trace {args.trace}, x{args.trace_speedup:g}] "
+            if args.trace
+            else f"[rate {rate:g} req/s] "
+            if args.rate
+            else f"[closed loop, concurrency {args.concurrency or 1}] "
+        )
         print(format_report(rep, label), flush=True)
         runs.append(
             {
@@ -251,7 +268,8 @@ def add_args(p) -> None:
         "--num-requests",
         type=int,
         default=64,
-        help="requests (or conversations, from a multi-turn dataset) per rate, or in the closed loop",
+        help="requests (or conversations, from a multi-turn dataset) per rate, or in the closed loop "
+        "(a --trace sends all of its own)",
     )
     p.add_argument(
         "--rate", default=None, help="requests/s (open loop); 'inf' sends all at once; a comma-separated list sweeps"
@@ -274,6 +292,7 @@ def add_args(p) -> None:
         "{'turns': [...]}, or {'conversation_id': id, 'turn': k, 'prompt': ...} "
         "per line (each turn is sent after the previous answer, with the history)",
     )
+    trace.add_args(p)
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 is greedy")
     p.add_argument(
         "--no-ignore-eos",
@@ -302,6 +321,8 @@ def main(args) -> int:
         raise ValueError("--concurrency must be >= 1")
     if args.num_requests < 1:
         raise ValueError("--num-requests must be >= 1")
+    if args.trace and (args.rate or args.dataset):
+        raise ValueError("--trace sets the arrivals and the prompts: leave out --rate and --dataset")
     if args.seed is None:
         args.seed = random.SystemRandom().randrange(1 << 31)  # recorded in --json's args
     runs = asyncio.run(bench(args))

@@ -199,6 +199,34 @@ def test_bench_end_to_end_against_pdserve_up(tiny_llama, tmp_path):
         cached = [rec["cached_tokens"] for rec in run["records"]]
         assert cached[0] == 0 and all(c >= 20 for c in cached[1:])  # the system prompt, then the history
         assert run["report"]["prefix_cache_hit_rate"] > 0.5
+        # A trace (Mooncake format): its requests at its times (halved), of its lengths.
+        rows = [(0, 20, 4, [1, 2, 3]), (400, 16, 3, [1, 2]), (800, 30, 5, [1, 4]), (1200, 10, 2, [])]
+        trace = tmp_path / "trace.jsonl"
+        trace.write_text(
+            "\n".join(
+                json.dumps({"timestamp": t, "input_length": i, "output_length": o, "hash_ids": h})
+                for t, i, o, h in reversed(rows)
+            )
+        )
+        r = subprocess.run(
+            [sys.executable, "-m", "pdserve", "bench", "--addr", address, "--quiet", "--json", str(out)]
+            + ["--trace", str(trace), "--trace-block-tokens", "8", "--trace-speedup", "2"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert r.returncode == 0, r.stderr
+        assert f"[trace {trace}, x2] 4/4 requests completed" in r.stdout
+        records = sorted(json.loads(out.read_text())["runs"][0]["records"], key=lambda rec: rec["sent"])
+        assert [(rec["prompt_tokens"], rec["num_tokens"]) for rec in records] == [(i, o) for _, i, o, _ in rows]
+        assert all(rec["sent"] >= t / 2000 for rec, (t, *_) in zip(records, rows))
+        r = subprocess.run(
+            [sys.executable, "-m", "pdserve", "bench", "--addr", address, "--trace", str(trace), "--rate", "3"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert r.returncode != 0 and "--trace sets the arrivals and the prompts: leave out --rate" in r.stderr
         bad = tmp_path / "bad.jsonl"
         bad.write_text(json.dumps({"turns": [[1, 2], ""]}))
         r = subprocess.run(

@@ -13,6 +13,7 @@ import json
 import random
 
 from engine.config import DTYPES, GIB, EngineConfig
+from pdserve import trace
 from pdserve.bench import length_sampler
 from pdserve.bench_stats import format_report
 from pdserve.plan import memory, profile, profile_file, search
@@ -25,6 +26,7 @@ from pdserve.plan.simulator import (
     simulate,
     synthetic,
     timing_spread,
+    traced,
 )
 from router.placement import MODES
 from serving.options import HelpFormatter
@@ -123,9 +125,14 @@ def _workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slo-tpot", type=float, default=None, help="seconds per output token")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    trace.add_args(p)
 
 
 def workload(args) -> Workload:
+    if args.trace:
+        if args.turns or args.rate:
+            raise ValueError("--trace sets the arrivals and the prompts: leave out --turns and --rate")
+        return traced(trace.read(args.trace, args.trace_speedup, args.trace_block_tokens), args.trace_block_tokens)
     loop = {"rate": args.rate} if args.rate else {"concurrency": args.concurrency}
     if args.num_requests < 1:
         raise ValueError(f"--num-requests must be >= 1, got {args.num_requests}")

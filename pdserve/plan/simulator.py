@@ -38,6 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.scheduler import waits_for_prefix
+from pdserve import trace
 from pdserve.bench import arrival_times, length_sampler
 from pdserve.bench_stats import Report, RequestRecord, report
 from pdserve.plan.step_model import Step, StepModel, shared_tokens
@@ -105,6 +106,7 @@ class Workload:
     concurrency: int | None = None  # closed loop: workers
     rate: float | None = None  # open loop: items per second (Poisson)
     seed: int = 0
+    times: list[float] | None = None  # a trace's arrivals (seconds), one per item, instead of either loop
 
 
 def synthetic(num: int, prompt_len: str, output_len: str, seed: int = 0, **loop) -> Workload:
@@ -117,6 +119,15 @@ def synthetic(num: int, prompt_len: str, output_len: str, seed: int = 0, **loop)
 
 def conversations(turns: list[list[list[int]]], answer_len: int, **loop) -> Workload:
     return Workload([Item(t, answer_len) for t in turns], **loop)
+
+
+def traced(requests: list[trace.TraceRequest], block_tokens: int = trace.BLOCK_TOKENS) -> Workload:
+    """A trace's requests (pdserve/trace.py) at its times, their blocks shared as the trace says."""
+    items = [
+        Item([trace.prompt(r, i, block_tokens, lambda rng: rng.randrange(1, 1 << 30))], r.output_length)
+        for i, r in enumerate(requests)
+    ]
+    return Workload(items, times=[r.at_s for r in requests])
 
 
 # ---- engines ------------------------------------------------------------------------------------
@@ -358,7 +369,10 @@ class Simulation:
 
             turn(0)
 
-        if workload.rate is None:  # closed loop: each worker sends its next item after the last one
+        if workload.times is not None:  # a trace: each item at its time
+            for t, item in zip(workload.times, workload.items, strict=True):
+                self.at(t, lambda item=item: start_item(item, lambda: None))
+        elif workload.rate is None:  # closed loop: each worker sends its next item after the last one
 
             def worker() -> None:
                 item = next(items, None)
