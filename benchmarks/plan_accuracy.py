@@ -9,6 +9,8 @@ on the real deployment, same prompts, same window.
    anchor: 32 requests of 590-630 tokens, 64 output tokens, closed loop at concurrency 8;
    chat: 8 conversations of 4 turns, a shared 1,000-token system prompt, ~40-token questions,
    32-token answers, closed loop at concurrency 4. Output lengths are fixed (ignore_eos).
+   With --trace FILE and --only trace (or a list naming it), a third: the trace's requests at
+   its times (`pdserve bench --trace`; the simulator shares the same blocks).
 3. Deployments on the 2 cores, each started, measured by `pdserve bench`, stopped:
    colocated (one engine, 2 threads), colocated on one core (one engine, 1 thread, pinned to core
    0), colocated x 2 (`up --prefill 0 --decode 2`, one core each), 1P1D with local prefill auto
@@ -37,9 +39,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from disagg_vs_colocated import wait_line  # noqa: E402
 
 from engine import EngineConfig  # noqa: E402
+from pdserve import trace  # noqa: E402
 from pdserve.plan import profile as profiles  # noqa: E402
 from pdserve.plan import profile_file, search  # noqa: E402
-from pdserve.plan.simulator import Deployment, Item, Simulation, Workload  # noqa: E402
+from pdserve.plan.simulator import Deployment, Item, Simulation, Workload, traced  # noqa: E402
 from serving.launcher import ServerProcess  # noqa: E402
 
 FIGURES = ("goodput_tps", "ttft_p50_s", "tpot_p50_s")  # the goal's: each within 15% of the measured
@@ -48,6 +51,7 @@ WORKLOADS = {
     # name: (SLO TTFT s, SLO TPOT s)
     "anchor": (30.0, 0.35),
     "chat": (8.0, 0.15),
+    "trace": (10.0, 0.2),  # --trace FILE
 }
 DEPLOYMENTS = {
     d.name: d
@@ -65,15 +69,29 @@ def ids(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(*VOCAB) for _ in range(n)]
 
 
-def workload(name: str, seed: int = 0) -> tuple[Workload, list[dict]]:
-    """The simulator's workload and the same as `pdserve bench --dataset` lines."""
+def workload(name: str, trace_path: str | None = None, seed: int = 0) -> Workload:
+    """The simulator's workload: the very token ids bench_args sends, or the trace's requests
+    (whose blocks the simulator shares as the server does)."""
+    if name == "trace":
+        return traced(trace.read(trace_path))
     rng = random.Random(seed)
     if name == "anchor":
-        items = [Item([ids(rng, rng.randint(590, 630))], 64) for _ in range(32)]
-        return Workload(items, concurrency=8), [{"prompt_token_ids": it.turns[0], "max_tokens": 64} for it in items]
+        return Workload([Item([ids(rng, rng.randint(590, 630))], 64) for _ in range(32)], concurrency=8)
     system = ids(rng, 1000)
-    items = [Item([system + ids(rng, 40)] + [ids(rng, rng.randint(30, 50)) for _ in range(3)], 32) for _ in range(8)]
-    return Workload(items, concurrency=4), [{"turns": it.turns, "max_tokens": 32} for it in items]
+    turns = [[system + ids(rng, 40)] + [ids(rng, rng.randint(30, 50)) for _ in range(3)] for _ in range(8)]
+    return Workload([Item(t, 32) for t in turns], concurrency=4)
+
+
+def bench_args(name: str, work: Workload, tmp: Path, trace_path: str | None) -> list[str]:
+    """`pdserve bench`'s arguments for the same workload: the trace, or a dataset of its token ids."""
+    if name == "trace":
+        return ["--trace", trace_path]
+    lines = [{"prompt_token_ids": it.turns[0]} if len(it.turns) == 1 else {"turns": it.turns} for it in work.items]
+    data = tmp / f"{name}.jsonl"
+    data.write_text(
+        "".join(json.dumps(line | {"max_tokens": it.output_len}) + "\n" for line, it in zip(lines, work.items))
+    )
+    return ["--dataset", str(data), "--num-requests", str(len(lines)), "--concurrency", str(work.concurrency)]
 
 
 def serve(command: list[str]):
@@ -95,14 +113,12 @@ def serve(command: list[str]):
     return address, stop
 
 
-def measure(command: list[str], lines: list[dict], concurrency: int, slo: tuple[float, float], tmp: Path) -> dict:
-    data, out = tmp / "dataset.jsonl", tmp / "bench.json"
-    data.write_text("".join(json.dumps(line) + "\n" for line in lines))
+def measure(command: list[str], bench_args: list[str], slo: tuple[float, float], tmp: Path) -> dict:
+    out = tmp / "bench.json"
     address, stop = serve(command)
     try:
         subprocess.run(
-            [sys.executable, "-m", "pdserve", "bench", "--addr", address, "--dataset", str(data)]
-            + ["--num-requests", str(len(lines)), "--concurrency", str(concurrency)]
+            [sys.executable, "-m", "pdserve", "bench", "--addr", address, *bench_args]
             + ["--slo-ttft", str(slo[0]), "--slo-tpot", str(slo[1]), "--json", str(out), "--quiet"],
             check=True,
         )
@@ -137,7 +153,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--profile", help="a profile measured earlier (default: measure one first)")
     ap.add_argument("--out", type=Path, default=Path("docs/bench"))
-    ap.add_argument("--only", default=",".join(WORKLOADS), help="workloads")
+    ap.add_argument("--only", default="anchor,chat", help="workloads, of " + ", ".join(WORKLOADS))
+    ap.add_argument("--trace", help="a trace (pdserve/trace.py) as the workload 'trace'")
     ap.add_argument("--deployments", default=",".join(DEPLOYMENTS))
     ap.add_argument(
         "--step-log", action="store_true", help="keep each engine's steps in its row (--step-log; plan_steps.py)"
@@ -153,7 +170,9 @@ def main() -> int:
     rows = []
     with tempfile.TemporaryDirectory(prefix="pdserve-plan-") as tmp:
         for wname in args.only.split(","):
-            work, lines = workload(wname)
+            if wname == "trace" and not args.trace:
+                ap.error("the workload 'trace' needs --trace FILE")
+            work = workload(wname, args.trace)
             slo = WORKLOADS[wname]
             for dname in args.deployments.split(","):
                 dep = DEPLOYMENTS[dname]
@@ -162,9 +181,10 @@ def main() -> int:
                 command += ["--step-log", str(steps)] if args.step_log else []
                 sim = Simulation(prof, dep, *slo)
                 predicted = sim.run(work)
-                run = measure(command, lines, work.concurrency, slo, Path(tmp))
+                run = measure(command, bench_args(wname, work, Path(tmp), args.trace), slo, Path(tmp))
                 measured = run["report"]
                 row = {"workload": wname, "deployment": dname, "slo_ttft_s": slo[0], "slo_tpot_s": slo[1]}
+                row |= {"trace": args.trace} if wname == "trace" else {}
                 for key, pred, meas in (
                     ("goodput_tps", predicted.goodput_tps, measured["goodput_tps"]),
                     ("tps", predicted.tps, measured["tps"]),

@@ -80,12 +80,11 @@ def fits(prof: dict) -> dict:
 def errors(prof: dict, runs: list[dict]) -> dict:
     cells = {}
     for w, slo in WORKLOADS.items():
-        work, _ = workload(w)
         for d, dep in DEPLOYMENTS.items():
             rows = rows_of(runs, w, d)
             if not rows:
                 continue
-            report = simulate(prof, dep, work, *slo)
+            report = simulate(prof, dep, workload(w, rows[0].get("trace")), *slo)
             cell = {}
             for f in FIGURES:
                 measured = statistics.median(r[f]["measured"] for r in rows)

@@ -28,7 +28,7 @@ from pdserve.plan.simulator import simulate, timing_spread  # noqa: E402
 
 
 def cell(prof: dict, wname: str, dname: str, rows: list[dict], seeds: int) -> dict:
-    work, _ = workload(wname)
+    work = workload(wname, rows[0].get("trace"))
     dep, slo = DEPLOYMENTS[dname], WORKLOADS[wname]
     spread = timing_spread([simulate(prof, dep, work, *slo, timing_seed=s) for s in range(seeds)])
     out = {}
