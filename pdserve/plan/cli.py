@@ -215,6 +215,7 @@ def main(args) -> int:
                         "deployment": s.deployment.describe(),
                         "command": search.command(s.deployment),
                         "meets_slos": s.meets,
+                        "headroom": s.headroom,
                         "report": s.report.to_dict(),
                     }
                     for s in top
@@ -230,4 +231,16 @@ def main(args) -> int:
         verdict = "meets the SLOs" if s.meets else "misses the SLOs (closest)"
         print(f"{place}: {s.deployment.describe()} ({verdict})\n  run: {search.command(s.deployment)}")
         print(format_report(s.report, "  "))
+        if s is ranked[0]:
+            print("  why: " + why(s, "GPUs" if gpu else "cores", args.percentile))
     return 0
+
+
+def why(best: search.Scored, unit: str, percentile: str) -> str:
+    if not best.tied:
+        return f"the highest goodput, {best.report.goodput_tps:.1f} tokens/s"
+    room = f", its TTFT and TPOT {percentile} at most {1 / best.headroom:.0%} of the SLOs" if best.headroom else ""
+    return (
+        f"{best.tied + 1} deployments tie on goodput (within {search.TIE:.0%} of the highest): of those it "
+        f"spends the fewest {unit} ({best.deployment.spends}), then leaves the most headroom{room}"
+    )

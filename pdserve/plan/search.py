@@ -6,7 +6,11 @@ on (auto, at each local-token cap) or off, using the whole budget or less. Of co
 takes its threads' worth (the thread counts the profile measured); of GPUs (a GPU's profile), one
 GPU each. A candidate meets the SLOs when its TTFT and TPOT at the given percentile are within
 them; among those the best has the highest goodput (tokens/s of requests within both SLOs), then
-spends the least. With none meeting them, the best goodput is shown as the closest miss.
+spends the least. Goodputs within 2% of the highest (TIE) tie: an open loop that every such deployment
+serves gives each the offered load, differing only in when its last request ends. Among tied
+ones the best spends the least, then leaves the most headroom under the SLOs (the least of
+SLO / latency at the percentile). With none meeting them, the best goodput is shown as the
+closest miss, ties broken alike.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from pdserve.bench_stats import Report
 from pdserve.plan.simulator import Deployment, Workload, simulate
 
 LOCAL_CAPS = (256, 1024, 4096)  # max_local_prefill_tokens tried with local prefill auto
+TIE = 0.02  # goodputs this close to the highest tie (docs/benchmarks.md, "A trace")
 
 
 def candidates(budget: int, threads: list[int], transport: str = "shm", gpu: bool = False) -> list[Deployment]:
@@ -53,6 +58,8 @@ class Scored:
     deployment: Deployment
     report: Report
     meets: bool
+    headroom: float = 0.0  # the least of SLO / latency at the percentile (< 1: over an SLO); 0 without SLOs
+    tied: int = 0  # on the best: how many others tied its goodput (TIE)
 
     def key(self):
         return (self.meets, round(self.report.goodput_tps, 1), -self.deployment.spends)
@@ -62,6 +69,12 @@ def within(rep: Report, slo_ttft: float | None, slo_tpot: float | None, percenti
     return (slo_ttft is None or rep.ttft_s[percentile] <= slo_ttft) and (
         slo_tpot is None or rep.tpot_s[percentile] <= slo_tpot
     )
+
+
+def headroom(rep: Report, slo_ttft: float | None, slo_tpot: float | None, percentile: str) -> float:
+    """The least of SLO / latency at the percentile, over the SLOs given (> 1: within; 0: none given)."""
+    pairs = ((slo_ttft, rep.ttft_s[percentile]), (slo_tpot, rep.tpot_s[percentile]))
+    return min((slo / max(latency, 1e-9) for slo, latency in pairs if slo is not None), default=0.0)
 
 
 def rank(
@@ -79,8 +92,17 @@ def rank(
     scored = []
     for dep in candidates(budget, threads, transport, gpu):
         rep = simulate(profile, dep, workload, slo_ttft, slo_tpot)
-        scored.append(Scored(dep, rep, within(rep, slo_ttft, slo_tpot, percentile)))
-    return sorted(scored, key=Scored.key, reverse=True)
+        scored.append(
+            Scored(dep, rep, within(rep, slo_ttft, slo_tpot, percentile), headroom(rep, slo_ttft, slo_tpot, percentile))
+        )
+    ranked = sorted(scored, key=Scored.key, reverse=True)
+    lead = ranked[0]
+    tied = [s.meets == lead.meets and s.report.goodput_tps >= (1 - TIE) * lead.report.goodput_tps for s in ranked]
+    first = sorted(
+        (s for s, t in zip(ranked, tied) if t), key=lambda s: (-s.deployment.spends, s.headroom), reverse=True
+    )
+    first[0].tied = len(first) - 1
+    return first + [s for s, t in zip(ranked, tied) if not t]
 
 
 def command(dep: Deployment) -> str:
