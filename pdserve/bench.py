@@ -100,12 +100,8 @@ async def build_workload(client: AsyncClient, args, rng: random.Random) -> list[
     if args.trace:
         pool = await client.tokenize(FILLER * 40)  # the server's own tokens
         requests = trace.read(args.trace, args.trace_speedup, args.trace_block_tokens)
-        block = args.trace_block_tokens
-        draw = lambda g: pool[g.randrange(len(pool))]  # noqa: E731
-        return [
-            {"prompt": trace.prompt(r, i, block, draw), "max_tokens": r.output_length, "at": r.at_s}
-            for i, r in enumerate(requests)
-        ]
+        ids = trace.prompts(requests, args.trace_block_tokens, lambda g: pool[g.randrange(len(pool))], args.seed)
+        return [{"prompt": p, "max_tokens": r.output_length, "at": r.at_s} for p, r in zip(ids, requests)]
     if args.dataset:
         items = read_dataset(args.dataset)
         for item in items:  # turns as token ids: each prompt is then exactly the history + the turn
@@ -321,8 +317,10 @@ def main(args) -> int:
         raise ValueError("--concurrency must be >= 1")
     if args.num_requests < 1:
         raise ValueError("--num-requests must be >= 1")
-    if args.trace and (args.rate or args.dataset):
-        raise ValueError("--trace sets the arrivals and the prompts: leave out --rate and --dataset")
+    if args.trace:
+        if args.rate or args.dataset or args.concurrency is not None:
+            raise ValueError("--trace sets the arrivals and the prompts: leave out --rate, --concurrency and --dataset")
+        trace.read(args.trace, args.trace_speedup, args.trace_block_tokens)  # a bad trace is named before connecting
     if args.seed is None:
         args.seed = random.SystemRandom().randrange(1 << 31)  # recorded in --json's args
     runs = asyncio.run(bench(args))

@@ -40,7 +40,8 @@ def add_args(p) -> None:
         "--trace",
         default=None,
         help="replay this Mooncake-format trace (JSONL: timestamp ms, input_length, output_length, "
-        "hash_ids): its requests at its times, instead of --rate / --concurrency and the length options",
+        "hash_ids): its requests at its times and of its lengths (not with --rate, --concurrency, "
+        "--dataset or --turns; the length options do not apply)",
     )
     p.add_argument(
         "--trace-block-tokens", type=int, default=BLOCK_TOKENS, help="tokens per hash id of the trace's blocks"
@@ -99,14 +100,23 @@ def _row(line: str, where: str, block_tokens: int) -> tuple[float, int, int, tup
     return float(ms), lengths[0], lengths[1], tuple(ids)
 
 
-def prompt(req: TraceRequest, index: int, block_tokens: int, token: Callable[[random.Random], int]) -> list[int]:
-    """The request's token ids: its blocks' tokens (each block id the same tokens in every
-    request), then its own tokens up to input_length. token(rng) draws one id."""
-    ids: list[int] = []
-    for h in req.hash_ids:
-        rng = random.Random(f"block {h}")
-        ids += [token(rng) for _ in range(block_tokens)]
-    del ids[req.input_length :]
-    own = random.Random(f"request {index}")
-    ids += [token(own) for _ in range(req.input_length - len(ids))]
-    return ids
+def prompts(
+    requests: list[TraceRequest], block_tokens: int, token: Callable[[random.Random], int], seed: int = 0
+) -> list[list[int]]:
+    """The requests' token ids: each its blocks' tokens (a block id is the same tokens in every
+    request of the run), then its own tokens up to input_length. token(rng) draws one id; the
+    seed draws another run's tokens (the same seed: the same prompts, which a server's prefix
+    cache then holds)."""
+    blocks: dict[int, list[int]] = {}
+    out = []
+    for index, req in enumerate(requests):
+        ids: list[int] = []
+        for h in req.hash_ids:
+            if h not in blocks:
+                rng = random.Random(f"{seed} block {h}")
+                blocks[h] = [token(rng) for _ in range(block_tokens)]
+            ids += blocks[h]
+        del ids[req.input_length :]
+        own = random.Random(f"{seed} request {index}")
+        out.append(ids + [token(own) for _ in range(req.input_length - len(ids))])
+    return out

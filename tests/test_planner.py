@@ -365,6 +365,9 @@ def test_deployments_that_tie_on_goodput_are_ranked_by_cores_then_headroom_and_t
     assert ranked[0].headroom == max(s.headroom for s in tied if s.deployment.spends == fewest) > 1
     rep = ranked[0].report
     assert ranked[0].headroom == pytest.approx(min(5.0 / rep.ttft_s["p95"], 0.2 / rep.tpot_s["p95"]))
+    missed = search.rank(prof, work, budget=2, slo_ttft=1e-3, slo_tpot=0.2)  # none meets: the closest miss
+    assert not any(s.meets for s in missed) and all(s.report.goodput_tps == 0 for s in missed)
+    assert missed[0].tied == len(missed) - 1 and missed[0].headroom == max(s.headroom for s in missed)
     from pdserve.plan.cli import main
 
     path = tmp_path / "p.json"

@@ -16,6 +16,7 @@ from pdserve import trace
 from pdserve.cli import parser
 from pdserve.plan import profile_file
 from pdserve.plan.simulator import Deployment, Simulation, simulate, traced
+from serving.launcher import ServerProcess
 
 
 def write(tmp_path, rows) -> str:
@@ -47,15 +48,16 @@ def test_blocks_are_the_same_tokens_wherever_they_appear_and_the_rest_is_each_re
     def token(rng: random.Random) -> int:
         return rng.randrange(1, 1 << 30)
 
-    a = trace.prompt(trace.TraceRequest(0, 20, 1, (7, 8, 9)), 0, 8, token)
-    b = trace.prompt(trace.TraceRequest(0, 12, 1, (7, 8)), 1, 8, token)
-    c = trace.prompt(trace.TraceRequest(0, 30, 1, (7, 5)), 2, 8, token)
-    d = trace.prompt(trace.TraceRequest(0, 30, 1, (7, 5)), 3, 8, token)
+    reqs = [trace.TraceRequest(0, n, 1, ids) for n, ids in ((20, (7, 8, 9)), (12, (7, 8)), (30, (7, 5)), (30, (7, 5)))]
+    a, b, c, d = trace.prompts(reqs, 8, token)
     assert [len(p) for p in (a, b, c, d)] == [20, 12, 30, 30]
     assert b == a[:12]  # a partial last block: its first tokens
     assert c[:8] == a[:8] and c[8:16] != a[8:16]  # block 7 shared, then block 5
     assert c[:16] == d[:16] and c[16:] != d[16:]  # past their blocks, each its own tokens
-    assert trace.prompt(trace.TraceRequest(0, 30, 1, (7, 5)), 2, 8, token) == c  # the same again
+    assert trace.prompts(reqs, 8, token) == [a, b, c, d]  # the same seed: the same prompts
+    other = trace.prompts(reqs, 8, token, seed=1)  # another run's: its blocks shared alike, no token in common
+    assert other[1] == other[0][:12] and other[2][:8] == other[0][:8]
+    assert not set(other[0] + other[2]) & set(a + c + d)
 
 
 @pytest.mark.parametrize(
@@ -66,6 +68,11 @@ def test_blocks_are_the_same_tokens_wherever_they_appear_and_the_rest_is_each_re
         ({"input_length": 5, "output_length": 1}, "trace.jsonl:1: timestamp must be a number of milliseconds >= 0"),
         ({"timestamp": -1, "input_length": 5, "output_length": 1}, "timestamp must be a number of milliseconds"),
         ({"timestamp": 0, "input_length": 0, "output_length": 1}, "input_length must be an integer >= 1, got 0"),
+        ({"timestamp": 0, "input_length": 5.0, "output_length": 1}, "input_length must be an integer >= 1, got 5.0"),
+        ({"timestamp": 0, "input_length": 5, "output_length": True}, "output_length must be an integer >= 1, got True"),
+        ('{"timestamp": NaN, "input_length": 5, "output_length": 1}', "timestamp must be a number of milliseconds"),
+        ({"timestamp": True, "input_length": 5, "output_length": 1}, "timestamp must be a number of milliseconds"),
+        ({"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": [True]}, "hash_ids must be a list"),
         ({"timestamp": 0, "input_length": 5}, "output_length must be an integer >= 1, got None"),
         ({"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": "ab"}, "hash_ids must be a list"),
         (
@@ -126,4 +133,35 @@ def test_plan_simulate_and_best_take_a_trace(tmp_path, capsys):
         text=True,
     )
     assert done.returncode != 0 and done.stderr.count("\n") == 1
-    assert "--trace sets the arrivals and the prompts: leave out --turns and --rate" in done.stderr
+    assert "--trace sets the arrivals and the prompts: leave out --turns, --system-len, --rate and" in done.stderr
+
+
+def test_a_replay_against_a_server_finds_the_shared_blocks_in_its_prefix_cache(tiny_llama, tmp_path):
+    """One engine (pdserve colocated): a prompt behind another that shares its blocks waits for
+    them or finds them cached, whatever the timing, so its cached tokens are those blocks'."""
+    rows = [(0, 20, 4, [1, 2, 3]), (50, 16, 3, [1, 2]), (100, 30, 5, [1, 2, 4, 5]), (150, 10, 2, [])]
+    path = write(
+        tmp_path, [{"timestamp": t, "input_length": i, "output_length": o, "hash_ids": h} for t, i, o, h in rows]
+    )
+    server = ServerProcess(
+        ["-m", "pdserve", "colocated", "--model", str(tiny_llama), "--port", "0", "--dtype", "float32"]
+        + ["--kv-cache-gb", "0.01", "--block-size", "4", "--num-threads", "1"]
+    )
+    try:
+        address = server.wait_ready()
+        out = tmp_path / "bench.json"
+        done = subprocess.run(
+            [sys.executable, "-m", "pdserve", "bench", "--addr", address, "--quiet", "--json", str(out), "--seed", "3"]
+            + ["--trace", path, "--trace-block-tokens", "8"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert done.returncode == 0, done.stderr
+        records = sorted(json.loads(out.read_text())["runs"][0]["records"], key=lambda rec: rec["sent"])
+    finally:
+        server.stop(60)
+    assert [(rec["prompt_tokens"], rec["num_tokens"]) for rec in records] == [(i, o) for _, i, o, _ in rows]
+    # blocks 1-2: 16 tokens, all of the second prompt (whose last token is computed) and over half
+    # of the third (which waits for them if they are being computed, as the engine's rule says)
+    assert [rec["cached_tokens"] for rec in records] == [0, 12, 16, 0]

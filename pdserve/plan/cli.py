@@ -32,6 +32,7 @@ from router.placement import MODES
 from serving.options import HelpFormatter
 
 PERCENTILES = ("p50", "p95", "p99")
+CONCURRENCY = 8  # a closed loop's requests in flight, by default
 TRANSPORT_HELP = (
     "the KV hand-off between nodes, one the profile measured (default: what --kv-transport auto "
     "takes on one host, the first of " + ", ".join(search.TRANSPORTS) + " in the profile)"
@@ -119,7 +120,9 @@ def _workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-len", default="64", help="N, uniform:A:B or normal:MEAN:STD tokens")
     p.add_argument("--turns", type=int, default=0, help="multi-turn chat: turns per conversation (0: single prompts)")
     p.add_argument("--system-len", type=int, default=0, help="multi-turn: a system prompt every conversation shares")
-    p.add_argument("--concurrency", type=int, default=8, help="closed loop: requests in flight")
+    p.add_argument(
+        "--concurrency", type=int, default=None, help=f"closed loop: requests in flight (default: {CONCURRENCY})"
+    )
     p.add_argument("--rate", type=float, default=None, help="open loop: requests/s (Poisson), instead")
     p.add_argument("--slo-ttft", type=float, default=None, help="seconds")
     p.add_argument("--slo-tpot", type=float, default=None, help="seconds per output token")
@@ -130,10 +133,17 @@ def _workload_args(p: argparse.ArgumentParser) -> None:
 
 def workload(args) -> Workload:
     if args.trace:
-        if args.turns or args.rate:
-            raise ValueError("--trace sets the arrivals and the prompts: leave out --turns and --rate")
-        return traced(trace.read(args.trace, args.trace_speedup, args.trace_block_tokens), args.trace_block_tokens)
-    loop = {"rate": args.rate} if args.rate else {"concurrency": args.concurrency}
+        if args.turns or args.system_len or args.rate or args.concurrency is not None:
+            raise ValueError(
+                "--trace sets the arrivals and the prompts: leave out --turns, --system-len, --rate and --concurrency"
+            )
+        requests = trace.read(args.trace, args.trace_speedup, args.trace_block_tokens)
+        return traced(requests, args.trace_block_tokens, args.seed)
+    loop = (
+        {"rate": args.rate}
+        if args.rate
+        else {"concurrency": CONCURRENCY if args.concurrency is None else args.concurrency}
+    )
     if args.num_requests < 1:
         raise ValueError(f"--num-requests must be >= 1, got {args.num_requests}")
     if not args.turns:
@@ -239,8 +249,11 @@ def main(args) -> int:
 def why(best: search.Scored, unit: str, percentile: str) -> str:
     if not best.tied:
         return f"the highest goodput, {best.report.goodput_tps:.1f} tokens/s"
-    room = f", its TTFT and TPOT {percentile} at most {1 / best.headroom:.0%} of the SLOs" if best.headroom else ""
-    return (
-        f"{best.tied + 1} deployments tie on goodput (within {search.TIE:.0%} of the highest): of those it "
-        f"spends the fewest {unit} ({best.deployment.spends}), then leaves the most headroom{room}"
-    )
+    room = f"its TTFT and TPOT {percentile} at most {1 / best.headroom:.0%} of the SLOs" if best.headroom else ""
+    if best.meets:
+        then = f"of those it spends the fewest {unit} ({best.deployment.spends})" + (
+            f", then leaves the most headroom: {room}" if room else ""
+        )
+    else:
+        then = "of those it misses the SLOs the least" + (f": {room}" if room else "")
+    return f"{best.tied + 1} deployments tie on goodput (within {search.TIE:.0%} of the highest): {then}"

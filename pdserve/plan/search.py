@@ -7,14 +7,16 @@ takes its threads' worth (the thread counts the profile measured); of GPUs (a GP
 GPU each. A candidate meets the SLOs when its TTFT and TPOT at the given percentile are within
 them; among those the best has the highest goodput (tokens/s of requests within both SLOs), then
 spends the least. Goodputs within 2% of the highest (TIE) tie: an open loop that every such deployment
-serves gives each the offered load, differing only in when its last request ends. Among tied
-ones the best spends the least, then leaves the most headroom under the SLOs (the least of
-SLO / latency at the percentile). With none meeting them, the best goodput is shown as the
-closest miss, ties broken alike.
+serves gives each the offered load, differing only in when its last request ends, and no
+workload's prediction is that close to a measured run. Among tied ones the best spends the least,
+then leaves the most headroom under the SLOs (the least of SLO / latency at the percentile).
+With none meeting them, the closest miss is shown: of the goodputs tied with the highest, the
+most headroom, then the least spent.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from kvtransfer.transports import TRANSPORTS
@@ -74,7 +76,8 @@ def within(rep: Report, slo_ttft: float | None, slo_tpot: float | None, percenti
 def headroom(rep: Report, slo_ttft: float | None, slo_tpot: float | None, percentile: str) -> float:
     """The least of SLO / latency at the percentile, over the SLOs given (> 1: within; 0: none given)."""
     pairs = ((slo_ttft, rep.ttft_s[percentile]), (slo_tpot, rep.tpot_s[percentile]))
-    return min((slo / max(latency, 1e-9) for slo, latency in pairs if slo is not None), default=0.0)
+    room = min((slo / max(latency, 1e-9) for slo, latency in pairs if slo is not None), default=0.0)
+    return 0.0 if math.isnan(room) else room  # (nothing completed: no latency)
 
 
 def rank(
@@ -98,9 +101,10 @@ def rank(
     ranked = sorted(scored, key=Scored.key, reverse=True)
     lead = ranked[0]
     tied = [s.meets == lead.meets and s.report.goodput_tps >= (1 - TIE) * lead.report.goodput_tps for s in ranked]
-    first = sorted(
-        (s for s, t in zip(ranked, tied) if t), key=lambda s: (-s.deployment.spends, s.headroom), reverse=True
+    order = (
+        (lambda s: (-s.deployment.spends, s.headroom)) if lead.meets else (lambda s: (s.headroom, -s.deployment.spends))
     )
+    first = sorted((s for s, t in zip(ranked, tied) if t), key=order, reverse=True)
     first[0].tied = len(first) - 1
     return first + [s for s, t in zip(ranked, tied) if not t]
 

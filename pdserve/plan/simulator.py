@@ -121,13 +121,11 @@ def conversations(turns: list[list[list[int]]], answer_len: int, **loop) -> Work
     return Workload([Item(t, answer_len) for t in turns], **loop)
 
 
-def traced(requests: list[trace.TraceRequest], block_tokens: int = trace.BLOCK_TOKENS) -> Workload:
+def traced(requests: list[trace.TraceRequest], block_tokens: int = trace.BLOCK_TOKENS, seed: int = 0) -> Workload:
     """A trace's requests (pdserve/trace.py) at its times, their blocks shared as the trace says."""
-    items = [
-        Item([trace.prompt(r, i, block_tokens, lambda rng: rng.randrange(1, 1 << 30))], r.output_length)
-        for i, r in enumerate(requests)
-    ]
-    return Workload(items, times=[r.at_s for r in requests])
+    ids = trace.prompts(requests, block_tokens, lambda rng: rng.randrange(1, 1 << 30), seed)
+    items = [Item([prompt], r.output_length) for prompt, r in zip(ids, requests)]
+    return Workload(items, seed=seed, times=[r.at_s for r in requests])
 
 
 # ---- engines ------------------------------------------------------------------------------------
