@@ -94,12 +94,13 @@ def _max_tokens(row, where: str) -> int | None:
     return n
 
 
-async def build_workload(client: AsyncClient, args, rng: random.Random) -> list[dict]:
+async def build_workload(
+    client: AsyncClient, args, rng: random.Random, requests: list[trace.TraceRequest] | None = None
+) -> list[dict]:
     """A list of requests, {"prompt": ids or text, "max_tokens": n}, or conversations,
-    {"turns": [ids, ...], "max_tokens": n}."""
-    if args.trace:
+    {"turns": [ids, ...], "max_tokens": n}; with a trace's requests, theirs at their times."""
+    if requests is not None:
         pool = await client.tokenize(FILLER * 40)  # the server's own tokens
-        requests = trace.read(args.trace, args.trace_speedup, args.trace_block_tokens)
         ids = trace.prompts(requests, args.trace_block_tokens, lambda g: pool[g.randrange(len(pool))], args.seed)
         return [{"prompt": p, "max_tokens": r.output_length, "at": r.at_s} for p, r in zip(ids, requests)]
     if args.dataset:
@@ -230,12 +231,12 @@ async def run_once(args, items: list[dict], rate: float, rng: random.Random) -> 
     return report(records, duration, args.slo_ttft, args.slo_tpot), records
 
 
-async def bench(args) -> list[dict]:
+async def bench(args, requests: list[trace.TraceRequest] | None = None) -> list[dict]:
     rng = random.Random(args.seed)
     print(f"workload seed {args.seed} (--seed {args.seed} sends the same prompts again)", flush=True)
     metadata = [("application", args.application)] if args.application else None
     async with AsyncClient(args.addr, timeout=args.timeout, metadata=metadata) as client:
-        items = await build_workload(client, args, rng)
+        items = await build_workload(client, args, rng, requests)
     rates = [float(r) for r in args.rate.split(",")] if args.rate else [float("inf")]
     runs = []
     for rate in rates:
@@ -317,13 +318,14 @@ def main(args) -> int:
         raise ValueError("--concurrency must be >= 1")
     if args.num_requests < 1:
         raise ValueError("--num-requests must be >= 1")
+    requests = None
     if args.trace:
         if args.rate or args.dataset or args.concurrency is not None:
             raise ValueError("--trace sets the arrivals and the prompts: leave out --rate, --concurrency and --dataset")
-        trace.read(args.trace, args.trace_speedup, args.trace_block_tokens)  # a bad trace is named before connecting
+        requests = trace.read(args.trace, args.trace_speedup, args.trace_block_tokens)  # named before connecting
     if args.seed is None:
         args.seed = random.SystemRandom().randrange(1 << 31)  # recorded in --json's args
-    runs = asyncio.run(bench(args))
+    runs = asyncio.run(bench(args, requests))
     if args.json:
         Path(args.json).write_text(
             json.dumps({"args": {k: v for k, v in vars(args).items() if k != "func"}, "runs": runs}, indent=2)
