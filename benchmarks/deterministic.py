@@ -10,8 +10,9 @@
    logprob, each alone and then beside the next prompt (prefix caching off, as batch_variance.py),
    with the mode off and on, in each dtype: how many outputs' tokens change, and how many change
    in any logprob bit.
-3. The linears alone (--linear-rows): the default model's linear shapes, the default kernel (oneDNN
-   prepacked, or F.linear where oneDNN cannot) against deterministic mode's ordered kernel, at each
+3. The linears alone (--linear-rows): the default model's linear shapes, oneDNN's prepacked kernel
+   ("default" in the JSON: the default before linear_kernel auto chose the ordered kernel on x86
+   CPUs without AMX; F.linear where oneDNN cannot) against deterministic mode's ordered kernel, at each
    row count, median of repeated calls, in one process; the model's sum (layers x each layer's
    linears + the LM head) as the ratio default time / ordered time.
 """

@@ -13,6 +13,7 @@ from engine.speculative import SpeculativeConfig
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 SCHEDULING = ("continuous", "static")
+LINEAR_KERNELS = ("auto", "ordered", "onednn")
 GIB = 1 << 30
 
 
@@ -56,7 +57,8 @@ class EngineConfig:
     )
     cpu_kernels: bool = option(
         True,
-        "plain torch ops on the CPU (by default C++ attention and fused ops, where they build)",
+        "plain torch ops on the CPU (by default C++ attention, fused ops and, where linear_kernel picks it, the "
+        "ordered linear, where they build)",
         flag="--no-cpu-kernels",
     )
     cuda_kernels: bool = option(
@@ -69,6 +71,13 @@ class EngineConfig:
         False,
         "batch-invariant numerics: each token's logits and KV the same whatever else is in the batch, how its "
         "prompt was chunked, what was cached, on whichever node (CPU with the C++ kernels; costs speed)",
+    )
+    linear_kernel: str = option(
+        "auto",
+        "a CPU's linears: ordered (engine/csrc/ordered_linear.cpp, each output summed in k order, what "
+        "deterministic needs), onednn (its prepacked weights, F.linear where it has none), or auto: ordered on x86 "
+        "CPUs without AMX, where it measured faster at decode's row counts, onednn on the others (engine/hardware.py)",
+        choices=LINEAR_KERNELS,
     )
     num_threads: int | None = option(None, "torch threads on CPU (default: torch's choice)")
     step_log: str | None = option(
@@ -107,6 +116,13 @@ class EngineConfig:
         _check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", ">= 1", self.max_num_batched_tokens)
         _check(
             self.max_model_len is None or self.max_model_len >= 2, "max_model_len", ">= 2 or None", self.max_model_len
+        )
+        _check(self.linear_kernel in LINEAR_KERNELS, "linear_kernel", f"one of {LINEAR_KERNELS}", self.linear_kernel)
+        _check(
+            not (self.deterministic and self.linear_kernel == "onednn"),
+            "linear_kernel",
+            "'ordered' or 'auto' with deterministic (oneDNN sums in an order that moves with the batch)",
+            self.linear_kernel,
         )
         _check(self.scheduling in SCHEDULING, "scheduling", f"one of {SCHEDULING}", self.scheduling)
         _check(self.num_threads is None or self.num_threads >= 1, "num_threads", ">= 1 or None", self.num_threads)

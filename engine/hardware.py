@@ -8,16 +8,21 @@ the code was written on. PDSERVE_CPU_ISA=avx2 (or generic, avx512, ...) makes th
 lesser CPU class than the one it runs on, so a developer on an AVX-512 or AMX machine can run the
 AVX2 path; it can lower the class, never raise it.
 
-| class        | CPUs                                   | dtype auto | prepacked linears | kernels built with |
-| ------------ | -------------------------------------- | ---------- | ----------------- | ------------------ |
-| amx          | Xeon Sapphire Rapids and later         | bfloat16   | bf16 and fp32     | AVX-512 + BF16     |
-| avx512_bf16  | Xeon Cooper Lake, AMD Zen 4 and later  | bfloat16   | bf16 and fp32     | AVX-512 + BF16     |
-| avx512       | Xeon Skylake-SP .. Ice Lake            | float32    | fp32 (bf16 too)   | AVX-512            |
-| avx2         | AMD Zen 1-3, Intel client CPUs, ...    | float32    | fp32              | AVX2 + FMA         |
-| neon         | aarch64 (Graviton, Ampere, Apple, ...) | float32 *  | where oneDNN can  | -mcpu=native       |
-| generic      | anything else                          | float32    | where oneDNN can  | plain C++          |
+| class        | CPUs                                   | dtype auto | linears (auto)        | kernels built with |
+| ------------ | -------------------------------------- | ---------- | --------------------- | ------------------ |
+| amx          | Xeon Sapphire Rapids and later         | bfloat16   | oneDNN, prepacked     | AVX-512 + BF16     |
+| avx512_bf16  | Xeon Cooper Lake, AMD Zen 4 and later  | bfloat16   | ordered               | AVX-512 + BF16     |
+| avx512       | Xeon Skylake-SP .. Ice Lake            | float32    | ordered               | AVX-512            |
+| avx2         | AMD Zen 1-3, Intel client CPUs, ...    | float32    | ordered               | AVX2 + FMA         |
+| neon         | aarch64 (Graviton, Ampere, Apple, ...) | float32 *  | oneDNN where it can   | -mcpu=native       |
+| generic      | anything else                          | float32    | oneDNN where it can   | plain C++          |
 
 (*) bfloat16 where the core has the bf16 extension and oneDNN supports it (Graviton 3 and later).
+
+"ordered" is engine/csrc/ordered_linear.cpp, deterministic mode's kernel: on these classes it
+measured faster than oneDNN's prepacked weights at decode's row counts (1.2-2x at 1-16 rows) and
+within 6% either way at prefill's (docs/benchmarks.md, "Linears"). On AMX oneDNN runs tile
+instructions the kernel does not, and on Arm it is unmeasured, so those keep oneDNN.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ ARM_CLASSES = ("generic", "neon")
 _AVX2 = ["-mavx2", "-mfma", "-mf16c"]
 _AVX512 = _AVX2 + ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mprefer-vector-width=512"]
 _AVX512_BF16 = _AVX512 + ["-mavx512bf16"]
+ORDERED_LINEAR_CLASSES = ("avx2", "avx512", "avx512_bf16")  # linear_kernel auto -> ordered
 KERNEL_FLAGS = {
     "amx": _AVX512_BF16,
     "avx512_bf16": _AVX512_BF16,
@@ -198,8 +204,8 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
         _log_once(
             logging.WARNING,
             f"dtype {dtype} on a CPU of class {cpu.isa} without native {dtype} ({cpu.reason}): it runs, "
-            f"without oneDNN's prepacked weights, several times slower than float32; "
-            f"--dtype auto picks float32 here",
+            f"emulated (its matmuls convert each value to float32): slower than float32 on full batches, several "
+            f"times with --linear-kernel onednn; --dtype auto picks float32 here",
         )
     return chosen
 

@@ -7,9 +7,10 @@ bf16 25-45% faster than F.linear, fp32 1.6x faster at 64 rows on AVX2. Where one
 (bf16 on a CPU without native bf16, fp16 on most CPUs, CUDA) it is plain F.linear;
 engine/hardware.py decides.
 
-In deterministic mode (`ordered`) the weight is packed instead for engine/csrc/ordered_linear.cpp,
-whose every output is summed in k order whatever else is in the batch (a BLAS picks its blocking,
-and the order of a row's sums, by the shape it is given).
+With `ordered` the weight is packed instead for engine/csrc/ordered_linear.cpp, whose every output
+is summed in k order whatever else is in the batch (a BLAS picks its blocking, and the order of a
+row's sums, by the shape it is given): what deterministic mode needs, and the faster kernel by
+default on x86 CPUs without AMX (engine/hardware.py).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ import torch
 from engine import cpu_kernels, cuda_kernels
 from engine.attention import build_metadata
 from engine.config import EngineConfig
-from engine.hardware import cpu_features, cpu_vendor
+from engine.hardware import ORDERED_LINEAR_CLASSES, cpu_features, cpu_vendor
 from engine.kv_cache import KVCache
 from engine.model import LlamaModel
 from engine.model_config import ModelConfig
@@ -57,7 +57,8 @@ class ModelRunner:
                 f"{device.type}, cpu_kernels {config.cpu_kernels}, kernels built {self.use_cpu_kernels}, head_dim "
                 f"{cfg.head_dim}); it runs with --device cpu, the CPU kernels on, head_dim a multiple of 16 up to 256"
             )
-        weights = load_weights(model_dir, cfg, dtype, device, ordered=self.deterministic)
+        self.ordered_linears = self._ordered_linears(config)
+        weights = load_weights(model_dir, cfg, dtype, device, ordered=self.ordered_linears)
         self.model = LlamaModel(cfg, weights, max_model_len, Ops(fused=self.use_cpu_kernels))
         self.numerics = self._numerics()
         bytes_per_block = cfg.kv_bytes_per_token(dtype.itemsize) * config.block_size
@@ -82,6 +83,23 @@ class ModelRunner:
                 "CUDA decodes attend through SDPA over gathered KV: the Triton paged kernel cannot run: %s", why
             )
         return why is None
+
+    def _ordered_linears(self, config: EngineConfig) -> bool:
+        """Whether the linears run engine/csrc/ordered_linear.cpp: in deterministic mode, when asked,
+        and by default on the CPU classes where it is the faster kernel (engine/hardware.py)."""
+        if config.linear_kernel == "onednn":
+            return False
+        if config.linear_kernel == "ordered" and not self.use_cpu_kernels:
+            raise ValueError(
+                f"linear_kernel ordered: needs the C++ CPU kernels, which this engine does not run (device "
+                f"{self.device.type}, cpu_kernels {config.cpu_kernels}); it runs with --device cpu, the CPU kernels on"
+            )
+        ordered = self.deterministic or config.linear_kernel == "ordered"
+        if not ordered and self.use_cpu_kernels:
+            ordered = cpu_features().isa in ORDERED_LINEAR_CLASSES
+        if self.device.type == "cpu":
+            log.info("linears: %s (CPU class %s)", "ordered kernel" if ordered else "oneDNN", cpu_features().isa)
+        return ordered
 
     def _numerics(self) -> str:
         """What decides the bits of the KV and logits: "default", or in deterministic mode the

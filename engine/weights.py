@@ -49,7 +49,7 @@ def _read_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
 def load_weights(
     model_dir: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, ordered: bool = False
 ) -> ModelWeights:
-    """ordered: every linear sums in one order whatever the batch (deterministic mode, engine/linear.py)."""
+    """ordered: every linear runs the k-ordered kernel (engine/linear.py)."""
     raw = _read_tensors(model_dir)
 
     def linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:

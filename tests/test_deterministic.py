@@ -117,6 +117,11 @@ def test_the_mode_refuses_a_draft_model_whose_proposals_would_move_with_the_batc
     EngineConfig(deterministic=True, speculative={"method": "ngram"})
 
 
+def test_the_mode_refuses_onednn_linears():
+    with pytest.raises(ValueError, match="linear_kernel must be 'ordered' or 'auto' with deterministic"):
+        EngineConfig(deterministic=True, linear_kernel="onednn")
+
+
 def test_the_mode_needs_the_cpu_attention_kernel_and_says_so(tiny_llama):
     with pytest.raises(ValueError, match=r"deterministic: needs the C\+\+ CPU attention kernel.*cpu_kernels False"):
         make_engine(tiny_llama, deterministic=True, cpu_kernels=False)

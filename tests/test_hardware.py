@@ -18,7 +18,8 @@ AS_IS = ("PDSERVE_CPU_ISA", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")
 x86_only = pytest.mark.skipif(os.uname().machine not in ("x86_64", "AMD64"), reason="x86 CPU classes")
 
 PROBE = """
-import json, sys, torch
+import json, logging, sys, torch
+logging.basicConfig(level=logging.INFO)
 from engine.hardware import can_prepack, cpu_features, resolve_dtype
 from engine import LLMEngine, EngineConfig
 cpu = cpu_features()
@@ -26,14 +27,16 @@ out = {"isa": cpu.isa, "native_bf16": cpu.native_bf16, "flags": cpu.kernel_flags
        "auto": str(resolve_dtype("auto", torch.device("cpu"))),
        "prepack_bf16": can_prepack(torch.bfloat16), "prepack_fp32": can_prepack(torch.float32)}
 if len(sys.argv) > 1:
-    for dtype in ("auto", "bfloat16"):
-        e = LLMEngine(EngineConfig(model=sys.argv[1], dtype=dtype, device="cpu", num_kv_blocks=32, block_size=4))
+    for dtype, kernel in (("auto", "auto"), ("bfloat16", "auto"), ("auto", "onednn"), ("bfloat16", "onednn")):
+        e = LLMEngine(EngineConfig(model=sys.argv[1], dtype=dtype, device="cpu", num_kv_blocks=32, block_size=4,
+                                   linear_kernel=kernel))
         from engine import SamplingParams
         e.add_request("r", [1, 2, 3], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
         while e.has_unfinished():
             e.step()
         qkv = e.runner.model.w.layers[0].qkv
-        out[dtype] = {"dtype": str(e.dtype), "packed": qkv.packed is not None, "weight_kept": qkv.weight is not None,
+        out[f"{dtype} {kernel}"] = {"dtype": str(e.dtype), "packed": qkv.packed is not None,
+                      "ordered": qkv.panels is not None, "weight_kept": qkv.weight is not None,
                       "kernels": e.runner.use_cpu_kernels}
 print(json.dumps(out))
 """
@@ -60,11 +63,15 @@ def test_acting_as_avx2_picks_fp32_and_skips_bf16_prepack():
 @x86_only
 def test_acting_as_avx2_runs_both_dtypes(tiny_llama):
     got = probe(AVX2, str(tiny_llama))
-    assert got["auto"]["dtype"] == "torch.float32" and got["auto"]["packed"]
-    assert not got["auto"]["weight_kept"]  # the packed copy is the only one
-    assert got["bfloat16"]["dtype"] == "torch.bfloat16" and not got["bfloat16"]["packed"]
-    assert got["bfloat16"]["weight_kept"]  # F.linear's
-    assert "without native bfloat16" in got["stderr"] and "several times slower" in got["stderr"]
+    # auto: the ordered kernel's panels in either dtype, the only copy of the weight
+    for dtype in ("auto", "bfloat16"):
+        assert got[f"{dtype} auto"]["ordered"] and not got[f"{dtype} auto"]["weight_kept"]
+    assert got["auto auto"]["dtype"] == "torch.float32" and got["bfloat16 auto"]["dtype"] == "torch.bfloat16"
+    assert "linears: ordered kernel (CPU class avx2)" in got["stderr"]
+    # onednn: its prepacked fp32 weight alone; in bf16, which it cannot run here, F.linear's
+    assert got["auto onednn"]["packed"] and not got["auto onednn"]["weight_kept"]
+    assert not got["bfloat16 onednn"]["packed"] and got["bfloat16 onednn"]["weight_kept"]
+    assert "without native bfloat16" in got["stderr"] and "emulated" in got["stderr"]
 
 
 def cpuinfo_class() -> str | None:

@@ -35,11 +35,11 @@ def hf_last_logits(hf, ids: list[int]) -> torch.Tensor:
         return hf(torch.tensor([ids])).logits[0, -1].float()
 
 
-def check_prefill_then_decode(model_dir, steps: int = 6, cpu_kernels: bool = True):
+def check_prefill_then_decode(model_dir, steps: int = 6, cpu_kernels: bool = True, linear_kernel: str = "auto"):
     """A prefill of mixed-length prompts in one forward, then decode steps of the mixed batch, with
     a new prompt joining mid-way so one step mixes decode and prefill."""
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    engine = make_engine(model_dir, cpu_kernels=cpu_kernels)
+    engine = make_engine(model_dir, cpu_kernels=cpu_kernels, linear_kernel=linear_kernel)
     assert engine.runner.use_cpu_kernels == cpu_kernels
     runner, bm = engine.runner, engine.block_manager
     seqs = [Sequence(f"r{i}", list(p), SamplingParams(temperature=0)) for i, p in enumerate(PROMPTS[:3])]
@@ -60,9 +60,23 @@ def check_prefill_then_decode(model_dir, steps: int = 6, cpu_kernels: bool = Tru
             s.output_token_ids.append(int(row.argmax()))
 
 
-@pytest.mark.parametrize("cpu_kernels", [True, False], ids=["cpu-kernels", "plain-torch"])
-def test_llama_prefill_and_decode_match_transformers(tiny_llama, cpu_kernels):
-    check_prefill_then_decode(tiny_llama, cpu_kernels=cpu_kernels)
+@pytest.mark.parametrize(
+    "cpu_kernels, linear_kernel",
+    [(True, "auto"), (True, "ordered"), (True, "onednn"), (False, "auto")],
+    ids=["cpu-kernels", "ordered-linears", "onednn-linears", "plain-torch"],
+)
+def test_llama_prefill_and_decode_match_transformers(tiny_llama, cpu_kernels, linear_kernel):
+    check_prefill_then_decode(tiny_llama, cpu_kernels=cpu_kernels, linear_kernel=linear_kernel)
+
+
+def test_the_linear_kernel_is_the_one_asked_for_and_a_wrong_one_is_named(tiny_llama):
+    ordered = make_engine(tiny_llama, linear_kernel="ordered").runner.model.w.layers[0].qkv
+    onednn = make_engine(tiny_llama, linear_kernel="onednn").runner.model.w.layers[0].qkv
+    assert ordered.panels is not None and onednn.panels is None
+    with pytest.raises(ValueError, match=r"linear_kernel ordered: needs the C\+\+ CPU kernels.*cpu_kernels False"):
+        make_engine(tiny_llama, linear_kernel="ordered", cpu_kernels=False)
+    with pytest.raises(ValueError, match=r"linear_kernel must be one of \('auto', 'ordered', 'onednn'\), got 'mkl'"):
+        make_engine(tiny_llama, linear_kernel="mkl")
 
 
 @pytest.mark.parametrize("cpu_kernels", [True, False], ids=["cpu-kernels", "plain-torch"])
