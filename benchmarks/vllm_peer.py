@@ -9,7 +9,8 @@ other, in interleaved rounds:
 - vLLM 0.32 CPU, 1 prefill + 1 decode instance (NIXL connector with the harness's patches, each
   pinned to one core), behind the harness's proxy;
 - pdserve up --prefill 1 --decode 1 --num-threads 1 --pin-cpus, its router's HTTP API (and with
-  --also-args "FLAGS", the same with more `pdserve up` flags, e.g. "--max-local-prefill-tokens 512");
+  --also-args "FLAGS", the same with more `pdserve up` flags, e.g. "--max-local-prefill-tokens 512";
+  repeatable, one more system each; with --step-logs DIR, each pdserve run's engine steps in DIR);
 - with --single, also vLLM as one instance on both cores (the harness's start_single.sh), to
   show in the same window what disaggregation itself costs vLLM on these cores.
 vLLM runs from .venv-vllm (docs/benchmarks.md says how to make it); both load the same model
@@ -186,9 +187,11 @@ def main() -> int:
     ap.add_argument("--json", default=str(ROOT / "docs" / "bench" / "vllm_peer.json"))
     ap.add_argument(
         "--also-args",
-        default="",
-        help="also run pdserve with these `pdserve up` flags, e.g. '--max-num-batched-tokens 1024'",
+        action="append",
+        default=[],
+        help="also run pdserve with these `pdserve up` flags, e.g. '--max-num-batched-tokens 1024' (repeatable)",
     )
+    ap.add_argument("--step-logs", type=Path, help="write each pdserve run's engine step log here (--step-log)")
     ap.add_argument("--single", action="store_true", help="also run vLLM as one instance on both cores")
     ap.add_argument(
         "--dtype",
@@ -209,14 +212,20 @@ def main() -> int:
     logs = Path(args.logs)
     (logs / "kvstore").mkdir(parents=True, exist_ok=True)
     venv = Path(args.vllm_venv)
-    systems = {
-        "vllm-pd": lambda tag: run_vllm(model_dir, venv, logs, tag, dtype),
-        "pdserve-pd": lambda tag: run_pdserve(logs, tag, str(venv / "bin" / "python"), ["--dtype", dtype]),
-    }
-    if args.also_args:
-        systems["pdserve-pd " + args.also_args] = lambda tag: run_pdserve(
-            logs, tag.replace(" ", "_"), str(venv / "bin" / "python"), ["--dtype", dtype, *args.also_args.split()]
-        )
+
+    def pdserve(flags: list[str]):
+        def run(tag: str) -> dict:
+            tag = tag.replace(" ", "_")
+            steps = ["--step-log", str(args.step_logs / f"steps_{tag}.jsonl")] if args.step_logs else []
+            return run_pdserve(logs, tag, str(venv / "bin" / "python"), ["--dtype", dtype, *flags, *steps])
+
+        return run
+
+    if args.step_logs:
+        args.step_logs.mkdir(parents=True, exist_ok=True)
+    systems = {"vllm-pd": lambda tag: run_vllm(model_dir, venv, logs, tag, dtype), "pdserve-pd": pdserve([])}
+    for flags in args.also_args:
+        systems["pdserve-pd " + flags] = pdserve(flags.split())
     if args.single:
         systems["vllm-single"] = lambda tag: run_vllm_single(model_dir, venv, logs, tag, dtype)
     runs: dict[str, list[dict]] = {name: [] for name in systems}

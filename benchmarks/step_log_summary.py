@@ -1,0 +1,61 @@
+"""What a P/D pair's engines did, from their step logs (engine/step_log.py; `pdserve up --step-log`,
+benchmarks/vllm_peer.py --step-logs DIR): per log file, the decode node's decode-only steps (the
+median milliseconds per batch size), its steps that also prefilled (local prefills: how many, their
+prompt tokens, the median step), and the prefill node's seconds per 610 prompt tokens.
+
+    python benchmarks/step_log_summary.py DIR/steps_*.jsonl [--json FILE]
+
+The decode node is the engine (pid) whose steps decode; every other pid in the file prefills.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+MIN_STEPS = 10  # batch sizes with fewer decode-only steps are left out
+
+
+def summary(path: Path) -> dict:
+    steps = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    decoders = {s["pid"] for s in steps if s["decodes"]}
+    by_batch: dict[int, list[float]] = defaultdict(list)
+    local, remote = [], []
+    for s in steps:
+        if s["pid"] not in decoders:
+            if s["prefills"]:
+                remote.append(s["s"] / sum(n for n, _ in s["prefills"]) * 610)
+        elif s["prefills"]:
+            local.append(s)
+        else:
+            by_batch[len(s["decodes"])].append(s["s"] * 1e3)
+    return {
+        "decode_step_ms_by_batch": {
+            b: round(statistics.median(v), 1) for b, v in sorted(by_batch.items()) if len(v) >= MIN_STEPS
+        },
+        "local_prefill_steps": len(local),
+        "local_prefill_tokens": sum(n for s in local for n, _ in s["prefills"]),
+        "local_prefill_step_s_p50": round(statistics.median(s["s"] for s in local), 3) if local else None,
+        "prefill_node_s_per_610_tokens": round(statistics.median(remote), 3) if remote else None,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("logs", nargs="+", type=Path)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    logs = {path.name: summary(path) for path in sorted(args.logs)}
+    for name, s in logs.items():
+        print(name, json.dumps(s))
+    out = {"command": " ".join(["python", *sys.argv]), "logs": logs}
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
