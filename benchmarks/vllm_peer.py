@@ -215,8 +215,11 @@ def main() -> int:
 
     def pdserve(flags: list[str]):
         def run(tag: str) -> dict:
-            tag = tag.replace(" ", "_")
-            steps = ["--step-log", str(args.step_logs / f"steps_{tag}.jsonl")] if args.step_logs else []
+            steps = []
+            if args.step_logs:
+                log = args.step_logs / f"steps_{tag}.jsonl"
+                log.unlink(missing_ok=True)  # a step log appends: not a previous run's steps beside these
+                steps = ["--step-log", str(log)]
             return run_pdserve(logs, tag, str(venv / "bin" / "python"), ["--dtype", dtype, *flags, *steps])
 
         return run
@@ -229,9 +232,12 @@ def main() -> int:
     if args.single:
         systems["vllm-single"] = lambda tag: run_vllm_single(model_dir, venv, logs, tag, dtype)
     runs: dict[str, list[dict]] = {name: [] for name in systems}
+    for i, name in enumerate(systems):
+        print(f"system s{i}: {name}", flush=True)
     for r in range(args.rounds):
-        for name, run in systems.items():
-            s = run(f"{name}-r{r}")
+        for i, (name, run) in enumerate(systems.items()):
+            # the tag goes into every prompt (unique per run: no cache hits across runs), so all are one length
+            s = run(f"s{i}r{r:02d}")
             runs[name].append(s)
             print(
                 f"round {r} {name:>10}: {s['out_tok_s']:6.1f} tok/s, TTFT p50 {s['ttft_p50_ms']:.0f} ms, "

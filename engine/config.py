@@ -75,8 +75,8 @@ class EngineConfig:
     linear_kernel: str = option(
         "auto",
         "a CPU's linears: ordered (engine/csrc/ordered_linear.cpp, each output summed in k order, what "
-        "deterministic needs), onednn (its prepacked weights, F.linear where it has none), or auto: ordered on x86 "
-        "CPUs without AMX, where it measured faster at decode's row counts, onednn on the others (engine/hardware.py)",
+        "deterministic needs), onednn (its prepacked weights, F.linear where it has none), or auto: ordered where it "
+        "measured faster (bf16 on AVX512_BF16, AVX2-only CPUs), onednn elsewhere (engine/hardware.py)",
         choices=LINEAR_KERNELS,
     )
     num_threads: int | None = option(None, "torch threads on CPU (default: torch's choice)")
@@ -128,8 +128,8 @@ class EngineConfig:
         _check(self.num_threads is None or self.num_threads >= 1, "num_threads", ">= 1 or None", self.num_threads)
         if self.speculative is not None:
             spec = SpeculativeConfig.from_dict(self.speculative)  # raises naming the setting
-            # the draft model runs the default kernels, so its proposals (and what a seeded sample
-            # accepts) could move with the batch; n-gram proposals depend on the tokens alone
+            # the draft model's attention is not the mode's single queries, so its proposals (and what a
+            # seeded sample accepts) could move with the batch; n-gram proposals depend on the tokens alone
             _check(
                 not (self.deterministic and spec.method == "draft_model"),
                 "speculative.method",

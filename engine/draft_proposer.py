@@ -42,6 +42,7 @@ class DraftModelProposer:
         max_model_len: int,
         reserve: int,
         fused_ops: bool,
+        ordered_linears: bool,
     ):
         model_dir = resolve_model(config.draft_model)
         cfg = ModelConfig.from_dir(model_dir)
@@ -52,7 +53,9 @@ class DraftModelProposer:
             )
         self.config, self.cfg, self.device = config, cfg, device
         self.block_manager, self.reserve, self.max_model_len = block_manager, reserve, max_model_len
-        self.model = LlamaModel(cfg, load_weights(model_dir, cfg, dtype, device), max_model_len, Ops(fused=fused_ops))
+        self.model = LlamaModel(
+            cfg, load_weights(model_dir, cfg, dtype, device, ordered_linears), max_model_len, Ops(fused=fused_ops)
+        )
         self.decode_kernel = fused_ops and decode_attention_fits(cfg.head_dim)
         self.prefill_matmul = fused_ops and dtype == torch.bfloat16
         bm = block_manager

@@ -8,21 +8,23 @@ the code was written on. PDSERVE_CPU_ISA=avx2 (or generic, avx512, ...) makes th
 lesser CPU class than the one it runs on, so a developer on an AVX-512 or AMX machine can run the
 AVX2 path; it can lower the class, never raise it.
 
-| class        | CPUs                                   | dtype auto | linears (auto)        | kernels built with |
-| ------------ | -------------------------------------- | ---------- | --------------------- | ------------------ |
-| amx          | Xeon Sapphire Rapids and later         | bfloat16   | oneDNN, prepacked     | AVX-512 + BF16     |
-| avx512_bf16  | Xeon Cooper Lake, AMD Zen 4 and later  | bfloat16   | ordered               | AVX-512 + BF16     |
-| avx512       | Xeon Skylake-SP .. Ice Lake            | float32    | ordered               | AVX-512            |
-| avx2         | AMD Zen 1-3, Intel client CPUs, ...    | float32    | ordered               | AVX2 + FMA         |
-| neon         | aarch64 (Graviton, Ampere, Apple, ...) | float32 *  | oneDNN where it can   | -mcpu=native       |
-| generic      | anything else                          | float32    | oneDNN where it can   | plain C++          |
+| class        | CPUs                                   | dtype auto | linears (auto)          | kernels built with |
+| ------------ | -------------------------------------- | ---------- | ----------------------- | ------------------ |
+| amx          | Xeon Sapphire Rapids and later         | bfloat16   | oneDNN, prepacked       | AVX-512 + BF16     |
+| avx512_bf16  | Xeon Cooper Lake, AMD Zen 4 and later  | bfloat16   | bf16: ordered; fp32: oneDNN | AVX-512 + BF16 |
+| avx512       | Xeon Skylake-SP .. Ice Lake            | float32    | oneDNN, prepacked       | AVX-512            |
+| avx2         | AMD Zen 1-3, Intel client CPUs, ...    | float32    | ordered                 | AVX2 + FMA         |
+| neon         | aarch64 (Graviton, Ampere, Apple, ...) | float32 *  | oneDNN where it can     | -mcpu=native       |
+| generic      | anything else                          | float32    | oneDNN where it can     | plain C++          |
 
 (*) bfloat16 where the core has the bf16 extension and oneDNN supports it (Graviton 3 and later).
 
-"ordered" is engine/csrc/ordered_linear.cpp, deterministic mode's kernel: on these classes it
-measured faster than oneDNN's prepacked weights at decode's row counts (1.2-2x at 1-16 rows) and
-within 6% either way at prefill's (docs/benchmarks.md, "Linears"). On AMX oneDNN runs tile
-instructions the kernel does not, and on Arm it is unmeasured, so those keep oneDNN.
+"ordered" is engine/csrc/ordered_linear.cpp, deterministic mode's kernel, built for the class's
+own flags (not a lesser build it fell back to): for these classes and dtypes it measured
+1.48-1.75x oneDNN's prepacked weights on a lone stream, 1.00-1.06x on a full batch and 0.94-1.00x
+on a prefill (docs/benchmarks.md, "Linears"). fp32 on AVX-512 measured both ahead and behind
+oneDNN's (0.85-0.89x at 64-1,024 rows with two threads), AMX runs tile instructions the kernel
+does not, and Arm is unmeasured: those keep oneDNN.
 """
 
 from __future__ import annotations
@@ -44,7 +46,8 @@ ARM_CLASSES = ("generic", "neon")
 _AVX2 = ["-mavx2", "-mfma", "-mf16c"]
 _AVX512 = _AVX2 + ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mprefer-vector-width=512"]
 _AVX512_BF16 = _AVX512 + ["-mavx512bf16"]
-ORDERED_LINEAR_CLASSES = ("avx2", "avx512", "avx512_bf16")  # linear_kernel auto -> ordered
+# linear_kernel auto -> the ordered kernel, per class and dtype (where it measured faster; above)
+ORDERED_LINEARS = {"avx2": (torch.float32, torch.bfloat16), "avx512_bf16": (torch.bfloat16,)}
 KERNEL_FLAGS = {
     "amx": _AVX512_BF16,
     "avx512_bf16": _AVX512_BF16,
@@ -195,7 +198,7 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
         why = (
             "native bf16 matmuls"
             if cpu.native_bf16
-            else "no native bf16 on this CPU, where bf16 matmuls are emulated and several times slower"
+            else "no native bf16 on this CPU, where bf16 matmuls are emulated and slower"
         )
         _log_once(logging.INFO, f"dtype auto -> {_name(chosen)}: CPU class {cpu.isa} ({cpu.reason}); {why}")
         return chosen
@@ -205,7 +208,8 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
             logging.WARNING,
             f"dtype {dtype} on a CPU of class {cpu.isa} without native {dtype} ({cpu.reason}): it runs, "
             f"emulated (its matmuls convert each value to float32): slower than float32 on full batches, several "
-            f"times with --linear-kernel onednn; --dtype auto picks float32 here",
+            f"times where the linears run F.linear (--linear-kernel onednn, or no C++ kernels); --dtype auto picks "
+            f"float32 here",
         )
     return chosen
 

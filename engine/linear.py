@@ -1,4 +1,4 @@
-"""y = x @ W.T + b, with the weight prepacked on CPUs where oneDNN can.
+"""y = x @ W.T + b, the weight packed once: for engine/csrc/ordered_linear.cpp, or for oneDNN.
 
 On a CPU the weight is reordered once into oneDNN's blocked layout, the one its kernels for this
 CPU want (AMX or AVX-512 for bf16, AVX2 or AVX-512 for fp32), and only that copy is kept, not
@@ -10,7 +10,7 @@ engine/hardware.py decides.
 With `ordered` the weight is packed instead for engine/csrc/ordered_linear.cpp, whose every output
 is summed in k order whatever else is in the batch (a BLAS picks its blocking, and the order of a
 row's sums, by the shape it is given): what deterministic mode needs, and the faster kernel by
-default on x86 CPUs without AMX (engine/hardware.py).
+default where engine/hardware.py says it measured so.
 """
 
 from __future__ import annotations

@@ -92,6 +92,7 @@ class LLMEngine:
             self.max_model_len,
             self.scheduler.watermark_blocks,
             self.runner.use_cpu_kernels,
+            self.runner.ordered_linears,
         )
 
     # ---- requests in -------------------------------------------------------------------

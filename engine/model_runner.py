@@ -12,7 +12,7 @@ import torch
 from engine import cpu_kernels, cuda_kernels
 from engine.attention import build_metadata
 from engine.config import EngineConfig
-from engine.hardware import ORDERED_LINEAR_CLASSES, cpu_features, cpu_vendor
+from engine.hardware import ORDERED_LINEARS, can_prepack, cpu_features, cpu_vendor
 from engine.kv_cache import KVCache
 from engine.model import LlamaModel
 from engine.model_config import ModelConfig
@@ -57,7 +57,7 @@ class ModelRunner:
                 f"{device.type}, cpu_kernels {config.cpu_kernels}, kernels built {self.use_cpu_kernels}, head_dim "
                 f"{cfg.head_dim}); it runs with --device cpu, the CPU kernels on, head_dim a multiple of 16 up to 256"
             )
-        self.ordered_linears = self._ordered_linears(config)
+        self.ordered_linears = self._ordered_linears(config, dtype)
         weights = load_weights(model_dir, cfg, dtype, device, ordered=self.ordered_linears)
         self.model = LlamaModel(cfg, weights, max_model_len, Ops(fused=self.use_cpu_kernels))
         self.numerics = self._numerics()
@@ -84,21 +84,31 @@ class ModelRunner:
             )
         return why is None
 
-    def _ordered_linears(self, config: EngineConfig) -> bool:
+    def _ordered_linears(self, config: EngineConfig, dtype: torch.dtype) -> bool:
         """Whether the linears run engine/csrc/ordered_linear.cpp: in deterministic mode, when asked,
-        and by default on the CPU classes where it is the faster kernel (engine/hardware.py)."""
-        if config.linear_kernel == "onednn":
-            return False
+        and by default where it measured the faster kernel: this CPU class and dtype, the kernels
+        built for the class's own flags (engine/hardware.py)."""
         if config.linear_kernel == "ordered" and not self.use_cpu_kernels:
             raise ValueError(
                 f"linear_kernel ordered: needs the C++ CPU kernels, which this engine does not run (device "
-                f"{self.device.type}, cpu_kernels {config.cpu_kernels}); it runs with --device cpu, the CPU kernels on"
+                f"{self.device.type}, cpu_kernels {config.cpu_kernels}, kernels built {self.use_cpu_kernels}); "
+                f"it runs with --device cpu, the CPU kernels on"
             )
-        ordered = self.deterministic or config.linear_kernel == "ordered"
-        if not ordered and self.use_cpu_kernels:
-            ordered = cpu_features().isa in ORDERED_LINEAR_CLASSES
+        if self.deterministic or config.linear_kernel != "auto":
+            ordered = self.deterministic or config.linear_kernel == "ordered"
+        else:
+            cpu = cpu_features()
+            own_build = cpu_kernels.BUILT[:1] == [" ".join(cpu.kernel_flags) or "plain C++"]
+            ordered = self.use_cpu_kernels and own_build and dtype in ORDERED_LINEARS.get(cpu.isa, ())
         if self.device.type == "cpu":
-            log.info("linears: %s (CPU class %s)", "ordered kernel" if ordered else "oneDNN", cpu_features().isa)
+            kernel = "the ordered kernel" if ordered else "oneDNN, prepacked" if can_prepack(dtype) else "F.linear"
+            log.info(
+                "linears: %s (%s, CPU class %s, linear_kernel %s)",
+                kernel,
+                dtype,
+                cpu_features().isa,
+                config.linear_kernel,
+            )
         return ordered
 
     def _numerics(self) -> str:

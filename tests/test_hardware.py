@@ -67,11 +67,23 @@ def test_acting_as_avx2_runs_both_dtypes(tiny_llama):
     for dtype in ("auto", "bfloat16"):
         assert got[f"{dtype} auto"]["ordered"] and not got[f"{dtype} auto"]["weight_kept"]
     assert got["auto auto"]["dtype"] == "torch.float32" and got["bfloat16 auto"]["dtype"] == "torch.bfloat16"
-    assert "linears: ordered kernel (CPU class avx2)" in got["stderr"]
+    assert "linears: the ordered kernel (torch.float32, CPU class avx2, linear_kernel auto)" in got["stderr"]
     # onednn: its prepacked fp32 weight alone; in bf16, which it cannot run here, F.linear's
     assert got["auto onednn"]["packed"] and not got["auto onednn"]["weight_kept"]
     assert not got["bfloat16 onednn"]["packed"] and got["bfloat16 onednn"]["weight_kept"]
     assert "without native bfloat16" in got["stderr"] and "emulated" in got["stderr"]
+
+
+@x86_only
+def test_auto_runs_the_ordered_linears_where_they_measured_faster(tiny_llama):
+    """This machine's class and dtype decide (engine/hardware.py ORDERED_LINEARS); onednn overrides."""
+    from engine.hardware import ORDERED_LINEARS
+
+    got = probe({}, str(tiny_llama))
+    for dtype in ("auto", "bfloat16"):
+        expected = any(got[f"{dtype} auto"]["dtype"] == str(d) for d in ORDERED_LINEARS.get(got["isa"], ()))
+        assert got[f"{dtype} auto"]["ordered"] == expected, (got["isa"], dtype)
+        assert not got[f"{dtype} onednn"]["ordered"]
 
 
 def cpuinfo_class() -> str | None:
