@@ -64,7 +64,7 @@ def throughput(dtype: str, kernel: str, prompts: int, length: int, tokens: int, 
     }
 
 
-def spawn(args, *child: str) -> dict:
+def spawn(*child: str) -> dict:
     cmd = [sys.executable, __file__, "--child", *child]
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if done.returncode != 0:
@@ -125,14 +125,14 @@ def main() -> None:
     }
     for threads in [int(t) for t in args.threads.split(",")]:
         if args.linear_rows:
-            out["linears"][str(threads)] = spawn(args, "linears", args.dtype, str(threads), args.linear_rows)
+            out["linears"][str(threads)] = spawn("linears", args.dtype, str(threads), args.linear_rows)
         for name, (prompts, length, tokens) in workloads(args).items():
             if not args.runs or name not in args.workloads.split(","):
                 continue
             runs = {kernel: [] for kernel in KERNELS}
             for r in range(args.runs):
                 for kernel in KERNELS if r % 2 == 0 else reversed(KERNELS):
-                    got = spawn(args, "engine", args.dtype, str(threads), kernel, *map(str, (prompts, length, tokens)))
+                    got = spawn("engine", args.dtype, str(threads), kernel, *map(str, (prompts, length, tokens)))
                     runs[kernel].append(got["prompt_tokens_per_s" if name == "prefill" else "tokens_per_s"])
             out["engine"][f"{name}, {threads} thread{'s' * (threads > 1)}"] = {
                 "workload": f"{prompts} {'chat' if not length else f'{length}-token'} prompts x {tokens} tokens",

@@ -94,19 +94,19 @@ class ModelRunner:
                 f"{self.device.type}, cpu_kernels {config.cpu_kernels}, kernels built {self.use_cpu_kernels}); "
                 f"it runs with --device cpu, the CPU kernels on"
             )
-        if self.deterministic or config.linear_kernel != "auto":
-            ordered = self.deterministic or config.linear_kernel == "ordered"
-        else:
-            cpu = cpu_features()
+        cpu = cpu_features()
+        if config.linear_kernel == "auto" and not self.deterministic:
             own_build = cpu_kernels.BUILT[:1] == [" ".join(cpu.kernel_flags) or "plain C++"]
             ordered = self.use_cpu_kernels and own_build and dtype in ORDERED_LINEARS.get(cpu.isa, ())
+        else:  # ordered, or deterministic (which refuses onednn)
+            ordered = config.linear_kernel != "onednn"
         if self.device.type == "cpu":
             kernel = "the ordered kernel" if ordered else "oneDNN, prepacked" if can_prepack(dtype) else "F.linear"
             log.info(
                 "linears: %s (%s, CPU class %s, linear_kernel %s)",
                 kernel,
                 dtype,
-                cpu_features().isa,
+                cpu.isa,
                 config.linear_kernel,
             )
         return ordered
