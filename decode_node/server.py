@@ -19,12 +19,13 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import grpc
 
 from decode_node.config import DecodeConfig
 from engine import EngineConfig, LLMEngine
+from engine.config import DECODE_NODE_PREFILL_TOKENS
 from kvtransfer.base import KVCorrupt, KVTransfer, KVTransferError, host_id
 from kvtransfer.layout import KVLayout, KVLayoutMismatch, model_fingerprint
 from kvtransfer.receiver import KVReceiver
@@ -63,6 +64,8 @@ class DecodeNode(EngineServer, nodes_pb2_grpc.DecodeNodeServicer):
     ):
         """kv_options: the KV transports' reader options (kvtransfer/transports.py)."""
         self.config = config
+        if engine_config.prefill_tokens_with_decodes is None:  # local prefills a chunk a step beside decodes
+            engine_config = replace(engine_config, prefill_tokens_with_decodes=DECODE_NODE_PREFILL_TOKENS)
         llm = LLMEngine(engine_config)
         super().__init__(llm, host, config.port, security, metrics, any_port_if_taken)
         self.server.add(

@@ -15,6 +15,9 @@ DTYPES = ("auto", "bfloat16", "float16", "float32")
 SCHEDULING = ("continuous", "static")
 LINEAR_KERNELS = ("auto", "ordered", "onednn")
 GIB = 1 << 30
+# A decode node's prompt tokens per step beside its decodes (prefill_tokens_with_decodes): measured on the
+# anchor workload, docs/benchmarks.md "Local prefills a chunk at a time"
+DECODE_NODE_PREFILL_TOKENS = 32
 
 
 def option(default, help: str, **more):
@@ -41,6 +44,12 @@ class EngineConfig:
     num_kv_blocks: int | None = option(None, "KV cache blocks, overriding --kv-cache-gb (tests use tiny pools)")
     max_num_seqs: int = option(256, "sequences in one decode batch at most")
     max_num_batched_tokens: int = option(4096, "tokens in one forward at most (prefill chunks + decodes)")
+    prefill_tokens_with_decodes: int | None = option(
+        None,
+        "a step that decodes computes at most this many prompt tokens beside its decodes, so a long prompt stalls "
+        "the decoding sequences a chunk at a time (with chunked prefill; 0: as many as the token budget allows; "
+        f"default: {DECODE_NODE_PREFILL_TOKENS} on a decode node, whose local prefills it bounds, 0 elsewhere)",
+    )
     max_model_len: int | None = option(None, "longest prompt + output in tokens (default: the model's context length)")
     scheduling: str = option(
         "continuous", "static: a new batch only once the whole batch is done (for comparison)", choices=SCHEDULING
@@ -114,6 +123,12 @@ class EngineConfig:
         )
         _check(self.max_num_seqs >= 1, "max_num_seqs", ">= 1", self.max_num_seqs)
         _check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", ">= 1", self.max_num_batched_tokens)
+        _check(
+            self.prefill_tokens_with_decodes is None or self.prefill_tokens_with_decodes >= 0,
+            "prefill_tokens_with_decodes",
+            ">= 0 or None",
+            self.prefill_tokens_with_decodes,
+        )
         _check(
             self.max_model_len is None or self.max_model_len >= 2, "max_model_len", ">= 2 or None", self.max_model_len
         )

@@ -21,6 +21,11 @@ from engine.config import EngineConfig
 from engine.sequence import FinishReason, Sequence, SequenceStatus
 
 
+def is_decoding(seq: Sequence) -> bool:
+    """Its KV lags its tokens by the one it sampled last: the step computes that one."""
+    return bool(seq.output_token_ids) and seq.num_computed_tokens == seq.num_tokens - 1
+
+
 def waits_for_prefix(names: list[int], computing: set[int], block_size: int, uncomputed: int) -> bool:
     """In-batch prefix caching's rule: a prompt waits a step for the prefills computing its
     prefix when at least half of its uncomputed tokens are blocks being computed (names: its
@@ -55,6 +60,7 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.prefill_budget = config.max_num_batched_tokens  # this step's for prompt tokens (schedule)
         # Admissions keep a few blocks back so that running sequences can still grow.
         self.watermark_blocks = block_manager.num_blocks // 100
         self.num_preemptions = 0
@@ -74,12 +80,27 @@ class Scheduler:
         """One step's work: 1. the running sequences, oldest first (mostly one decode token each),
         preempting the newest when blocks run out; 2. waiting sequences while tokens, slots and
         blocks allow (none after a preemption: memory is short; static batching admits only into
-        an empty batch)."""
+        an empty batch). Beside decoding sequences, prompts get prefill_tokens_with_decodes of
+        the budget at most (Sarathi-Serve's stall-free batching)."""
         batch = ScheduledBatch([], [])
-        budget, preempted = self._schedule_running(batch, self.config.max_num_batched_tokens)
-        if not preempted and not (self.config.scheduling == "static" and self.running):
+        cfg = self.config
+        self.prefill_budget = cfg.max_num_batched_tokens
+        if cfg.prefill_tokens_with_decodes and cfg.enable_chunked_prefill and any(map(is_decoding, self.running)):
+            self.prefill_budget = cfg.prefill_tokens_with_decodes
+        budget, preempted = self._schedule_running(batch, cfg.max_num_batched_tokens)
+        if not preempted and not (cfg.scheduling == "static" and self.running):
             self._schedule_waiting(batch, budget)
         return batch
+
+    def _prefill_tokens(self, seq: Sequence, budget: int) -> int:
+        """What a sequence may compute this step: its tokens not yet computed, within the budget
+        (and within the prompts' budget where it is a prefill chunk)."""
+        n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+        if is_decoding(seq):
+            return n
+        n = min(n, self.prefill_budget)
+        self.prefill_budget -= n
+        return n
 
     def _schedule_running(self, batch: ScheduledBatch, budget: int) -> tuple[int, bool]:
         """Returns the token budget left and whether a sequence was preempted."""
@@ -87,7 +108,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = self._prefill_tokens(seq, budget)
+            if n == 0:  # a prompt's chunk, with the prompts' budget spent: next step
+                i += 1
+                continue
             if seq.draft_token_ids:  # verify drafts only where they fit without pressing anyone
                 drafted = n + len(seq.draft_token_ids)
                 if drafted <= budget and bm.can_allocate(
@@ -115,9 +139,13 @@ class Scheduler:
         # (not in static batching: a prompt held back would wait out the whole batch)
         may_hold = bm.enable_prefix_caching and cfg.scheduling != "static"
         computing: set[int] | None = None  # names of blocks that running prefills will compute
-        behind: list[Sequence] = []  # held back for one of those; their slots are kept
+        behind: list[Sequence] = []  # held back for one of those, or the prompts' budget; their slots are kept
         while self.waiting and len(self.running) + len(behind) < cfg.max_num_seqs and budget > 0:
             seq = self.waiting[0]
+            prefill = not is_decoding(seq)  # (not one whose KV a prefill node computed)
+            if prefill and self.prefill_budget <= 0:  # the prompts' share of the step is spent: it waits a
+                behind.append(self.waiting.popleft())  # step, and the KV computed elsewhere behind it goes on
+                continue
             looked_up = not seq.block_table  # a new or preempted sequence: its prefix may be cached
             if looked_up:
                 seq.num_computed_tokens = bm.acquire_prefix(seq)
@@ -132,8 +160,9 @@ class Scheduler:
                         self.num_prefix_waits += 1
                         continue
             n = seq.num_tokens - seq.num_computed_tokens
-            fits = n <= budget or cfg.enable_chunked_prefill
-            n = min(n, budget)
+            limit = min(budget, self.prefill_budget) if prefill else budget
+            fits = n <= limit or cfg.enable_chunked_prefill
+            n = min(n, limit)
             if not fits or not bm.can_allocate(seq, seq.num_computed_tokens + n, reserve=self.watermark_blocks):
                 need = seq.num_computed_tokens + n
                 if looked_up:  # wait without holding cached blocks
@@ -152,6 +181,7 @@ class Scheduler:
             self.running.append(seq)
             batch.add(seq, n)
             budget -= n
+            self.prefill_budget -= n if prefill else 0
             if computing is not None:
                 computing.update(bm.names_to_compute(seq))
         self.waiting.extendleft(reversed(behind))  # first in the queue again, in their order

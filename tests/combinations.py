@@ -125,13 +125,15 @@ def random_workload(rng: random.Random, num_requests: int) -> list[Req]:
 
 def random_engine(rng: random.Random) -> dict:
     """Engine settings for a mix: a small pool (preemption, eviction), small steps (chunked
-    prefill), speculation or not, prefix caching mostly on."""
+    prefill), speculation or not, prefix caching mostly on, prompts beside decodes in small chunks
+    or not."""
     return {
         "num_kv_blocks": rng.choice([32, 48, 64]),
         "max_num_batched_tokens": rng.choice([16, 32, 512]),
         "max_num_seqs": rng.choice([4, 8, 64]),
         "speculative": rng.choice([None, NGRAM]),
         "enable_prefix_caching": rng.random() < 0.85,
+        "prefill_tokens_with_decodes": rng.choice([0, 0, 5]),  # prompts beside decodes: a share of the step
     }
 
 
@@ -315,13 +317,15 @@ def count_work(report: Report, engine: LLMEngine) -> None:
 
 def random_cluster(rng: random.Random) -> dict:
     """Cluster settings for a mix: the KV's way across (shm, tcp), where prefills run, speculation
-    on the decode nodes, a small decode pool, and whether a decode node is killed mid-run."""
+    on the decode nodes, a small decode pool, their local prefills' chunks beside decodes, and
+    whether a decode node is killed mid-run."""
     return {
         "kv_transport": rng.choice(["shm", "tcp"]),
         "local_prefill": rng.choice(["off", "auto"]),
         "speculative": rng.choice([None, NGRAM]),
         "num_kv_blocks": rng.choice([32, 48]),
         "kill": rng.random() < 0.5,
+        "prefill_tokens_with_decodes": rng.choice([None, 5]),  # the decode node's default, or small chunks
     }
 
 
@@ -373,7 +377,7 @@ async def cluster_mix(model, seed: int, num_requests: int, report: Report, refer
     rng = random.Random(seed)
     reqs, settings = random_workload(rng, num_requests), random_cluster(rng)
     references(model, reqs, reference)
-    decode_engine = {"num_kv_blocks": settings["num_kv_blocks"], "speculative": settings["speculative"]}
+    decode_engine = {k: settings[k] for k in ("num_kv_blocks", "speculative", "prefill_tokens_with_decodes")}
     decode_engine |= reference.numerics
     way = f"{settings['kv_transport']}, local prefill {settings['local_prefill']}"
     report.clusters[way] = report.clusters.get(way, 0) + 1

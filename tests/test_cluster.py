@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 
 import grpc
@@ -15,6 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from transformers import AutoModelForCausalLM
 
 from engine import SamplingParams
+from engine.config import DECODE_NODE_PREFILL_TOKENS
 from pdserve_api import common_pb2, nodes_pb2, nodes_pb2_grpc
 from router.client import AsyncClient
 
@@ -403,6 +405,35 @@ def test_with_the_last_prefill_node_unreachable_the_decode_node_prefills_where_i
             assert not router.prefill_pool.endpoints[0].healthy
 
     asyncio.run(scenario())
+
+
+def test_a_local_prefill_beside_decodes_goes_a_chunk_a_step_and_answers_the_same(tiny_llama, tmp_path):
+    """A decode node computes a prompt beside its decoding sequences DECODE_NODE_PREFILL_TOKENS a
+    step by default (each step stalls them for a chunk, not the whole prompt); the answer is the
+    engine alone's (fp32)."""
+    prompt = [(j * 31) % 270 + 13 for j in range(150)]
+    want = engine_alone(tiny_llama, [prompt], **GREEDY)[0]
+    log = tmp_path / "steps.jsonl"
+
+    async def scenario():
+        async with local_cluster(tiny_llama, local_prefill="always", decode_engine={"step_log": str(log)}) as (
+            router,
+            _,
+            decodes,
+        ):
+            assert decodes[0].llm.config.prefill_tokens_with_decodes == DECODE_NODE_PREFILL_TOKENS
+            async with AsyncClient(router.address) as client:
+                decoding = client.stream([5, 6, 7, 8], max_tokens=600, temperature=0, ignore_eos=True)
+                await anext(decoding)  # decoding on the node
+                result = await client.generate(prompt, **GREEDY)
+                await decoding.aclose()
+                return result
+
+    assert asyncio.run(scenario()).token_ids == want
+    steps = [json.loads(line) for line in log.read_text().splitlines()]
+    beside = [n for step in steps if step["decodes"] for n, _ in step["prefills"]]
+    assert sum(beside) == len(prompt), steps
+    assert max(beside) == DECODE_NODE_PREFILL_TOKENS, beside
 
 
 # ---- layer-wise KV streaming -----------------------------------------------------------------

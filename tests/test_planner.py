@@ -18,6 +18,7 @@ import pytest
 import router.placement
 import router.pool
 from engine import EngineConfig
+from engine.config import DECODE_NODE_PREFILL_TOKENS
 from pdserve.cli import parser
 from pdserve.plan import profile as profiles
 from pdserve.plan import profile_file, search
@@ -145,6 +146,30 @@ def test_a_prefill_nodes_prefills_slow_by_the_share_serving_takes_while_streams_
     sim.now, _, step_done = heapq.heappop(sim._events)
     step_done()
     assert done == [pytest.approx((FIXED + 100 * PER_TOKEN) * (1 + 0.1 + 4 * 0.05))]
+
+
+@pytest.mark.parametrize(
+    "deployment, chunked",
+    [
+        (Deployment("pd", prefill=1, decode=1), True),  # a decode node's default
+        (Deployment("pd", prefill=1, decode=1, prefill_tokens_with_decodes=0), False),
+        (Deployment("c", colocated=2), True),  # `up --prefill 0 --decode 2`: decode nodes
+        (Deployment("c", colocated=1), False),  # `pdserve colocated`: the engine's default
+    ],
+)
+def test_prompts_beside_decodes_go_a_share_a_step_where_the_engine_would_take_one(deployment, chunked):
+    sim = Simulation(hand_profile(), deployment, None, None)
+    engine, steps, done = sim.decodes[0], [], []
+    price = engine.step_seconds
+    engine.step_seconds = lambda step, *more: steps.append([n for n, _ in step.prefills]) or price(step, *more)
+    engine.running = [Decoding([1] * 10, 50, lambda *_: None)]  # decoding throughout
+    engine.add_prefill(Prefill(list(range(100)), [], lambda now, cached: done.append(now)))
+    while not done:
+        sim.now, _, event = heapq.heappop(sim._events)
+        event()
+    share = DECODE_NODE_PREFILL_TOKENS
+    prefills = [chunks for chunks in steps if chunks]  # (the decode goes on after)
+    assert prefills == ([[share]] * (100 // share) + [[100 % share]] if chunked else [[100]])
 
 
 def test_serving_adds_seconds_per_prompt_on_a_prefill_node_and_in_one_colocated_process():

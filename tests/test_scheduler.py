@@ -22,8 +22,8 @@ def make(num_blocks=16, block_size=4, max_model_len=1000, **cfg) -> Scheduler:
     )
 
 
-def seq(rid, n_prompt, max_tokens=5) -> Sequence:
-    return Sequence(rid, list(range(1, n_prompt + 1)), SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+def seq(rid, n_prompt, max_tokens=5, first=1) -> Sequence:
+    return Sequence(rid, list(range(first, first + n_prompt)), SamplingParams(max_tokens=max_tokens, ignore_eos=True))
 
 
 def fake_step(s: Scheduler, token=7):
@@ -93,11 +93,54 @@ def test_preemption_takes_the_newest_and_requeues_it_first():
     assert s.num_preemptions == 1
 
 
+def test_prompts_beside_decodes_take_their_share_of_the_step_and_the_whole_budget_alone():
+    s = make(max_num_batched_tokens=64, prefill_tokens_with_decodes=4)
+    s.add(seq("a", 3, max_tokens=3))
+    assert fake_step(s)[0].num_scheduled_tokens == [3]  # nothing decodes yet: the whole prompt
+    s.add(seq("b", 12))
+    s.add(seq("c", 12, first=100))  # (no prefix of b's)
+    counts = [fake_step(s)[0].num_scheduled_tokens for _ in range(4)]
+    # a decodes twice beside 4 of b's tokens, then finishes; b's rest and all of c go in one step
+    assert counts == [[1, 4], [1, 4], [4, 12], [1, 1]]
+
+
+def test_kv_computed_elsewhere_is_not_held_back_by_the_prompts_share():
+    s = make(max_num_batched_tokens=64, prefill_tokens_with_decodes=4)
+    s.add(seq("a", 3))
+    fake_step(s)
+    s.add(seq("b", 12))  # prompts: b takes the share, c waits for it
+    s.add(seq("c", 12, first=100))
+    imported = Sequence("d", [5, 6, 7], SamplingParams(max_tokens=5, ignore_eos=True), output_token_ids=[9])
+    imported.num_computed_tokens = 3  # its prompt's KV came from a prefill node (add_prefilled_request)
+    s.block_manager.allocate(imported, 3)
+    s.add(imported)
+    batch, _ = fake_step(s)
+    assert [(q.request_id, n) for q, n in zip(batch.seqs, batch.num_scheduled_tokens)] == [("a", 1), ("b", 4), ("d", 1)]
+    assert [q.request_id for q in s.waiting] == ["c"]  # first in line still
+
+
+def test_without_chunked_prefill_a_prompt_beside_decodes_goes_whole():
+    s = make(max_num_batched_tokens=64, prefill_tokens_with_decodes=4, enable_chunked_prefill=False)
+    s.add(seq("a", 3))
+    fake_step(s)
+    s.add(seq("b", 12))
+    assert fake_step(s)[0].num_scheduled_tokens == [1, 12]
+
+
+@pytest.mark.parametrize("beside", [0, 3])
 @pytest.mark.parametrize("caching", [False, True])
-def test_random_workload_never_leaks_blocks(caching):
-    """Prompts share prefixes (1, 2, 3, ...): with caching, blocks are shared, evicted and reused."""
+def test_random_workload_never_leaks_blocks(caching, beside):
+    """Prompts share prefixes (1, 2, 3, ...): with caching, blocks are shared, evicted and reused;
+    beside decodes, prompts get the whole budget, or a share of 3 tokens."""
     rng = random.Random(0)
-    s = make(num_blocks=24, block_size=4, max_num_seqs=6, max_num_batched_tokens=16, enable_prefix_caching=caching)
+    s = make(
+        num_blocks=24,
+        block_size=4,
+        max_num_seqs=6,
+        max_num_batched_tokens=16,
+        enable_prefix_caching=caching,
+        prefill_tokens_with_decodes=beside,
+    )
     s.block_manager.enable_prefix_caching = caching
     bm, live = s.block_manager, []
     for step in range(400):

@@ -88,6 +88,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--threads", type=int, default=1, help="torch threads per engine (a thread count profiled)")
     s.add_argument("--local-prefill", default="auto", choices=MODES, help="the router's placement mode")
     s.add_argument("--max-local-prefill-tokens", type=int, default=search.Deployment.max_local_tokens)
+    s.add_argument(
+        "--prefill-tokens-with-decodes",
+        type=int,
+        default=None,
+        help="the engines' option (default: as a decode node and `pdserve colocated` take it)",
+    )
     s.add_argument("--transport", default=None, help=TRANSPORT_HELP)
     s.add_argument(
         "--timing-seeds",
@@ -167,6 +173,7 @@ def _simulate(args, prof: dict) -> int:
         threads=args.threads,
         local_prefill=args.local_prefill,
         max_local_tokens=args.max_local_prefill_tokens,
+        prefill_tokens_with_decodes=args.prefill_tokens_with_decodes,
         transport=args.transport or search.default_transport(prof),
         gpu=search.on_gpu(prof),
     )

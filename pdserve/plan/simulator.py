@@ -1,8 +1,9 @@
 """A discrete-event simulator of a pdserve deployment over a measured profile (profile.py).
 
 Engines step as the engine's scheduler does (decoding sequences first, one token each, then
-waiting prefills in arrival order, chunked within the token budget, a prefill half of whose
-uncached tokens another is computing waiting for them) and each step lasts what the profile's
+waiting prefills in arrival order, chunked within the token budget, beside decodes within
+prefill_tokens_with_decodes, a prefill half of whose uncached tokens another is computing waiting
+for them) and each step lasts what the profile's
 step line says it costs. The router's decisions are the router's own code, not a copy:
 `EndpointPool.pick` chooses the decode node (load, then cached prefix) and the prefill node,
 `Placement.decide` chooses a local or remote prefill and learns from the simulated timings as the
@@ -37,6 +38,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from engine.config import DECODE_NODE_PREFILL_TOKENS
 from engine.scheduler import waits_for_prefix
 from pdserve import trace
 from pdserve.bench import arrival_times, length_sampler
@@ -61,6 +63,7 @@ class Deployment:
     threads: int = 1  # per engine
     local_prefill: str = "auto"  # the router's placement mode (colocated: always)
     max_local_tokens: int = MAX_LOCAL_TOKENS
+    prefill_tokens_with_decodes: int | None = None  # the engine option (None: the node kind's default)
     transport: str = "shm"  # a key of the profile's handoff
     gpu: bool = False  # each engine on a GPU of its own (a GPU's profile)
 
@@ -156,8 +159,10 @@ class Engine:
         capacity: int,
         prefill_node: bool = False,
         served: dict | None = None,
+        prefill_with_decodes: int = 0,
     ):
         self.sim, self.model, self.budget, self.capacity = sim, model, budget, capacity
+        self.prefill_with_decodes = prefill_with_decodes  # the engine's prefill_tokens_with_decodes
         self.prefill_node = prefill_node
         self.served = served  # what serving adds to its prefills, where the profile measured it (profile.py)
         self.endpoint = Endpoint(name, None, None, healthy=True, load=common_pb2.NodeLoad(block_size=sim.block_size))
@@ -212,6 +217,8 @@ class Engine:
             return
         decodes = list(self.running)
         budget = self.budget - len(decodes)
+        if self.prefill_with_decodes and decodes:
+            budget = min(budget, self.prefill_with_decodes)
         chunks = []
         bs = self.sim.block_size
         computing = {name for j in self.waiting if j.cached is not None for name in j.names[j.computed // bs :]}
@@ -321,8 +328,11 @@ class Simulation:
         self.prefill_pool = EndpointPool("prefill", [])
         local = deployment.colocated > 0
         self.placement = Placement("always" if local else deployment.local_prefill, deployment.max_local_tokens)
+        beside = deployment.prefill_tokens_with_decodes  # a decode node's default, none in `pdserve colocated`
+        if beside is None:
+            beside = 0 if deployment.single_process else DECODE_NODE_PREFILL_TOKENS
         self.decodes = [
-            Engine(self, f"decode-{i}", model, budget, capacity, served=colocated_prefills)
+            Engine(self, f"decode-{i}", model, budget, capacity, served=colocated_prefills, prefill_with_decodes=beside)
             for i in range(deployment.colocated or deployment.decode)
         ]
         self.prefills = [
