@@ -32,6 +32,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PEER = ROOT / "benchmarks" / "peers" / "vllm_cpu_pd"
+MEDIANS = ("out_tok_s", "ttft_p50_ms", "tpot_p50_ms", "tpot_p95_ms", "itl_p95_ms", "itl_p99_ms", "itl_max_ms")
 
 
 def wait_http(url: str, proc: subprocess.Popen, timeout_s: float = 600) -> float:
@@ -244,10 +245,7 @@ def main() -> int:
                 f"TPOT p50 {s['tpot_p50_ms']:.1f} ms p95 {s['tpot_p95_ms']:.1f} ms",
                 flush=True,
             )
-    med = {
-        name: {k: statistics.median(s[k] for s in rs) for k in ("out_tok_s", "ttft_p50_ms", "tpot_p50_ms")}
-        for name, rs in runs.items()
-    }
+    med = {name: {k: statistics.median(s[k] for s in rs) for k in MEDIANS} for name, rs in runs.items()}
     ratios = {}
     for name in runs:
         if name != "vllm-pd":

@@ -119,6 +119,8 @@ def summarize(res, wall):
         "tpot_p95_ms": 1e3 * pct(tpot, 95),
         "itl_p50_ms": 1e3 * pct(itl, 50),
         "itl_p95_ms": 1e3 * pct(itl, 95),
+        "itl_p99_ms": 1e3 * pct(itl, 99),  # (added here: the longest stalls between tokens)
+        "itl_max_ms": 1e3 * max(itl, default=float("nan")),
         "e2e_p50_s": pct([r["e2e"] for r in res], 50),
         "chunks_per_req_min": min(r["n_chunks"] for r in res),
     }
