@@ -47,8 +47,8 @@ class EngineConfig:
     prefill_tokens_with_decodes: int | None = option(
         None,
         "a step that decodes computes at most this many prompt tokens beside its decodes, so a long prompt stalls "
-        "the decoding sequences a chunk at a time (with chunked prefill; 0: as many as the token budget allows; "
-        f"default: {DECODE_NODE_PREFILL_TOKENS} on a decode node, whose local prefills it bounds, 0 elsewhere)",
+        "the decoding sequences a chunk at a time (with chunked prefill; 0: as many as the token budget allows) "
+        f"(default: {DECODE_NODE_PREFILL_TOKENS} on a decode node, whose local prefills it bounds; 0 elsewhere)",
     )
     max_model_len: int | None = option(None, "longest prompt + output in tokens (default: the model's context length)")
     scheduling: str = option(

@@ -21,9 +21,10 @@ from engine.config import EngineConfig
 from engine.sequence import FinishReason, Sequence, SequenceStatus
 
 
-def is_decoding(seq: Sequence) -> bool:
-    """Its KV lags its tokens by the one it sampled last: the step computes that one."""
-    return bool(seq.output_token_ids) and seq.num_computed_tokens == seq.num_tokens - 1
+def one_token_behind(seq: Sequence) -> bool:
+    """Its KV lags its tokens by one: a decode (or a sample forked from, or a request imported
+    with, a prompt whose KV is there): no prompt's chunk."""
+    return seq.num_computed_tokens == seq.num_tokens - 1
 
 
 def waits_for_prefix(names: list[int], computing: set[int], block_size: int, uncomputed: int) -> bool:
@@ -85,7 +86,7 @@ class Scheduler:
         batch = ScheduledBatch([], [])
         cfg = self.config
         self.prefill_budget = cfg.max_num_batched_tokens
-        if cfg.prefill_tokens_with_decodes and cfg.enable_chunked_prefill and any(map(is_decoding, self.running)):
+        if cfg.prefill_tokens_with_decodes and cfg.enable_chunked_prefill and any(map(one_token_behind, self.running)):
             self.prefill_budget = cfg.prefill_tokens_with_decodes
         budget, preempted = self._schedule_running(batch, cfg.max_num_batched_tokens)
         if not preempted and not (cfg.scheduling == "static" and self.running):
@@ -96,7 +97,7 @@ class Scheduler:
         """What a sequence may compute this step: its tokens not yet computed, within the budget
         (and within the prompts' budget where it is a prefill chunk)."""
         n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-        if is_decoding(seq):
+        if one_token_behind(seq):
             return n
         n = min(n, self.prefill_budget)
         self.prefill_budget -= n
@@ -142,7 +143,7 @@ class Scheduler:
         behind: list[Sequence] = []  # held back for one of those, or the prompts' budget; their slots are kept
         while self.waiting and len(self.running) + len(behind) < cfg.max_num_seqs and budget > 0:
             seq = self.waiting[0]
-            prefill = not is_decoding(seq)  # (not one whose KV a prefill node computed)
+            prefill = not one_token_behind(seq)  # (not one whose prompt's KV is there)
             if prefill and self.prefill_budget <= 0:  # the prompts' share of the step is spent: it waits a
                 behind.append(self.waiting.popleft())  # step, and the KV computed elsewhere behind it goes on
                 continue

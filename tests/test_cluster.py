@@ -423,7 +423,8 @@ def test_a_local_prefill_beside_decodes_goes_a_chunk_a_step_and_answers_the_same
         ):
             assert decodes[0].llm.config.prefill_tokens_with_decodes == DECODE_NODE_PREFILL_TOKENS
             async with AsyncClient(router.address) as client:
-                decoding = client.stream([5, 6, 7, 8], max_tokens=600, temperature=0, ignore_eos=True)
+                # (1,000 steps of decoding: the prompt's few steps come long before its end, however busy the machine)
+                decoding = client.stream([5, 6, 7, 8], max_tokens=1000, temperature=0, ignore_eos=True)
                 await anext(decoding)  # decoding on the node
                 result = await client.generate(prompt, **GREEDY)
                 await decoding.aclose()

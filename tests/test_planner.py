@@ -565,6 +565,7 @@ def test_simulate_over_timing_seeds_prints_each_figures_median_and_range(tmp_pat
         (["best", "--cores", "2", "--num-requests", "0"], "--num-requests must be >= 1, got 0"),
         (["profile", "--threads", "0", "--out", "x.json"], "--threads must list thread counts >= 1"),
         (["simulate", "--timing-seeds", "-1"], "--timing-seeds must be >= 0, got -1"),
+        (["simulate", "--prefill-tokens-with-decodes", "-1"], "prefill_tokens_with_decodes must be >= 0, got -1"),
     ],
 )
 def test_bad_input_is_one_line_naming_it(tmp_path, args, says):

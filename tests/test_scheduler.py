@@ -110,12 +110,20 @@ def test_kv_computed_elsewhere_is_not_held_back_by_the_prompts_share():
     fake_step(s)
     s.add(seq("b", 12))  # prompts: b takes the share, c waits for it
     s.add(seq("c", 12, first=100))
-    imported = Sequence("d", [5, 6, 7], SamplingParams(max_tokens=5, ignore_eos=True), output_token_ids=[9])
-    imported.num_computed_tokens = 3  # its prompt's KV came from a prefill node (add_prefilled_request)
-    s.block_manager.allocate(imported, 3)
-    s.add(imported)
+    # prompts' KV from a prefill node (add_prefilled_request): with its first token, and without
+    # (n > 1: each sample draws its own; forked samples start the same way)
+    for rid, first in (("d", [9]), ("e", [])):
+        imported = Sequence(rid, [5, 6, 7], SamplingParams(max_tokens=5, ignore_eos=True), output_token_ids=first)
+        imported.num_computed_tokens = imported.num_tokens - 1
+        s.block_manager.allocate(imported, imported.num_computed_tokens)
+        s.add(imported)
     batch, _ = fake_step(s)
-    assert [(q.request_id, n) for q, n in zip(batch.seqs, batch.num_scheduled_tokens)] == [("a", 1), ("b", 4), ("d", 1)]
+    assert [(q.request_id, n) for q, n in zip(batch.seqs, batch.num_scheduled_tokens)] == [
+        ("a", 1),
+        ("b", 4),
+        ("d", 1),
+        ("e", 1),
+    ]
     assert [q.request_id for q in s.waiting] == ["c"]  # first in line still
 
 

@@ -126,6 +126,4 @@ def command(dep: Deployment) -> str:
         if dep.local_prefill == "off"
         else f"--local-prefill auto --max-local-prefill-tokens {dep.max_local_tokens}"
     )
-    if dep.prefill_tokens_with_decodes is not None:
-        local += f" --prefill-tokens-with-decodes {dep.prefill_tokens_with_decodes}"
     return f"pdserve up --prefill {dep.prefill} --decode {dep.decode} {place} {local}"

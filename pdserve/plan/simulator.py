@@ -88,12 +88,17 @@ class Deployment:
 
     def describe(self) -> str:
         each = "1 GPU" if self.gpu else f"{self.threads} thread(s)"
+        beside = (
+            ""
+            if self.prefill_tokens_with_decodes is None
+            else f", {self.prefill_tokens_with_decodes} prompt tokens a step beside decodes"
+        )
         if self.colocated:
-            return f"{self.colocated} colocated x {each}"
+            return f"{self.colocated} colocated x {each}{beside}"
         return (
             f"{self.prefill}P{self.decode}D x {each}, local prefill {self.local_prefill}"
             + (f" (<= {self.max_local_tokens} tokens)" if self.local_prefill == "auto" else "")
-            + f", {self.transport}"
+            + f", {self.transport}{beside}"
         )
 
 
@@ -329,6 +334,8 @@ class Simulation:
         local = deployment.colocated > 0
         self.placement = Placement("always" if local else deployment.local_prefill, deployment.max_local_tokens)
         beside = deployment.prefill_tokens_with_decodes  # a decode node's default, none in `pdserve colocated`
+        if beside is not None and beside < 0:
+            raise ValueError(f"prefill_tokens_with_decodes must be >= 0, got {beside}")
         if beside is None:
             beside = 0 if deployment.single_process else DECODE_NODE_PREFILL_TOKENS
         self.decodes = [
