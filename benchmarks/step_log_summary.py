@@ -1,7 +1,8 @@
 """What a P/D pair's engines did, from their step logs (engine/step_log.py; `pdserve up --step-log`,
 benchmarks/vllm_peer.py --step-logs DIR): per log file, the decode node's decode-only steps (the
 median milliseconds per batch size), its steps that also prefilled (local prefills: how many, their
-prompt tokens, the median step), and the prefill node's seconds per 610 prompt tokens.
+prompt tokens, the median step), the prefill node's seconds per 610 prompt tokens, and the share
+of the log's span (its first step's start to its last step's end) each node spent stepping.
 
     python benchmarks/step_log_summary.py DIR/steps_*.jsonl [--json FILE]
 
@@ -33,7 +34,14 @@ def summary(path: Path) -> dict:
             local.append(s)
         else:
             by_batch[len(s["decodes"])].append(s["s"] * 1e3)
+    span = max(s["t"] + s["s"] for s in steps) - min(s["t"] for s in steps)
+    busy = {"decode": 0.0, "prefill": 0.0}
+    for s in steps:
+        busy["decode" if s["pid"] in decoders else "prefill"] += s["s"]
     return {
+        "span_s": round(span, 1),
+        "busy_share": {node: round(b / span, 2) for node, b in busy.items()},
+        "decode_node_steps": sum(s["pid"] in decoders for s in steps),
         "decode_step_ms_by_batch": {
             b: round(statistics.median(v), 1) for b, v in sorted(by_batch.items()) if len(v) >= MIN_STEPS
         },

@@ -10,7 +10,8 @@ other, in interleaved rounds:
   pinned to one core), behind the harness's proxy;
 - pdserve up --prefill 1 --decode 1 --num-threads 1 --pin-cpus, its router's HTTP API (and with
   --also-args "FLAGS", the same with more `pdserve up` flags, e.g. "--max-local-prefill-tokens 512";
-  repeatable, one more system each; with --step-logs DIR, each pdserve run's engine steps in DIR);
+  repeatable, one more system each; with --step-logs DIR, each pdserve run's engine steps in DIR,
+  the warm-up's left out);
 - with --single, also vLLM as one instance on both cores (the harness's start_single.sh), to
   show in the same window what disaggregation itself costs vLLM on these cores.
 vLLM runs from .venv-vllm (docs/benchmarks.md says how to make it); both load the same model
@@ -62,12 +63,14 @@ def stop(procs: list[subprocess.Popen]) -> None:
             p.wait()
 
 
-def load(url: str, model: str, tag: str, out: Path, vllm_python: str) -> dict:
+def load(url: str, model: str, tag: str, out: Path, vllm_python: str, step_log: Path | None = None) -> dict:
     subprocess.run(
         [vllm_python, str(PEER / "bench.py"), url, "--n", "4", "--conc", "2", "--tag", f"warm{tag}", "--model", model],
         check=True,
         stdout=subprocess.DEVNULL,
     )
+    if step_log is not None:  # the measured run's steps only (the engines append at the end, now 0)
+        os.truncate(step_log, 0)
     subprocess.run(
         [
             vllm_python,
@@ -148,7 +151,7 @@ def run_vllm_single(model_dir: str, venv: Path, logs: Path, tag: str, dtype: str
         stop([proc])
 
 
-def run_pdserve(logs: Path, tag: str, vllm_python: str, extra: list[str]) -> dict:
+def run_pdserve(logs: Path, tag: str, vllm_python: str, extra: list[str], step_log: Path | None = None) -> dict:
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -167,6 +170,7 @@ def run_pdserve(logs: Path, tag: str, vllm_python: str, extra: list[str]) -> dic
             "--http-port",
             "8300",
             *extra,
+            *(["--step-log", str(step_log)] if step_log else []),
         ],
         stdout=subprocess.DEVNULL,
         stderr=open(logs / f"pdserve_{tag}.log", "w"),
@@ -175,7 +179,8 @@ def run_pdserve(logs: Path, tag: str, vllm_python: str, extra: list[str]) -> dic
         wait_http("http://127.0.0.1:8300/health", proc)
         with urllib.request.urlopen("http://127.0.0.1:8300/v1/models") as r:
             model = json.loads(r.read())["data"][0]["id"]
-        return load("http://127.0.0.1:8300/v1/completions", model, tag, logs / f"pdserve_{tag}.json", vllm_python)
+        url, out = "http://127.0.0.1:8300/v1/completions", logs / f"pdserve_{tag}.json"
+        return load(url, model, tag, out, vllm_python, step_log)
     finally:
         stop([proc])
 
@@ -216,12 +221,11 @@ def main() -> int:
 
     def pdserve(flags: list[str]):
         def run(tag: str) -> dict:
-            steps = []
+            log = None
             if args.step_logs:
                 log = args.step_logs / f"steps_{tag}.jsonl"
                 log.unlink(missing_ok=True)  # a step log appends: not a previous run's steps beside these
-                steps = ["--step-log", str(log)]
-            return run_pdserve(logs, tag, str(venv / "bin" / "python"), ["--dtype", dtype, *flags, *steps])
+            return run_pdserve(logs, tag, str(venv / "bin" / "python"), ["--dtype", dtype, *flags], log)
 
         return run
 
