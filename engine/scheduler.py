@@ -93,15 +93,15 @@ class Scheduler:
             self._schedule_waiting(batch, budget)
         return batch
 
-    def _prefill_tokens(self, seq: Sequence, budget: int) -> int:
-        """What a sequence may compute this step: its tokens not yet computed, within the budget
-        (and within the prompts' budget where it is a prefill chunk)."""
-        n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-        if one_token_behind(seq):
-            return n
-        n = min(n, self.prefill_budget)
-        self.prefill_budget -= n
-        return n
+    def _limit(self, seq: Sequence, budget: int) -> int:
+        """The most a sequence may compute this step: the budget, and for a prompt's chunk the
+        prompts' share left (_scheduled spends it)."""
+        return budget if one_token_behind(seq) else min(budget, self.prefill_budget)
+
+    def _scheduled(self, batch: ScheduledBatch, seq: Sequence, n: int) -> None:
+        batch.add(seq, n)
+        if not one_token_behind(seq):
+            self.prefill_budget -= n
 
     def _schedule_running(self, batch: ScheduledBatch, budget: int) -> tuple[int, bool]:
         """Returns the token budget left and whether a sequence was preempted."""
@@ -109,7 +109,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = self._prefill_tokens(seq, budget)
+            n = min(seq.num_tokens - seq.num_computed_tokens, self._limit(seq, budget))
             if n == 0:  # a prompt's chunk, with the prompts' budget spent: next step
                 i += 1
                 continue
@@ -130,7 +130,7 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:
                 break
             bm.allocate(seq, seq.num_computed_tokens + n)
-            batch.add(seq, n)
+            self._scheduled(batch, seq, n)
             budget -= n
             i += 1
         return budget, preempted
@@ -143,9 +143,10 @@ class Scheduler:
         behind: list[Sequence] = []  # held back for one of those, or the prompts' budget; their slots are kept
         while self.waiting and len(self.running) + len(behind) < cfg.max_num_seqs and budget > 0:
             seq = self.waiting[0]
-            prefill = not one_token_behind(seq)  # (not one whose prompt's KV is there)
-            if prefill and self.prefill_budget <= 0:  # the prompts' share of the step is spent: it waits a
-                behind.append(self.waiting.popleft())  # step, and the KV computed elsewhere behind it goes on
+            if not one_token_behind(seq) and self.prefill_budget <= 0:
+                # the prompts' share of the step is spent: it waits a step, and the KV computed
+                # elsewhere behind it goes on
+                behind.append(self.waiting.popleft())
                 continue
             looked_up = not seq.block_table  # a new or preempted sequence: its prefix may be cached
             if looked_up:
@@ -161,9 +162,8 @@ class Scheduler:
                         self.num_prefix_waits += 1
                         continue
             n = seq.num_tokens - seq.num_computed_tokens
-            limit = min(budget, self.prefill_budget) if prefill else budget
-            fits = n <= limit or cfg.enable_chunked_prefill
-            n = min(n, limit)
+            fits = n <= self._limit(seq, budget) or cfg.enable_chunked_prefill
+            n = min(n, self._limit(seq, budget))
             if not fits or not bm.can_allocate(seq, seq.num_computed_tokens + n, reserve=self.watermark_blocks):
                 need = seq.num_computed_tokens + n
                 if looked_up:  # wait without holding cached blocks
@@ -180,9 +180,8 @@ class Scheduler:
             bm.allocate(seq, seq.num_computed_tokens + n)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            batch.add(seq, n)
+            self._scheduled(batch, seq, n)
             budget -= n
-            self.prefill_budget -= n if prefill else 0
             if computing is not None:
                 computing.update(bm.names_to_compute(seq))
         self.waiting.extendleft(reversed(behind))  # first in the queue again, in their order

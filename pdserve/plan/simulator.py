@@ -3,14 +3,14 @@
 Engines step as the engine's scheduler does (decoding sequences first, one token each, then
 waiting prefills in arrival order, chunked within the token budget, beside decodes within
 prefill_tokens_with_decodes, a prefill half of whose uncached tokens another is computing waiting
-for them) and each step lasts what the profile's
-step line says it costs. The router's decisions are the router's own code, not a copy:
-`EndpointPool.pick` chooses the decode node (load, then cached prefix) and the prefill node,
-`Placement.decide` chooses a local or remote prefill and learns from the simulated timings as the
-router learns from real ones, and block names are `block_hashes`, so a follow-up hits exactly the
-nodes whose cache holds its history. A remote prefill's first token goes out when the prefill ends;
-the decode node admits the sequence after the profile's hand-off line (the transport's). The
-records are `pdserve bench`'s, and the report is bench_stats' (TTFT, TPOT, goodput).
+for them) and each step lasts what the profile's step line says it costs. The router's decisions
+are the router's own code, not a copy: `EndpointPool.pick` chooses the decode node (load, then
+cached prefix) and the prefill node, `Placement.decide` chooses a local or remote prefill and
+learns from the simulated timings as the router learns from real ones, and block names are
+`block_hashes`, so a follow-up hits exactly the nodes whose cache holds its history. A remote
+prefill's first token goes out when the prefill ends; the decode node admits the sequence after
+the profile's hand-off line (the transport's). The records are `pdserve bench`'s, and the report
+is bench_stats' (TTFT, TPOT, goodput).
 
 Arrival timing: by default a request reaches its engine exactly router_s after it is sent, and
 an idle engine starts its step at once. In a real deployment the serving thread and the engine's
