@@ -2,7 +2,7 @@
 # One GPU lease's checks and figures (docs/benchmarks.md, "On a GPU"), run there through the
 # device tool with the default model's config and tokenizer carried in .gpu/ (its weights are
 # over the tool's size limit; the profiles time random twins, see benchmarks/random_twin.py):
-#   mkdir -p .gpu && cp ~/.cache/pdserve/models/SmolLM2-*/{config,tokenizer,tokenizer_config,generation_config}.json .gpu/
+#   mkdir -p .gpu && cp ~/.cache/pdserve/models/SmolLM2-*/{{config,tokenizer,tokenizer_config,generation_config}.json,chat_template.jinja} .gpu/
 # and the wheels its image lacked on 2026-11-27 (its grpcio 1.84 is older than pdserve_api's
 # generated code) in .whl/, both listed in .git/info/exclude:
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -12,7 +12,8 @@
 # Results land in $OUT (the tool brings them back). Arguments pick parts (default: 135m 8b tests);
 # `kernel` runs the Triton kernel's tests (not the C++ kernel's: no build there) and the CUDA
 # tests, and stops the script if they fail; `decode` times the Triton paged decode against SDPA on
-# both shapes (benchmarks/cuda_paged_decode.py).
+# both shapes (benchmarks/cuda_paged_decode.py); `tput` runs benchmarks/engine_throughput.py on the
+# default model's random twin, the engine and transformers both on the GPU (bf16 x3, fp32 x1).
 set -uo pipefail
 umask 077
 # what the image lacks travels as wheels in .whl/ (grpcio at the generated code's version, its health and reflection services, fastapi and uvicorn)
@@ -33,7 +34,7 @@ twin() {  # twin NAME CONFIG_JSON: a random twin of that shape in /tmp/NAME, onc
 }
 if [[ $parts == *" kernel "* ]]; then
   step kernel tests
-  timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_decode_kernel.py tests/test_cuda.py -k "not cpu and not refused_by_name" 2>&1 | tail -25
+  timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_decode_kernel.py tests/test_cuda.py -k "not cpu and not refused_by_name" 2>&1 | tail -25
   [ "${PIPESTATUS[0]}" = 0 ] || { echo "kernel tests failed: stopping"; exit 1; }
 fi
 if [[ $parts == *" decode "* ]]; then
@@ -46,6 +47,15 @@ if [[ $parts == *" decode "* ]]; then
   twin twin135 .gpu/config.json
   timeout 120 python3 benchmarks/cuda_paged_decode.py --model /tmp/twin135 --shapes 64x640,256x640,256x2048 \
     --kv-cache-gb 16 --json "$OUT/cuda_paged_decode_135m.json" 2>&1 | grep -v Warning
+fi
+if [[ $parts == *" tput "* ]]; then
+  step throughput 135m
+  twin twin135 .gpu/config.json
+  for run in "bfloat16 3" "float32 1"; do
+    set -- $run
+    timeout 200 python3 benchmarks/engine_throughput.py --model /tmp/twin135 --device cuda --dtype "$1" \
+      --repeat "$2" --json "$OUT/engine_h200_twin135_$1.json" 2>&1 | grep -v Warning
+  done
 fi
 if [[ $parts == *" 135m "* ]]; then
   step profile 135m

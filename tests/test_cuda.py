@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from conftest import make_engine, run_to_completion
@@ -63,6 +65,31 @@ def test_triton_decode_kernel_gives_the_tokens_of_sdpa_with_speculation_prefix_c
         assert engine.scheduler.num_preemptions > 0 and engine.num_accepted_tokens > 0
         assert engine.block_manager.num_hit_tokens > 0
     assert runs[True] == runs[False]
+
+
+@pytest.mark.parametrize("kernel", [False, pytest.param(True, marks=TRITON)], ids=["sdpa", "triton"])
+def test_prompts_beside_decodes_go_a_share_a_step_on_cuda_and_answer_as_transformers(tiny_llama, tmp_path, kernel):
+    """fp32 on CUDA, as a decode node runs (prefill_tokens_with_decodes): prompts that arrive while
+    a sequence decodes are computed 5 tokens a step beside it, and every answer is transformers'
+    greedy tokens for that prompt alone."""
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval().cuda()
+    log = tmp_path / "steps.jsonl"
+    engine = make_engine(
+        tiny_llama, device="cuda", cuda_kernels=kernel, prefill_tokens_with_decodes=5, step_log=str(log)
+    )
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    prompts = [PROMPTS[0], PROMPTS[2], [(j * 31) % 200 + 3 for j in range(37)]]
+    engine.add_request("0", prompts[0], params)
+    engine.step()
+    engine.step()  # "0" decodes
+    for i, p in enumerate(prompts[1:], 1):
+        engine.add_request(str(i), p, params)
+    outs = run_to_completion(engine)
+    for i, p in enumerate(prompts):
+        assert outs[str(i)].token_ids == hf_greedy(hf, p, 24), f"prompt {i}"
+    steps = [json.loads(line) for line in log.read_text().splitlines()]
+    beside = [n for step in steps if step["decodes"] for n, _ in step["prefills"]]
+    assert beside and max(beside) == 5 and sum(beside) >= len(prompts[2]), steps
 
 
 def test_seeded_sampling_on_cuda_is_reproducible(tiny_llama):

@@ -183,11 +183,11 @@ def test_an_engine_imports_no_triton():
 
 @pytest.mark.skipif(not cuda_kernels.available(), reason="Triton is not installed")
 def test_a_cuda_engine_checks_the_kernel_once_and_says_why_it_falls_back(monkeypatch):
-    """cuda_kernels.why_not: what a CUDA engine asks as it starts (engine/model_runner.py), on
-    CPU tensors here in Triton's interpreter. None where the kernel agrees with torch; else a
-    reason naming what failed, and the engine decodes through SDPA."""
+    """cuda_kernels.why_not: what a CUDA engine asks as it starts (engine/model_runner.py), on the
+    GPU where there is one, else on CPU tensors in Triton's interpreter. None where the kernel
+    agrees with torch; else a reason naming what failed, and the engine decodes through SDPA."""
     shape = dict(num_heads=9, num_kv_heads=3, head_dim=64, block_size=16)
-    cpu = torch.device("cpu")
+    cpu = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     assert cuda_kernels.why_not(cpu, torch.bfloat16, **shape) is None
     assert cuda_kernels.why_not(cpu, torch.float32, num_heads=4, num_kv_heads=2, head_dim=16, block_size=1) is None
 
