@@ -52,6 +52,12 @@ class RouterConfig:
     max_local_prefill_tokens: int = option(
         MAX_LOCAL_TOKENS, "auto: the most uncached tokens a decode node may prefill itself"
     )
+    late_binding: bool = option(
+        True,
+        "auto: a request whose place is a decode node already computing a local prefill is sent there on "
+        "arrival and queues (by default the router holds it and places it again when a prefill ends, so a "
+        "prefill node that frees first takes it)",
+    )
     max_outstanding: int = option(1024, "requests in flight at the router before RESOURCE_EXHAUSTED")
     rate_limit: float | None = option(None, "requests/s per client at the router (default: no limit)")
     api_key_file: str | None = option(

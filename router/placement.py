@@ -22,6 +22,14 @@ measured, the prefill pool's line stands in (the same engine), and until local p
 sizes spanning a factor of two have been, its slope. Nothing is guessed: until a
 remote prefill has been measured every prefill is remote. `max_local_tokens` bounds what a decode
 node may compute (a long local prefill stalls every sequence decoding there).
+
+Late binding: where the choice is local but the decode node already computes a local prefill of
+this router's, the new one would only queue behind it there. The decision says `hold`: the
+router keeps the request and decides again when a prefill ends, on either side. If the prefill
+node frees first, the prompt goes there; on the anchor workload a prompt bound to its decode node
+on arrival waited there while the prefill node stood idle (docs/benchmarks.md, section 5). This
+is the router's share of what Dynamo's earlier global prefill queue did (prefill workers pulled
+prompts when free).
 """
 
 from __future__ import annotations
@@ -82,6 +90,7 @@ class Decision:
     remote_tokens: int  # tokens a remote prefill would compute
     local_s: float | None = None  # the estimates it was made on (None: not measured yet)
     remote_s: float | None = None
+    hold: bool = False  # local, behind another local prefill: decide again when a prefill ends
 
 
 @dataclass
@@ -92,6 +101,7 @@ class Placement:
     local: LinearFit = field(default_factory=LinearFit)
     link_s_per_token: float | None = None
     handoff_s: float | None = None
+    late_binding: bool = True
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -131,6 +141,7 @@ class Placement:
         fixed, per_token = self.local.line(self.remote.line()[1]) if self.local else self.remote.line()
         d.local_s = fixed + per_token * (local_queued + local_n) + decode_running * per_token * local_n
         d.local = d.local_s <= d.remote_s
+        d.hold = self.late_binding and d.local and local_queued > 0
         return d
 
     # ---- what the router measured ------------------------------------------------------

@@ -32,6 +32,7 @@ from serving.protocol import sampling_to_proto
 log = logging.getLogger(__name__)
 MIGRATIONS = 3  # times one request may move to another decode node
 PREFILL_ATTEMPTS = 3  # prefill nodes one attempt tries while they cannot be reached
+HOLD_RECHECK_S = 1.0  # a request held for a place (Decision.hold) decides again at least this often
 GENERATION = generate_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 # A decode call's failures that move the request elsewhere: a dead node, KV unreadable or corrupt;
 # CANCELLED: the node cancelled it (a node stopping at once; a cancel of ours never gets here).
@@ -66,7 +67,10 @@ class Router(Frontend):
         super().__init__(model, config.max_model_len, metrics, config.max_outstanding, config.rate_limit)
         public = public_security or config.public_security()
         self.config = config
-        self.placement = Placement(config.local_prefill, config.max_local_prefill_tokens)
+        self.placement = Placement(
+            config.local_prefill, config.max_local_prefill_tokens, late_binding=config.late_binding
+        )
+        self._prefill_ended = asyncio.Event()  # set (and replaced) as each prefill ends: held requests look again
         self.api_keys, self._http = public.api_keys, None
         self._serving: bool | None = None  # what the gRPC health service last said
         self._tasks: set[asyncio.Task] = set()
@@ -235,7 +239,7 @@ class Router(Frontend):
         call, streamed = None, False
         try:
             with decode.track(), self._outstanding(decode):
-                with decode.prefill(plan.local_tokens) as alone:
+                with self._prefilling(decode, plan.local_tokens) as alone:
                     call = self._decode(decode, r, attempt, None)
                     first = await call.read()
                 if first is grpc.aio.EOF:
@@ -293,7 +297,7 @@ class Router(Frontend):
         while True:
             prefill = prefill or _pick(self.prefill_pool, tried, tokens, ask.sampling.cache_salt)
             try:
-                with prefill.track(), self._outstanding(prefill), prefill.prefill(num_tokens) as alone:
+                with prefill.track(), self._outstanding(prefill), self._prefilling(prefill, num_tokens) as alone:
                     if not (stream and self.layerwise(prefill, decode)):
                         return prefill, await prefill.stub.Prefill(ask, timeout=remaining(ask.deadline)), None, alone
                     replies = prefill.stub.StreamPrefill(ask, timeout=remaining(ask.deadline))
@@ -310,7 +314,18 @@ class Router(Frontend):
 
     async def _place(self, decode: Endpoint, tokens: list[int], salt: str):
         """Where this request's prefill runs (router/placement.py), and the prefill node that
-        would run it remotely (None: no healthy one; then the decode node does, if it may)."""
+        would run it remotely (None: no healthy one; then the decode node does, if it may). A
+        request whose place is a decode node already prefilling one of this router's is held
+        and placed again when a prefill ends (late binding: Placement's docstring)."""
+        while True:
+            plan, prefill = await self._decide(decode, tokens, salt)
+            if not plan.hold:
+                return plan, prefill
+            ended = self._prefill_ended
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(ended.wait(), HOLD_RECHECK_S)
+
+    async def _decide(self, decode: Endpoint, tokens: list[int], salt: str):
         try:
             prefill = self.prefill_pool.pick(prompt=tokens, cache_salt=salt)
         except NoHealthyNode:
@@ -332,7 +347,7 @@ class Router(Frontend):
             decode_running=decode.outstanding,
         )
         if prefill is None and self.placement.mode != "off":
-            plan.local = True
+            plan.local, plan.hold = True, False
         log.debug(
             "placement: %s (decode node caches %d of %d tokens, %d decoding there)",
             plan,
@@ -402,6 +417,16 @@ class Router(Frontend):
             ),
             timeout=remaining(r.deadline),
         )
+
+    @contextlib.contextmanager
+    def _prefilling(self, endpoint: Endpoint, tokens: int):
+        """endpoint.prefill(tokens); as it ends, the requests held for a place decide again."""
+        try:
+            with endpoint.prefill(tokens) as alone:
+                yield alone
+        finally:
+            self._prefill_ended.set()
+            self._prefill_ended = asyncio.Event()
 
     @contextlib.contextmanager
     def _outstanding(self, endpoint: Endpoint):

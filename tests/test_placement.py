@@ -4,16 +4,18 @@ the decode node (router/placement.py), and the decode node's local prefill path,
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import grpc
 import pytest
 from cluster import local_cluster, wait_for_no_blocks
-from conftest import make_engine, run_to_completion
+from conftest import engine_alone, make_engine, run_to_completion
 
 from engine import SamplingParams
 from pdserve_api import nodes_pb2, nodes_pb2_grpc
 from router.client import AsyncClient
 from router.placement import LinearFit, Placement
+from router.server import HOLD_RECHECK_S
 
 SYSTEM = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26, 43, 38, 32, 79, 50, 28, 84, 19, 71, 69, 39]
 
@@ -85,6 +87,21 @@ def test_the_cap_and_the_modes():
         Placement(max_local_tokens=-1)
 
 
+def test_a_local_prefill_behind_another_there_is_held_to_be_placed_again():
+    """Late binding: local, but the decode node computes another local prefill: hold (the router
+    decides again when a prefill ends); not when the node is free, the choice is remote, or the
+    mode is not auto."""
+    p = measured()
+    queued = dict(prefill_queued=10**5)  # 100 s of prompts on the prefill node: local wins
+    assert not p.decide(1000, 600, 600, moved=1000, **queued).hold
+    d = p.decide(1000, 600, 600, moved=1000, local_queued=500, **queued)
+    assert d.local and d.hold
+    assert not p.decide(1000, 600, 600, moved=1000, local_queued=500).hold  # remote: bound now
+    assert not measured(mode="always").decide(1000, 600, 600, moved=1000, local_queued=500, **queued).hold
+    unheld = measured(late_binding=False).decide(1000, 600, 600, moved=1000, local_queued=500, **queued)
+    assert unheld.local and not unheld.hold  # --no-late-binding: bound on arrival
+
+
 def test_the_local_measurement_replaces_the_prefill_pools_once_there_is_one():
     p = measured()
     before = p.decide(1000, 900, 900, moved=1000).local_s
@@ -154,6 +171,42 @@ def test_off_and_always(tiny_llama):
                 assert [bool(t.get("local_prefill")) for t in timings] == [local, local]
                 assert used_prefill_nodes(timings) == ({decodes[0].address} if local else {prefills[0].address})
                 await wait_for_no_blocks(prefills + decodes)
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("frees_first", ["prefill node", "decode node"])
+def test_a_held_request_goes_where_a_prefill_ends_first_with_the_same_tokens(tiny_llama, frees_first):
+    """Both sides busy with this router's prefills (held open here through the router's own
+    accounting), the prefill node's queue long: the request's place is its decode node, behind the
+    local prefill there, so the router holds it. It waits as long as both stay busy; when one of
+    them ends it is placed again: on the prefill node if that freed first, else locally. Its
+    tokens are the engine alone's (fp32) either way."""
+    want = engine_alone(tiny_llama, [SYSTEM], max_tokens=6, temperature=0, ignore_eos=True)[0]
+
+    async def scenario():
+        async with local_cluster(tiny_llama, local_prefill="auto") as (router, prefills, decodes):
+            for n in (100, 500, 1000):  # a prefill pool measured: 30 ms + 1 ms a token
+                router.placement.measured_remote(n, 0.03 + 0.001 * n, 1e-3, n, 0.005, alone=True)
+            remote, local = router.prefill_pool.endpoints[0], router.decode_pool.endpoints[0]
+            with contextlib.ExitStack() as busy:
+                busy_on = {
+                    "prefill node": busy.enter_context(contextlib.ExitStack()),
+                    "decode node": busy.enter_context(contextlib.ExitStack()),
+                }
+                busy_on["prefill node"].enter_context(router._prefilling(remote, 10**5))
+                busy_on["decode node"].enter_context(router._prefilling(local, 500))
+                async with AsyncClient(router.address) as client:
+                    request = asyncio.ensure_future(
+                        client.generate(SYSTEM, max_tokens=6, temperature=0, ignore_eos=True)
+                    )
+                    done, _ = await asyncio.wait([request], timeout=2 * HOLD_RECHECK_S + 0.5)
+                    assert not done  # held, through two looks at the same state
+                    busy_on[frees_first].close()
+                    result = await request
+            assert result.token_ids == want
+            assert bool(result.timings.get("local_prefill")) == (frees_first == "decode node"), result.timings
+            await wait_for_no_blocks(prefills + decodes)
 
     asyncio.run(scenario())
 

@@ -4,6 +4,7 @@ on a profile measured here (tiny model)."""
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import json
 import os
@@ -271,6 +272,31 @@ def test_the_simulator_runs_the_routers_own_placement_and_pool(monkeypatch):
     rep = simulate(hand_profile(), Deployment("pd", prefill=1, decode=2), synthetic(10, "100", "4", concurrency=2))
     assert calls["decide"] == 10 and calls["pick"] == 20  # a decode node and a prefill node each
     assert rep.local_prefill_rate == 1.0
+
+
+def test_the_simulator_holds_a_local_prefill_behind_another_as_the_router_does(monkeypatch):
+    """Late binding (router/placement.py): the anchor's prompts, 8 in flight. Some go to the decode
+    node, never two there at once while a prefill node could take them: a held request is placed
+    again when a prefill ends, and every request ends."""
+    most, decided = {}, []
+    prefill, decide = router.pool.Endpoint.prefill, router.placement.Placement.decide
+
+    @contextlib.contextmanager
+    def counted_prefill(self, tokens):
+        with prefill(self, tokens) as alone:
+            most[self.address] = max(most.get(self.address, 0), self.prefilling)
+            yield alone
+
+    def counted_decide(self, *a, **k):
+        decided.append(decide(self, *a, **k))
+        return decided[-1]
+
+    monkeypatch.setattr(router.pool.Endpoint, "prefill", counted_prefill)
+    monkeypatch.setattr(router.placement.Placement, "decide", counted_decide)
+    rep = simulate(hand_profile(), Deployment("pd", prefill=1, decode=1), synthetic(32, "610", "64", concurrency=8))
+    assert rep.completed == 32 and rep.local_prefill_rate > 0
+    assert most == {"prefill-0": 8, "decode-0": 1}
+    assert any(d.hold for d in decided) and len(decided) == 32 + sum(d.hold for d in decided)
 
 
 def test_follow_ups_hit_the_cache_of_the_node_holding_their_history():

@@ -89,6 +89,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--local-prefill", default="auto", choices=MODES, help="the router's placement mode")
     s.add_argument("--max-local-prefill-tokens", type=int, default=search.Deployment.max_local_tokens)
     s.add_argument(
+        "--no-late-binding",
+        dest="late_binding",
+        action="store_false",
+        help="the router's option: bind a local prefill on arrival, behind another (default: held, placed again)",
+    )
+    s.add_argument(
         "--prefill-tokens-with-decodes",
         type=int,
         default=None,
@@ -173,6 +179,7 @@ def _simulate(args, prof: dict) -> int:
         threads=args.threads,
         local_prefill=args.local_prefill,
         max_local_tokens=args.max_local_prefill_tokens,
+        late_binding=args.late_binding,
         prefill_tokens_with_decodes=args.prefill_tokens_with_decodes,
         transport=args.transport or search.default_transport(prof),
         gpu=search.on_gpu(prof),

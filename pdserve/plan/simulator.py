@@ -5,7 +5,8 @@ waiting prefills in arrival order, chunked within the token budget, beside decod
 prefill_tokens_with_decodes, a prefill half of whose uncached tokens another is computing waiting
 for them) and each step lasts what the profile's step line says it costs. The router's decisions
 are the router's own code, not a copy: `EndpointPool.pick` chooses the decode node (load, then
-cached prefix) and the prefill node, `Placement.decide` chooses a local or remote prefill and
+cached prefix) and the prefill node, `Placement.decide` chooses a local or remote prefill (and holds a
+request that would queue behind another local prefill until a prefill ends, as the router does) and
 learns from the simulated timings as the router learns from real ones, and block names are
 `block_hashes`, so a follow-up hits exactly the nodes whose cache holds its history. A remote
 prefill's first token goes out when the prefill ends; the decode node admits the sequence after
@@ -63,6 +64,7 @@ class Deployment:
     threads: int = 1  # per engine
     local_prefill: str = "auto"  # the router's placement mode (colocated: always)
     max_local_tokens: int = MAX_LOCAL_TOKENS
+    late_binding: bool = True  # the router's option
     prefill_tokens_with_decodes: int | None = None  # the engine option (None: the node kind's default)
     transport: str = "shm"  # a key of the profile's handoff
     gpu: bool = False  # each engine on a GPU of its own (a GPU's profile)
@@ -98,6 +100,7 @@ class Deployment:
         return (
             f"{self.prefill}P{self.decode}D x {each}, local prefill {self.local_prefill}"
             + (f" (<= {self.max_local_tokens} tokens)" if self.local_prefill == "auto" else "")
+            + ("" if self.late_binding or self.local_prefill != "auto" else ", bound on arrival")
             + f", {self.transport}{beside}"
         )
 
@@ -332,7 +335,11 @@ class Simulation:
         self.decode_pool = EndpointPool("decode", [])
         self.prefill_pool = EndpointPool("prefill", [])
         local = deployment.colocated > 0
-        self.placement = Placement("always" if local else deployment.local_prefill, deployment.max_local_tokens)
+        self.placement = Placement(
+            "always" if local else deployment.local_prefill,
+            deployment.max_local_tokens,
+            late_binding=deployment.late_binding,
+        )
         beside = deployment.prefill_tokens_with_decodes  # a decode node's default, none in `pdserve colocated`
         if beside is not None and beside < 0:
             raise ValueError(f"prefill_tokens_with_decodes must be >= 0, got {beside}")
@@ -349,6 +356,7 @@ class Simulation:
         self.decode_pool.endpoints = [e.endpoint for e in self.decodes]
         self.prefill_pool.endpoints = [e.endpoint for e in self.prefills]
         self.engine_of = {e.endpoint.address: e for e in self.decodes + self.prefills}
+        self.held: list[Callable[[], None]] = []  # requests waiting for a place (Decision.hold)
 
     def at(self, t: float, fn: Callable[[], None]) -> None:
         heapq.heappush(self._events, (t, next(self._order), fn))
@@ -438,56 +446,70 @@ class Simulation:
             on_token(now, seq.left <= 0)
 
         decode = self.decode_pool.pick(prompt=prompt)
-        prefill = self.prefill_pool.pick(prompt=prompt) if self.prefill_pool.endpoints else None
         names = block_hashes(prompt[:-1], self.block_size)
-        decode_cached = self.decode_pool.cached_tokens(decode, prompt)
-        moved = len(prompt) - (decode_cached if self.partial else 0)
-        plan = self.placement.decide(
-            len(prompt),
-            decode_cached,
-            self.prefill_pool.cached_tokens(prefill, prompt) if prefill else 0,
-            moved=moved,
-            prefill_queued=prefill.prefill_tokens if prefill else 0,
-            local_queued=decode.prefill_tokens,
-            decode_running=decode.outstanding,
-        )
         seq = Decoding(list(prompt), output_len, on_token)
-        began = self.now + self.router_s + self.late()
-        engine = self.engine_of[decode.address]
-        prefilling = contextlib.ExitStack()
-        if plan.local or prefill is None:
-            decoding.enter_context(decode.track())
-            alone = prefilling.enter_context(decode.prefill(plan.local_tokens))
 
-            def local_done(now: float, cached: int) -> None:
-                prefilling.close()
-                rec.cached_tokens, rec.local_prefill = cached, True
-                self.placement.measured_local(len(prompt) - cached, now - began, alone)
-                first_token(now)
-                if seq.left > 0:
-                    engine.add_decoding(seq)
-
-            seq.names = names  # its prompt's blocks, a cached prefix's shared
-            self.at(began, lambda: engine.add_prefill(Prefill(prompt, names, local_done)))
-            return
-        # a hand-off that can leave out the blocks the decode node holds shares them (and names the
-        # ones it imports); one that moves the whole KV writes fresh blocks: nothing shared
-        seq.names = names if self.partial else []
-        prefilling.enter_context(prefill.track())
-        alone = prefilling.enter_context(prefill.prefill(plan.remote_tokens))
-
-        def remote_done(now: float, cached: int) -> None:
-            prefilling.close()
-            rec.cached_tokens = cached
-            decoding.enter_context(decode.track())
-            first_token(now)
-            if seq.left <= 0:
+        def place() -> None:  # the router's _place: a request it holds is placed again when a prefill ends
+            prefill = self.prefill_pool.pick(prompt=prompt) if self.prefill_pool.endpoints else None
+            decode_cached = self.decode_pool.cached_tokens(decode, prompt)
+            moved = len(prompt) - (decode_cached if self.partial else 0)
+            plan = self.placement.decide(
+                len(prompt),
+                decode_cached,
+                self.prefill_pool.cached_tokens(prefill, prompt) if prefill else 0,
+                moved=moved,
+                prefill_queued=prefill.prefill_tokens if prefill else 0,
+                local_queued=decode.prefill_tokens,
+                decode_running=decode.outstanding,
+            )
+            if plan.hold and prefill is not None:
+                self.held.append(place)
                 return
-            handoff = self.handoff["fixed_s"] + self.handoff["per_token_s"] * moved
-            self.placement.measured_remote(len(prompt) - cached, now - began, handoff, moved, self.router_s, alone)
-            self.at(now + handoff, lambda: engine.add_decoding(seq))
+            began = self.now + self.router_s + self.late()
+            engine = self.engine_of[decode.address]
+            prefilling = contextlib.ExitStack()
+            if plan.local or prefill is None:
+                decoding.enter_context(decode.track())
+                alone = prefilling.enter_context(decode.prefill(plan.local_tokens))
 
-        self.at(began, lambda: self.engine_of[prefill.address].add_prefill(Prefill(prompt, names, remote_done)))
+                def local_done(now: float, cached: int) -> None:
+                    prefilling.close()
+                    self.at(now, self._prefill_ended)
+                    rec.cached_tokens, rec.local_prefill = cached, True
+                    self.placement.measured_local(len(prompt) - cached, now - began, alone)
+                    first_token(now)
+                    if seq.left > 0:
+                        engine.add_decoding(seq)
+
+                seq.names = names  # its prompt's blocks, a cached prefix's shared
+                self.at(began, lambda: engine.add_prefill(Prefill(prompt, names, local_done)))
+                return
+            # a hand-off that can leave out the blocks the decode node holds shares them (and names the
+            # ones it imports); one that moves the whole KV writes fresh blocks: nothing shared
+            seq.names = names if self.partial else []
+            prefilling.enter_context(prefill.track())
+            alone = prefilling.enter_context(prefill.prefill(plan.remote_tokens))
+
+            def remote_done(now: float, cached: int) -> None:
+                prefilling.close()
+                self.at(now, self._prefill_ended)
+                rec.cached_tokens = cached
+                decoding.enter_context(decode.track())
+                first_token(now)
+                if seq.left <= 0:
+                    return
+                handoff = self.handoff["fixed_s"] + self.handoff["per_token_s"] * moved
+                self.placement.measured_remote(len(prompt) - cached, now - began, handoff, moved, self.router_s, alone)
+                self.at(now + handoff, lambda: engine.add_decoding(seq))
+
+            self.at(began, lambda: self.engine_of[prefill.address].add_prefill(Prefill(prompt, names, remote_done)))
+
+        place()
+
+    def _prefill_ended(self) -> None:
+        held, self.held = self.held, []
+        for place in held:
+            place()
 
 
 def simulate(
