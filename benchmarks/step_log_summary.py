@@ -1,8 +1,10 @@
 """What a P/D pair's engines did, from their step logs (engine/step_log.py; `pdserve up --step-log`,
 benchmarks/vllm_peer.py --step-logs DIR): per log file, the decode node's decode-only steps (the
 median milliseconds per batch size), its steps that also prefilled (local prefills: how many, their
-prompt tokens, the median step), the prefill node's seconds per 610 prompt tokens, and the share
-of the log's span (its first step's start to its last step's end) each node spent stepping.
+prompt tokens, the median step), the prefill node's seconds per 610 prompt tokens, the share
+of the log's span (its first step's start to its last step's end) each node spent stepping, and
+where the prefill node stood idle: its gaps of over GAP_S between steps (seconds, in order) and
+the tail after its last step.
 
     python benchmarks/step_log_summary.py DIR/steps_*.jsonl [--json FILE]
 
@@ -19,6 +21,7 @@ from collections import defaultdict
 from pathlib import Path
 
 MIN_STEPS = 10  # batch sizes with fewer decode-only steps are left out
+GAP_S = 0.05  # a pause between a prefill node's steps longer than this is idle time
 
 
 def summary(path: Path) -> dict:
@@ -38,6 +41,12 @@ def summary(path: Path) -> dict:
     busy = {"decode": 0.0, "prefill": 0.0}
     for s in steps:
         busy["decode" if s["pid"] in decoders else "prefill"] += s["s"]
+    start, gaps, free_at = min(s["t"] for s in steps), [], None
+    for s in sorted((s for s in steps if s["pid"] not in decoders), key=lambda s: s["t"]):
+        since = s["t"] - (start if free_at is None else free_at)
+        if since > GAP_S:
+            gaps.append(round(since, 2))
+        free_at = s["t"] + s["s"]
     return {
         "span_s": round(span, 1),
         "busy_share": {node: round(b / span, 2) for node, b in busy.items()},
@@ -49,6 +58,8 @@ def summary(path: Path) -> dict:
         "local_prefill_tokens": sum(n for s in local for n, _ in s["prefills"]),
         "local_prefill_step_s_p50": round(statistics.median(s["s"] for s in local), 3) if local else None,
         "prefill_node_s_per_610_tokens": round(statistics.median(remote), 3) if remote else None,
+        "prefill_node_idle_gaps_s": gaps,
+        "prefill_node_tail_s": round(start + span - free_at, 2) if free_at is not None else None,
     }
 
 

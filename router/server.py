@@ -158,9 +158,8 @@ class Router(Frontend):
         prompt, params = self._check(request)  # 1. check
         r = Request(request.request_id or uuid.uuid4().hex, prompt, params, deadline, timings)
         for attempt in range(MIGRATIONS + 1):
+            decode, plan, prefill = await self._place(r)  # 2. place
             began = time.time()
-            decode = _pick(self.decode_pool, prompt=r.tokens, cache_salt=params.cache_salt)  # where the chat is
-            plan, prefill = await self._place(decode, r.tokens, params.cache_salt)  # 2. place
             run = (
                 self._local_attempt(r, attempt, decode, plan)
                 if plan.local
@@ -312,20 +311,25 @@ class Router(Frontend):
                 log.warning("prefill node %s unreachable (%s); retrying elsewhere", prefill.address, e.details())
                 prefill = None
 
-    async def _place(self, decode: Endpoint, tokens: list[int], salt: str):
-        """Where this request's prefill runs (router/placement.py), and the prefill node that
-        would run it remotely (None: no healthy one; then the decode node does, if it may). A
-        request whose place is a decode node already prefilling one of this router's is held
-        and placed again when a prefill ends (late binding: Placement's docstring)."""
+    async def _place(self, r: Request):
+        """The decode node (where the chat is, cache-aware), where the request's prefill runs
+        (router/placement.py), and the prefill node that would run it remotely. A request whose
+        place is a decode node already prefilling one of this router's is held, and picked and
+        placed again when a prefill ends (late binding: Placement's docstring), until its deadline."""
         while True:
-            plan, prefill = await self._decide(decode, tokens, salt)
+            decode = _pick(self.decode_pool, prompt=r.tokens, cache_salt=r.params.cache_salt)
+            plan, prefill = await self._decide(decode, r.tokens, r.params.cache_salt)
             if not plan.hold:
-                return plan, prefill
+                return decode, plan, prefill
+            if r.past_deadline():
+                raise RequestError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed while waiting for a prefill")
             ended = self._prefill_ended
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(ended.wait(), HOLD_RECHECK_S)
+                await asyncio.wait_for(ended.wait(), min(HOLD_RECHECK_S, remaining(r.deadline) or HOLD_RECHECK_S))
 
     async def _decide(self, decode: Endpoint, tokens: list[int], salt: str):
+        """Where the prefill runs, and the prefill node that would run it remotely (None: no
+        healthy one; then the decode node does, if it may)."""
         try:
             prefill = self.prefill_pool.pick(prompt=tokens, cache_salt=salt)
         except NoHealthyNode:

@@ -5,17 +5,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 
 import grpc
 import pytest
 from cluster import local_cluster, wait_for_no_blocks
 from conftest import engine_alone, make_engine, run_to_completion
 
+import router.server
 from engine import SamplingParams
 from pdserve_api import nodes_pb2, nodes_pb2_grpc
-from router.client import AsyncClient
+from router.client import AsyncClient, build_request
+from router.frontend import RequestError
 from router.placement import LinearFit, Placement
-from router.server import HOLD_RECHECK_S
 
 SYSTEM = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26, 43, 38, 32, 79, 50, 28, 84, 19, 71, 69, 39]
 
@@ -176,34 +178,39 @@ def test_off_and_always(tiny_llama):
 
 
 @pytest.mark.parametrize("frees_first", ["prefill node", "decode node"])
-def test_a_held_request_goes_where_a_prefill_ends_first_with_the_same_tokens(tiny_llama, frees_first):
+def test_a_held_request_goes_where_a_prefill_ends_first_with_the_same_tokens(tiny_llama, frees_first, monkeypatch):
     """Both sides busy with this router's prefills (held open here through the router's own
     accounting), the prefill node's queue long: the request's place is its decode node, behind the
-    local prefill there, so the router holds it. It waits as long as both stay busy; when one of
-    them ends it is placed again: on the prefill node if that freed first, else locally. Its
-    tokens are the engine alone's (fp32) either way."""
+    local prefill there, so the router holds it, as long as both stay busy. When one of them ends
+    it is placed again (woken by that end: the periodic look is an hour here): on the prefill node
+    if that freed first, else locally. Its tokens are the engine alone's (fp32) either way."""
     want = engine_alone(tiny_llama, [SYSTEM], max_tokens=6, temperature=0, ignore_eos=True)[0]
+    monkeypatch.setattr(router.server, "HOLD_RECHECK_S", 3600.0)
 
     async def scenario():
-        async with local_cluster(tiny_llama, local_prefill="auto") as (router, prefills, decodes):
+        async with local_cluster(tiny_llama, local_prefill="auto") as (router_, prefills, decodes):
             for n in (100, 500, 1000):  # a prefill pool measured: 30 ms + 1 ms a token
-                router.placement.measured_remote(n, 0.03 + 0.001 * n, 1e-3, n, 0.005, alone=True)
-            remote, local = router.prefill_pool.endpoints[0], router.decode_pool.endpoints[0]
-            with contextlib.ExitStack() as busy:
-                busy_on = {
-                    "prefill node": busy.enter_context(contextlib.ExitStack()),
-                    "decode node": busy.enter_context(contextlib.ExitStack()),
-                }
-                busy_on["prefill node"].enter_context(router._prefilling(remote, 10**5))
-                busy_on["decode node"].enter_context(router._prefilling(local, 500))
-                async with AsyncClient(router.address) as client:
+                router_.placement.measured_remote(n, 0.03 + 0.001 * n, 1e-3, n, 0.005, alone=True)
+            remote, local = router_.prefill_pool.endpoints[0], router_.decode_pool.endpoints[0]
+            busy_on = {"prefill node": contextlib.ExitStack(), "decode node": contextlib.ExitStack()}
+            busy_on["prefill node"].enter_context(router_._prefilling(remote, 10**5))
+            busy_on["decode node"].enter_context(router_._prefilling(local, 500))
+            try:
+                async with AsyncClient(router_.address) as client:
                     request = asyncio.ensure_future(
                         client.generate(SYSTEM, max_tokens=6, temperature=0, ignore_eos=True)
                     )
-                    done, _ = await asyncio.wait([request], timeout=2 * HOLD_RECHECK_S + 0.5)
-                    assert not done  # held, through two looks at the same state
+                    done, _ = await asyncio.wait([request], timeout=2.0)
+                    assert not done  # held
+                    # one held with a deadline (the HTTP API's x-request-timeout) ends at it, named
+                    with pytest.raises(RequestError, match="deadline passed while waiting for a prefill") as err:
+                        await anext(router_.serve(build_request(SYSTEM, max_tokens=6), deadline=time.time() + 1.0))
+                    assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
                     busy_on[frees_first].close()
-                    result = await request
+                    result = await asyncio.wait_for(request, 600)  # (a guard against a hang, not a timing)
+            finally:
+                for stack in busy_on.values():
+                    stack.close()
             assert result.token_ids == want
             assert bool(result.timings.get("local_prefill")) == (frees_first == "decode node"), result.timings
             await wait_for_no_blocks(prefills + decodes)

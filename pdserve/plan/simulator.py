@@ -411,6 +411,7 @@ class Simulation:
         while self._events:
             self.now, _, fn = heapq.heappop(self._events)
             fn()
+        assert not self.held, f"{len(self.held)} requests held with no prefill left to end"
         duration = max(r.done for r in records) if records else 0.0
         rep = report(records, duration, *self.slo)
         engines = self.prefills + self.decodes
