@@ -118,16 +118,18 @@ class Placement:
         prefill_queued: int = 0,
         local_queued: int = 0,
         decode_running: int = 0,
+        prefill_node: bool = True,
     ) -> Decision:
         """num_tokens: the prompt (with a migrated request's tokens); *_cached: its leading tokens
         each side's cache holds; moved: tokens of KV a remote prefill would send the decode node;
         *_queued: uncached tokens of this router's prefills in flight on each node;
-        decode_running: sequences this router has decoding on the decode node."""
+        decode_running: sequences this router has decoding on the decode node; prefill_node:
+        whether a healthy prefill node would take it (without one, local unless mode is off)."""
         local_n = num_tokens - decode_cached
         remote_n = num_tokens - prefill_cached
         d = Decision(False, local_n, remote_n)
-        if self.mode != "auto":
-            d.local = self.mode == "always"
+        if self.mode != "auto" or not prefill_node:
+            d.local = self.mode != "off"  # always, or auto with no prefill node to take it
             return d
         if local_n > self.max_local_tokens:
             return d

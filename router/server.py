@@ -349,9 +349,8 @@ class Router(Frontend):
             prefill_queued=prefill.prefill_tokens if prefill else 0,
             local_queued=decode.prefill_tokens,
             decode_running=decode.outstanding,
+            prefill_node=prefill is not None,
         )
-        if prefill is None and self.placement.mode != "off":
-            plan.local, plan.hold = True, False
         log.debug(
             "placement: %s (decode node caches %d of %d tokens, %d decoding there)",
             plan,

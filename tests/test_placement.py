@@ -104,6 +104,15 @@ def test_a_local_prefill_behind_another_there_is_held_to_be_placed_again():
     assert unheld.local and not unheld.hold  # --no-late-binding: bound on arrival
 
 
+def test_with_no_prefill_node_to_take_it_a_prefill_is_local_at_once_unless_local_prefill_is_off():
+    """No healthy prefill node: held or too long for local, the decode node computes it now (no
+    hold: no prefill node would free); with local prefill off it stays remote (the router retries)."""
+    for p in (Placement(), measured()):  # nothing measured yet, or measured
+        d = p.decide(5000, 0, 0, moved=5000, local_queued=500, prefill_node=False)
+        assert d.local and not d.hold
+    assert not measured(mode="off").decide(1000, 999, 0, moved=1000, prefill_node=False).local
+
+
 def test_the_local_measurement_replaces_the_prefill_pools_once_there_is_one():
     p = measured()
     before = p.decide(1000, 900, 900, moved=1000).local_s

@@ -157,6 +157,16 @@ class Decoding:
     names: list[int] = field(default_factory=list)  # its prompt's blocks (block_hashes): a common prefix's are shared
 
 
+@dataclass
+class Request:  # one request between the router's steps
+    prompt: list[int]
+    rec: RequestRecord
+    seq: Decoding
+    names: list[int]  # its prompt's blocks (block_hashes)
+    decode: Endpoint  # the decode node picked for it
+    decoding: contextlib.ExitStack  # decode.track(), until its last token
+
+
 class Engine:
     def __init__(
         self,
@@ -429,7 +439,6 @@ class Simulation:
         count what is in flight with the router's own context managers, entered and left where
         the router enters and leaves them (a remote request counts on its decode node from its
         first token on)."""
-        answer: list[int] = []
         decoding = contextlib.ExitStack()  # decode.track(), until the last token
 
         def on_token(now: float, last: bool) -> None:
@@ -438,74 +447,80 @@ class Simulation:
             if last:
                 rec.done = now
                 decoding.close()
-                answer.extend(seq.tokens[len(prompt) :])
-                finished(answer)
+                finished(seq.tokens[len(prompt) :])
 
-        def first_token(now: float) -> None:
-            seq.tokens.append(self.token())
-            seq.left -= 1
-            on_token(now, seq.left <= 0)
-
-        decode = self.decode_pool.pick(prompt=prompt)
-        names = block_hashes(prompt[:-1], self.block_size)
         seq = Decoding(list(prompt), output_len, on_token)
+        decode = self.decode_pool.pick(prompt=prompt)
+        self._place(Request(prompt, rec, seq, block_hashes(prompt[:-1], self.block_size), decode, decoding))
 
-        def place() -> None:  # the router's _place: a request it holds is placed again when a prefill ends
-            prefill = self.prefill_pool.pick(prompt=prompt) if self.prefill_pool.endpoints else None
-            decode_cached = self.decode_pool.cached_tokens(decode, prompt)
-            moved = len(prompt) - (decode_cached if self.partial else 0)
-            plan = self.placement.decide(
-                len(prompt),
-                decode_cached,
-                self.prefill_pool.cached_tokens(prefill, prompt) if prefill else 0,
-                moved=moved,
-                prefill_queued=prefill.prefill_tokens if prefill else 0,
-                local_queued=decode.prefill_tokens,
-                decode_running=decode.outstanding,
-            )
-            if plan.hold and prefill is not None:
-                self.held.append(place)
+    def _place(self, r: Request) -> None:
+        """The router's _place: a request it holds is placed again when a prefill ends."""
+        prefill = self.prefill_pool.pick(prompt=r.prompt) if self.prefill_pool.endpoints else None
+        decode_cached = self.decode_pool.cached_tokens(r.decode, r.prompt)
+        moved = len(r.prompt) - (decode_cached if self.partial else 0)
+        plan = self.placement.decide(
+            len(r.prompt),
+            decode_cached,
+            self.prefill_pool.cached_tokens(prefill, r.prompt) if prefill else 0,
+            moved=moved,
+            prefill_queued=prefill.prefill_tokens if prefill else 0,
+            local_queued=r.decode.prefill_tokens,
+            decode_running=r.decode.outstanding,
+            prefill_node=prefill is not None,
+        )
+        if plan.hold:
+            self.held.append(lambda: self._place(r))
+        elif plan.local or prefill is None:
+            self._prefill_locally(r, plan.local_tokens)
+        else:
+            self._prefill_remotely(r, prefill, plan.remote_tokens, moved)
+
+    def _prefill_locally(self, r: Request, tokens: int) -> None:
+        began = self.now + self.router_s + self.late()
+        engine = self.engine_of[r.decode.address]
+        r.decoding.enter_context(r.decode.track())
+        prefilling = contextlib.ExitStack()
+        alone = prefilling.enter_context(r.decode.prefill(tokens))
+
+        def done(now: float, cached: int) -> None:
+            prefilling.close()
+            self.at(now, self._prefill_ended)
+            r.rec.cached_tokens, r.rec.local_prefill = cached, True
+            self.placement.measured_local(len(r.prompt) - cached, now - began, alone)
+            if self._first_token(r, now):
+                engine.add_decoding(r.seq)
+
+        r.seq.names = r.names  # its prompt's blocks, a cached prefix's shared
+        self.at(began, lambda: engine.add_prefill(Prefill(r.prompt, r.names, done)))
+
+    def _prefill_remotely(self, r: Request, prefill: Endpoint, tokens: int, moved: int) -> None:
+        began = self.now + self.router_s + self.late()
+        # a hand-off that can leave out the blocks the decode node holds shares them (and names the
+        # ones it imports); one that moves the whole KV writes fresh blocks: nothing shared
+        r.seq.names = r.names if self.partial else []
+        prefilling = contextlib.ExitStack()
+        prefilling.enter_context(prefill.track())
+        alone = prefilling.enter_context(prefill.prefill(tokens))
+
+        def done(now: float, cached: int) -> None:
+            prefilling.close()
+            self.at(now, self._prefill_ended)
+            r.rec.cached_tokens = cached
+            r.decoding.enter_context(r.decode.track())
+            if not self._first_token(r, now):
                 return
-            began = self.now + self.router_s + self.late()
-            engine = self.engine_of[decode.address]
-            prefilling = contextlib.ExitStack()
-            if plan.local or prefill is None:
-                decoding.enter_context(decode.track())
-                alone = prefilling.enter_context(decode.prefill(plan.local_tokens))
+            handoff = self.handoff["fixed_s"] + self.handoff["per_token_s"] * moved
+            self.placement.measured_remote(len(r.prompt) - cached, now - began, handoff, moved, self.router_s, alone)
+            self.at(now + handoff, lambda: self.engine_of[r.decode.address].add_decoding(r.seq))
 
-                def local_done(now: float, cached: int) -> None:
-                    prefilling.close()
-                    self.at(now, self._prefill_ended)
-                    rec.cached_tokens, rec.local_prefill = cached, True
-                    self.placement.measured_local(len(prompt) - cached, now - began, alone)
-                    first_token(now)
-                    if seq.left > 0:
-                        engine.add_decoding(seq)
+        self.at(began, lambda: self.engine_of[prefill.address].add_prefill(Prefill(r.prompt, r.names, done)))
 
-                seq.names = names  # its prompt's blocks, a cached prefix's shared
-                self.at(began, lambda: engine.add_prefill(Prefill(prompt, names, local_done)))
-                return
-            # a hand-off that can leave out the blocks the decode node holds shares them (and names the
-            # ones it imports); one that moves the whole KV writes fresh blocks: nothing shared
-            seq.names = names if self.partial else []
-            prefilling.enter_context(prefill.track())
-            alone = prefilling.enter_context(prefill.prefill(plan.remote_tokens))
-
-            def remote_done(now: float, cached: int) -> None:
-                prefilling.close()
-                self.at(now, self._prefill_ended)
-                rec.cached_tokens = cached
-                decoding.enter_context(decode.track())
-                first_token(now)
-                if seq.left <= 0:
-                    return
-                handoff = self.handoff["fixed_s"] + self.handoff["per_token_s"] * moved
-                self.placement.measured_remote(len(prompt) - cached, now - began, handoff, moved, self.router_s, alone)
-                self.at(now + handoff, lambda: engine.add_decoding(seq))
-
-            self.at(began, lambda: self.engine_of[prefill.address].add_prefill(Prefill(prompt, names, remote_done)))
-
-        place()
+    def _first_token(self, r: Request, now: float) -> bool:
+        """The prefill's sampled token; whether the request decodes on."""
+        r.seq.tokens.append(self.token())
+        r.seq.left -= 1
+        r.seq.on_token(now, r.seq.left <= 0)
+        return r.seq.left > 0
 
     def _prefill_ended(self) -> None:
         held, self.held = self.held, []
