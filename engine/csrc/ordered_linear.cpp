@@ -55,9 +55,11 @@ constexpr int64_t LANES = 4;  // SSE2, NEON; wider vectors than the registers co
 #endif
 constexpr int64_t V = 2;            // registers a tile row spans
 constexpr int64_t NR = V * LANES;   // columns a tile computes side by side
-// The most rows a tile computes: its MR x V sums stay in registers (32 vector registers with
-// AVX-512, 16 with AVX).
-constexpr int64_t MR = LANES == 16 ? 8 : 4;
+// The most rows a tile computes: its MR x V sums stay in registers beside the V weight vectors and
+// a row's value (32 vector registers with AVX-512; 16 with AVX: 6 x 2 + 2 + 1, the 6 x 16 tile
+// of BLIS's Haswell kernels; 4 rows left 5-8 rows to two tiles, 10 ms more per decode step of the
+// default model in fp32, docs/benchmarks.md "Linears").
+constexpr int64_t MR = LANES == 16 ? 8 : 6;
 constexpr int64_t MC = 64;          // rows whose copy stays in cache while the panels stream past
 
 typedef float vec __attribute__((vector_size(LANES * sizeof(float))));
@@ -230,15 +232,19 @@ void ordered_linear_impl(const at::Tensor& x, const at::Tensor& panels, const c1
   for (int64_t m0 = 0; m0 < M; m0 += MC) {
     const int64_t rows = std::min(MC, M - m0);
     for (int64_t r = 0; r < rows; ++r) copy_row(xp + (m0 + r) * K, K, Kp, xs.get() + r * Kp);
+    // the fewest tiles, their heights differing by at most one (each tile after the first reads
+    // the panel again, from cache: 8 rows go as 4 + 4, not 6 + 2)
+    const int64_t tiles = (rows + MR - 1) / MR;
     at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
       row_acc acc[MR];
       for (int64_t p = begin; p < end; ++p) {
         const int64_t n0 = p * NR, cols = std::min(NR, N - n0);
-        for (int64_t r0 = 0; r0 < rows; r0 += MR) {
-          const int64_t tile_height = std::min(MR, rows - r0);
-          tile_rows(tile_height, xs.get() + r0 * Kp, Kp, wp + p * Kp * NR, acc);
-          for (int64_t r = 0; r < tile_height; ++r)
+        for (int64_t t = 0, r0 = 0; t < tiles; ++t) {
+          const int64_t height = rows / tiles + (t < rows % tiles);
+          tile_rows(height, xs.get() + r0 * Kp, Kp, wp + p * Kp * NR, acc);
+          for (int64_t r = 0; r < height; ++r)
             store_row(acc[r], bp ? bp + n0 : nullptr, cols, yp + (m0 + r0 + r) * N + n0);
+          r0 += height;
         }
       }
     });
