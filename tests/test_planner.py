@@ -396,10 +396,13 @@ def test_best_meets_the_slos_with_the_most_goodput_and_its_command_parses():
     assert len(ranked) == len(search.candidates(2, [1, 2]))
     best = ranked[0]
     assert best.meets and all(best.report.goodput_tps >= (1 - search.TIE) * s.report.goodput_tps for s in ranked)
+    local = [s.deployment for s in ranked if s.deployment.prefill and s.deployment.local_prefill == "auto"]
+    assert {d.prefill_tokens_with_decodes for d in local} == set(search.BESIDE)  # the share beside decodes
     for s in ranked:
         cmd = shlex.split(search.command(s.deployment))
         assert cmd[0] == "pdserve"
-        parser().parse_args(cmd[1:])  # every command it may print is one pdserve takes
+        args = parser().parse_args(cmd[1:])  # every command it may print is one pdserve takes
+        assert getattr(args, "prefill_tokens_with_decodes", None) == s.deployment.prefill_tokens_with_decodes
 
 
 def test_deployments_that_tie_on_goodput_are_ranked_by_cores_then_headroom_and_the_best_says_why(tmp_path, capsys):

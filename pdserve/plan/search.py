@@ -2,7 +2,8 @@
 the best that meets the SLOs, and the runner-up.
 
 Candidates: k colocated engines, and P prefill + D decode nodes with the router's local prefill
-on (auto, at each local-token cap) or off, using the whole budget or less. Of cores, each engine
+on (auto, at each local-token cap and each share of prompt tokens a decode node's step computes
+beside its decodes) or off, using the whole budget or less. Of cores, each engine
 takes its threads' worth (the thread counts the profile measured); of GPUs (a GPU's profile), one
 GPU each. A candidate meets the SLOs when its TTFT and TPOT at the given percentile are within
 them; among those the best has the highest goodput (tokens/s of requests within both SLOs), then
@@ -24,6 +25,9 @@ from pdserve.bench_stats import Report
 from pdserve.plan.simulator import Deployment, Workload, simulate
 
 LOCAL_CAPS = (256, 1024, 4096)  # max_local_prefill_tokens tried with local prefill auto
+# prefill_tokens_with_decodes tried with local prefill auto: a smaller share keeps decode steps
+# short where a prompt token costs more (fp32 on an AVX2 CPU: docs/benchmarks.md, section 5)
+BESIDE = (16, 32, 64)
 TIE = 0.02  # goodputs this close to the highest tie (docs/benchmarks.md, "A trace")
 
 
@@ -40,7 +44,13 @@ def candidates(budget: int, threads: list[int], transport: str = "shm", gpu: boo
                 name = f"{p}P{d}D-{t}"
                 each = dict(prefill=p, decode=d, threads=t, transport=transport, gpu=gpu)
                 out.append(Deployment(f"{name}-off", local_prefill="off", **each))
-                out += [Deployment(f"{name}-local{cap}", max_local_tokens=cap, **each) for cap in LOCAL_CAPS]
+                out += [
+                    Deployment(
+                        f"{name}-local{cap}-beside{n}", max_local_tokens=cap, prefill_tokens_with_decodes=n, **each
+                    )
+                    for cap in LOCAL_CAPS
+                    for n in BESIDE
+                ]
     return out
 
 
@@ -126,4 +136,6 @@ def command(dep: Deployment) -> str:
         if dep.local_prefill == "off"
         else f"--local-prefill auto --max-local-prefill-tokens {dep.max_local_tokens}"
     )
+    if dep.prefill_tokens_with_decodes is not None:
+        local += f" --prefill-tokens-with-decodes {dep.prefill_tokens_with_decodes}"
     return f"pdserve up --prefill {dep.prefill} --decode {dep.decode} {place} {local}"
