@@ -30,20 +30,21 @@ from engine.hardware import cpu_features, resolve_dtype
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def build_before(rev: str) -> None:
+def build_before(rev: str, source: str = "paged_attention.cpp") -> None:
+    """engine/csrc/<source> as of <rev>, built under the op namespace pdserve_before."""
     src = subprocess.run(
-        ["git", "show", f"{rev}:engine/csrc/paged_attention.cpp"], cwd=ROOT, check=True, capture_output=True, text=True
+        ["git", "show", f"{rev}:engine/csrc/{source}"], cwd=ROOT, check=True, capture_output=True, text=True
     ).stdout
     src = src.replace("TORCH_LIBRARY_FRAGMENT(pdserve,", "TORCH_LIBRARY_FRAGMENT(pdserve_before,")
     src = src.replace("TORCH_LIBRARY_IMPL(pdserve,", "TORCH_LIBRARY_IMPL(pdserve_before,")
     tmp = Path(tempfile.mkdtemp(prefix="pdserve_before_"))
-    (tmp / "paged_attention.cpp").write_text(src)
+    (tmp / source).write_text(src)
     (tmp / "to_float.h").write_text((ROOT / "engine/csrc/to_float.h").read_text())
     from torch.utils.cpp_extension import load
 
     load(
-        name=f"pdserve_before_{rev}",
-        sources=[str(tmp / "paged_attention.cpp")],
+        name=f"pdserve_before_{Path(source).stem}_{rev.replace('~', '_')}",
+        sources=[str(tmp / source)],
         extra_cflags=cpu_kernels.BASE_FLAGS + cpu_features().kernel_flags,
         extra_ldflags=["-fopenmp"],
         is_python_module=False,
