@@ -1,12 +1,14 @@
 """The ordered linear (engine/csrc/ordered_linear.cpp) of this tree against an earlier commit's, over
-one forward's linears of the default model at 1-12 rows, interleaved in one process.
+one forward's linears of the default model at 1-12 rows (a decode step's) and 64 and 256 (a prefill
+chunk's), interleaved in one process.
 
     python benchmarks/linear_tiles.py [--before 64b8b31] [--rounds 5] [--dtype auto] [--json FILE]
 
 The earlier kernel is built from git under the op namespace `pdserve_before` (decode_step.py's
 build_before). Each of the 30 layers has weights of its own (qkv, o, gate_up, down) and the LM head
 follows, so the weights stream from memory as in a decode step; each kernel packs its own copy.
-One torch thread; each round times every row count with either kernel (median of 5 forwards).
+One torch thread; each round times every row count with either kernel (median of 5 forwards), the
+two in turn, which one first alternating from round to round.
 Reports the median forward time per row count and the median of per-round ratios. Run it pinned
 (taskset -c 1) on a quiet machine.
 """
@@ -16,18 +18,23 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
-from decode_step import build_before  # (a sibling: this script's folder is on sys.path)
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this tree's engine, not an installed one
+
+from decode_step import build_before  # noqa: E402
 
 from engine import cpu_kernels
 from engine.hardware import cpu_features, resolve_dtype
 from engine.model_config import ModelConfig
 from engine.model_source import resolve_model
 
-ROWS = range(1, 13)
+ROWS = (*range(1, 13), 64, 256)
 
 
 def forward(ops, panels: list, xs: dict[int, torch.Tensor]) -> float:
@@ -58,9 +65,9 @@ def main() -> None:
     panels = {n: [(ops.ordered_linear_pack(w), o, i) for w, o, i in weights] for n, ops in kernels.items()}
     xs = {m: {i: torch.randn(m, i, generator=gen).to(dtype) for _, i in set(shapes)} for m in ROWS}
     times = {m: {n: [] for n in kernels} for m in ROWS}
-    for _ in range(args.rounds):
+    for round_ in range(args.rounds):
         for m in ROWS:
-            for n, ops in kernels.items():
+            for n, ops in list(kernels.items())[:: 1 if round_ % 2 == 0 else -1]:
                 forward(ops, panels[n], xs[m])
                 times[m][n].append(statistics.median(forward(ops, panels[n], xs[m]) for _ in range(5)) * 1e3)
     result = {"cpu": cpu_features().isa, "dtype": str(dtype), "before": args.before, "rows": {}}

@@ -9,8 +9,9 @@ arrivals. SLOs are scales of what one request alone costs on one engine of one t
 scales its SLOs the same way): TTFT within --ttft-scale x its prefill, TPOT within --tpot-scale x
 a decode step of one sequence. Deployments: `pdserve plan best`'s candidates that spend the whole
 budget (k colocated engines; P prefill + D decode nodes with local prefill off, or auto at each of
-its local-token caps; engines of each profiled thread count, or one GPU each), the KV handed over
-what --kv-transport auto takes on one host (shared memory; TCP for a KV on a GPU) or --transport.
+its local-token caps and shares of prompt tokens beside decodes; engines of each profiled thread
+count, or one GPU each), the KV handed over what --kv-transport auto takes on one host (shared
+memory; TCP for a KV on a GPU) or --transport.
 
 A prediction, not a measurement: it assumes each engine's cores run as they did when profiled
 (no memory-bandwidth or cache contention between engines, which a real many-core host has), that

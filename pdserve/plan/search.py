@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from engine.config import DECODE_NODE_PREFILL_TOKENS
 from kvtransfer.transports import TRANSPORTS
 from pdserve.bench_stats import Report
 from pdserve.plan.simulator import Deployment, Workload, simulate
@@ -27,7 +28,7 @@ from pdserve.plan.simulator import Deployment, Workload, simulate
 LOCAL_CAPS = (256, 1024, 4096)  # max_local_prefill_tokens tried with local prefill auto
 # prefill_tokens_with_decodes tried with local prefill auto: a smaller share keeps decode steps
 # short where a prompt token costs more (fp32 on an AVX2 CPU: docs/benchmarks.md, section 5)
-BESIDE = (16, 32, 64)
+BESIDE = (DECODE_NODE_PREFILL_TOKENS // 2, DECODE_NODE_PREFILL_TOKENS, 2 * DECODE_NODE_PREFILL_TOKENS)
 TIE = 0.02  # goodputs this close to the highest tie (docs/benchmarks.md, "A trace")
 
 
