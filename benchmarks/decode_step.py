@@ -120,16 +120,24 @@ def summary(times: dict, extra: dict) -> dict:
     }
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--before", default="19d690d", help="the commit whose kernel is the baseline")
+def kernel_ab(doc: str, before: str, source: str = "paged_attention.cpp") -> argparse.Namespace:
+    """The command line of a kernel's A/B against an earlier commit's (this script's and
+    linear_tiles.py's), parsed; one torch thread, this tree's kernels built and the earlier
+    commit's engine/csrc/<source> beside them (build_before)."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--before", default=before, help="the commit whose kernel is the baseline")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--dtype", default="auto", help="auto: bf16 where the CPU has it natively, else fp32")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     torch.set_num_threads(1)
     assert cpu_kernels.load(), "the C++ CPU kernels do not build here"
-    build_before(args.before)
+    build_before(args.before, source)
+    return args
+
+
+def main() -> None:
+    args = kernel_ab(__doc__, "19d690d")
     kernels = {
         "now": torch.ops.pdserve.paged_decode_attention,
         "before": torch.ops.pdserve_before.paged_decode_attention,

@@ -15,7 +15,6 @@ Reports the median forward time per row count and the median of per-round ratios
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -27,9 +26,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this tree's engine, not an installed one
 
-from decode_step import build_before  # noqa: E402
+from decode_step import kernel_ab  # noqa: E402
 
-from engine import cpu_kernels
 from engine.hardware import cpu_features, resolve_dtype
 from engine.model_config import ModelConfig
 from engine.model_source import resolve_model
@@ -45,15 +43,7 @@ def forward(ops, panels: list, xs: dict[int, torch.Tensor]) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--before", default="64b8b31", help="the commit whose kernel is the baseline")
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--dtype", default="auto", help="auto: bf16 where the CPU has it natively, else fp32")
-    ap.add_argument("--json", default=None)
-    args = ap.parse_args()
-    torch.set_num_threads(1)
-    assert cpu_kernels.load(), "the C++ CPU kernels do not build here"
-    build_before(args.before, "ordered_linear.cpp")
+    args = kernel_ab(__doc__, "64b8b31", "ordered_linear.cpp")
     dtype = resolve_dtype(args.dtype, torch.device("cpu"))
     cfg = ModelConfig.from_dir(resolve_model("smollm2-135m"))
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
