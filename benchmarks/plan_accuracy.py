@@ -15,6 +15,7 @@ on the real deployment, same prompts, same window.
    colocated (one engine, 2 threads), colocated on one core (one engine, 1 thread, pinned to core
    0), colocated x 2 (`up --prefill 0 --decode 2`, one core each), 1P1D with local prefill auto
    (the default), 1P1D with local prefill off; the P/D and x2 ones pinned, one thread per node.
+   Named with --deployments only: 1P1D-beside16, 1P1D with --prefill-tokens-with-decodes 16.
 4. For each, the simulator's prediction from the profile; the relative error of goodput (tokens/s
    within both SLOs), TTFT p50 and TPOT p50. The SLOs (WORKLOADS) are loose enough that nearly
    every request of every deployment meets them here: an SLO that cuts through the middle of a
@@ -61,6 +62,7 @@ DEPLOYMENTS = {
         Deployment("colocated-x2", colocated=2, threads=1),
         Deployment("1P1D", prefill=1, decode=1, threads=1),
         Deployment("1P1D-off", prefill=1, decode=1, threads=1, local_prefill="off"),
+        Deployment("1P1D-beside16", prefill=1, decode=1, threads=1, prefill_tokens_with_decodes=16),
     )
 }
 
@@ -155,7 +157,7 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=Path("docs/bench"))
     ap.add_argument("--only", default="anchor,chat", help="workloads, of " + ", ".join(WORKLOADS))
     ap.add_argument("--trace", help="a trace (pdserve/trace.py) as the workload 'trace'")
-    ap.add_argument("--deployments", default=",".join(DEPLOYMENTS))
+    ap.add_argument("--deployments", default=",".join(d for d in DEPLOYMENTS if d != "1P1D-beside16"))
     ap.add_argument(
         "--step-log", action="store_true", help="keep each engine's steps in its row (--step-log; plan_steps.py)"
     )
