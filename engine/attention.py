@@ -6,7 +6,9 @@ queries (one per sequence), the rest are prefill chunks of any length. Each grou
 batched SDPA call over [B, heads, q_len, context] with a boolean mask, so mixed batches never
 pad a decode query up to a prefill's length. Decodes run in a kernel that reads the KV in place
 instead where one runs: the C++ kernel on a CPU, the Triton kernel on CUDA (cuda_kernels.py). On a
-CPU in bf16 the prefills run as chunked matmuls per sequence (`_attend_matmul`).
+CPU the prefills run one sequence at a time (`PrefillSeqs`): as chunked matmuls in bf16
+(`_attend_matmul`), else one SDPA call each, a whole prompt causal without a mask, so that a prompt
+beside others is computed as it is alone.
 """
 
 from __future__ import annotations
@@ -50,11 +52,15 @@ class DecodeGroup:
 
 @dataclass
 class PrefillSeqs:
-    """For `_attend_matmul` (CPU, bf16): each prefill sequence attended alone, no padding."""
+    """On a CPU: each prefill sequence attended alone, no padding (in `_attend_matmul`, or SDPA:
+    a whole prompt batched with others under one mask took 1.25x the attention of the prompts
+    alone, causal, in fp32 on AVX2, five of 600 tokens: docs/benchmarks.md)."""
 
     slots: list[torch.Tensor]  # per sequence, [start + len] slots of its context
     starts: list[int]
     lens: list[int]
+    masks: list[torch.Tensor | None]  # SDPA's: [1, 1, len, start + len], None where causal (or matmul)
+    matmul: bool
 
 
 @dataclass
@@ -78,12 +84,14 @@ def build_metadata(
     device: torch.device,
     decode_kernel: bool = False,
     prefill_matmul: bool = False,
+    prefill_alone: bool = False,
 ) -> AttentionMetadata:
     """starts[i]: KV positions sequence i already has; lens[i]: positions computed this step.
     The first `num_decode` sequences have lens == 1. With decode_kernel, their attention runs in
     a decode kernel (cpu_kernels.py, cuda_kernels.py); with prefill_matmul, the prefills' runs in
-    `_attend_matmul`. Entries may share one block table (the queries of one sequence: the same
-    list object), which is then copied to a tensor once."""
+    `_attend_matmul`; with prefill_alone (a CPU's), one SDPA call a sequence. Entries may share one block
+    table (the queries of one sequence: the same list object), which is then copied to a tensor
+    once."""
     num_seqs = len(starts)
     width = max(len(bt) for bt in block_tables)
     row_of: dict[int, int] = {}  # id(table) -> its row in unique
@@ -120,11 +128,7 @@ def build_metadata(
         # 610 tokens, 1.7x at 2,000 on a CPU).
         mask = None
         if not (sl.stop - sl.start == 1 and int(g_start[0]) == 0 and sliding_window is None):
-            k_pos = torch.arange(ctx)
-            mask = k_pos[None, None, :] <= q_pos[:, :, None]  # [B, Lq, Lk]
-            if sliding_window is not None:
-                mask &= k_pos[None, None, :] > q_pos[:, :, None] - sliding_window
-            mask = mask[:, None].to(device)
+            mask = _mask(q_pos, ctx, sliding_window).to(device)
         q_index = None
         if q_len > 1:
             first = int(first_token[sl.start])
@@ -137,11 +141,21 @@ def build_metadata(
         decode = DecodeGroup(block_table[:num_decode].to(device), (start + length)[:num_decode].to(device))
     else:
         decode = group(slice(0, num_decode))
-    if prefill_matmul and num_decode < num_seqs:
+    if (prefill_matmul or prefill_alone) and num_decode < num_seqs:
+        seqs = range(num_decode, num_seqs)
         prefill = PrefillSeqs(
-            [all_slots(slice(i, i + 1), starts[i] + lens[i])[0].to(device) for i in range(num_decode, num_seqs)],
+            [all_slots(slice(i, i + 1), starts[i] + lens[i])[0].to(device) for i in seqs],
             starts[num_decode:],
             lens[num_decode:],
+            [
+                None
+                if prefill_matmul or (starts[i] == 0 and sliding_window is None)
+                else _mask(torch.arange(starts[i], starts[i] + lens[i])[None], starts[i] + lens[i], sliding_window).to(
+                    device
+                )
+                for i in seqs
+            ],
+            prefill_matmul,
         )
     else:
         prefill = group(slice(num_decode, num_seqs))
@@ -183,10 +197,14 @@ def paged_attention(
     g = meta.prefill
     if isinstance(g, PrefillSeqs):
         first = nd
-        for slots, start, n in zip(g.slots, g.starts, g.lens):
-            _attend_matmul(
-                out[first : first + n], q[first : first + n], k_cache, v_cache, slots, start, meta.sliding_window
-            )
+        for slots, start, n, mask in zip(g.slots, g.starts, g.lens, g.masks):
+            if g.matmul:
+                _attend_matmul(
+                    out[first : first + n], q[first : first + n], k_cache, v_cache, slots, start, meta.sliding_window
+                )
+            else:  # (q contiguous as a lone prompt's: the same call, the same bits)
+                alone = AttendGroup(slots[None], mask, None, n)
+                out[first : first + n] = _attend(q[first : first + n].contiguous()[None], k_cache, v_cache, alone)[0]
             first += n
         return out
     batch = g.slots.shape[0]
@@ -194,6 +212,15 @@ def paged_attention(
     o = _attend(q_pad.view(batch, g.q_len, *q.shape[1:]), k_cache, v_cache, g)
     out[nd:] = o.reshape(batch * g.q_len, *q.shape[1:]).index_select(0, g.q_index)
     return out
+
+
+def _mask(q_pos: torch.Tensor, ctx: int, sliding_window: int | None) -> torch.Tensor:
+    """[B, 1, Lq, ctx]: True where the query at q_pos [B, Lq] may attend the key."""
+    k_pos = torch.arange(ctx)
+    mask = k_pos[None, None, :] <= q_pos[:, :, None]
+    if sliding_window is not None:
+        mask &= k_pos[None, None, :] > q_pos[:, :, None] - sliding_window
+    return mask[:, None]
 
 
 def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: AttendGroup) -> torch.Tensor:

@@ -58,6 +58,7 @@ class DraftModelProposer:
         )
         self.decode_kernel = fused_ops and decode_attention_fits(cfg.head_dim)
         self.prefill_matmul = fused_ops and dtype == torch.bfloat16
+        self.prefill_alone = device.type == "cpu"  # one SDPA call a prompt: as it runs alone (attention.py)
         bm = block_manager
         self.kv_cache = KVCache(
             cfg.num_layers, bm.num_blocks, bm.block_size, cfg.num_kv_heads, cfg.head_dim, dtype, device
@@ -121,6 +122,7 @@ class DraftModelProposer:
             self.device,
             self.decode_kernel,
             self.prefill_matmul,
+            self.prefill_alone,
         )
         hidden = self.model.forward(
             torch.tensor(ids, dtype=torch.long).to(self.device), meta.positions, meta, self.kv_cache

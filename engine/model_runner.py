@@ -48,6 +48,7 @@ class ModelRunner:
         )
         # Prefill attention as chunked matmuls: faster than torch's flash kernel on a CPU in bf16.
         self.prefill_matmul = self.use_cpu_kernels and dtype == torch.bfloat16
+        self.prefill_alone = device.type == "cpu"  # one SDPA call a prompt: as it runs alone (attention.py)
         # Deterministic: every token a single query through the C++ kernel (its sums run over the
         # context in blocks of absolute positions), every linear summed in k order (engine/csrc/ordered_linear.cpp).
         self.deterministic = config.deterministic
@@ -155,6 +156,7 @@ class ModelRunner:
             self.device,
             self.decode_kernel,
             self.prefill_matmul,
+            self.prefill_alone,
         )
         ids = torch.tensor(input_ids, dtype=torch.long).to(self.device)
         # Layer-wise streaming: prompts whose last chunk runs now publish each layer once written.

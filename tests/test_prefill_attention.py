@@ -1,7 +1,9 @@
-"""Prefill attention as chunked matmuls (engine/attention.py `_attend_matmul`, the CPU bf16 path)
-against attention written out in fp32, and against the SDPA path it replaces: several prompts in
-one step, prompts extending a cached prefix, decodes in the same step, GQA and MHA, sliding
-windows, prompts longer than a chunk and ending mid-chunk."""
+"""Prefill attention as chunked matmuls (engine/attention.py `_attend_matmul`, the CPU bf16 path),
+as one SDPA call a sequence (`prefill_alone`, the CPU's other path) and as one batched SDPA call
+(a GPU's), each against attention written out in fp32: several prompts in one step, prompts
+extending a cached prefix, decodes in the same step, GQA and MHA, sliding windows, prompts longer
+than a chunk and ending mid-chunk. And a whole prompt beside others, one call a sequence, gets
+the bits it gets alone."""
 
 from __future__ import annotations
 
@@ -31,6 +33,11 @@ def dense(q, k, v, starts, lens, window):
     return torch.cat(out)
 
 
+PATHS = {  # build_metadata's flags for each way the prefills attend
+    "batched": {},
+    "alone": {"prefill_alone": True},
+    "matmul": {"prefill_matmul": True},
+}
 CASES = [  # heads, kv_heads, head_dim, block_size, (start, len) per sequence (len 1 first: decodes), window
     (9, 3, 64, 16, [(0, 610)], 0),
     (9, 3, 64, 16, [(40, 1), (0, 130), (0, 7), (200, 65)], 0),
@@ -61,13 +68,13 @@ def test_prefill_matmul_matches_dense_and_sdpa(heads, kv_heads, head_dim, block_
     v_new = torch.randn(total, kv_heads, head_dim, generator=g).to(dtype)
 
     outs = {}
-    for matmul in (False, True):
+    for path in PATHS:
         kc, vc = k_cache.clone(), v_cache.clone()
         meta = build_metadata(
-            starts, lens, tables, num_decode, block_size, window or None, torch.device("cpu"), prefill_matmul=matmul
+            starts, lens, tables, num_decode, block_size, window or None, torch.device("cpu"), **PATHS[path]
         )
-        assert isinstance(meta.prefill, PrefillSeqs) == matmul
-        outs[matmul] = paged_attention(q, k_new, v_new, kc, vc, meta)
+        assert isinstance(meta.prefill, PrefillSeqs) == (path != "batched")
+        outs[path] = paged_attention(q, k_new, v_new, kc, vc, meta)
     # The dense reference reads the caches as written by the step.
     pos_slots = [
         [t[p // block_size] * block_size + p % block_size for p in range(s + n)] for t, (s, n) in zip(tables, seqs)
@@ -76,7 +83,31 @@ def test_prefill_matmul_matches_dense_and_sdpa(heads, kv_heads, head_dim, block_
     vs = [vc[torch.tensor(p)] for p in pos_slots]
     want = dense(q, ks, vs, starts, lens, window)
     tol = 3e-2 if dtype == torch.bfloat16 else 1e-4
-    err_matmul = (outs[True].float() - want).abs().max().item()
-    err_sdpa = (outs[False].float() - want).abs().max().item()
-    assert err_matmul < tol, (err_matmul, err_sdpa)
-    assert err_sdpa < tol
+    errors = {path: (out.float() - want).abs().max().item() for path, out in outs.items()}
+    assert all(err < tol for err in errors.values()), errors
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_whole_prompt_beside_others_attends_as_it_does_alone(dtype):
+    """One SDPA call a sequence: the prompt of 130 tokens in a step with a decode, a 7-token
+    prompt and a chunk after a cached prefix gets the bits it gets as the step's only sequence."""
+    g = torch.Generator().manual_seed(7)
+    heads, kv_heads, head_dim, block_size = 9, 3, 64, 16
+    seqs = [(40, 1), (0, 130), (0, 7), (200, 65)]
+    tables = [list(range(i * 20, i * 20 + 20)) for i in range(len(seqs))]
+    k_cache = torch.randn(len(seqs) * 20 * block_size, kv_heads, head_dim, generator=g).to(dtype)
+    v_cache = torch.randn_like(k_cache)
+    total = sum(n for _, n in seqs)
+    q, k, v = (torch.randn(total, h, head_dim, generator=g).to(dtype) for h in (heads, kv_heads, kv_heads))
+
+    def attend(which: list[int]) -> torch.Tensor:
+        rows = [r for i in which for r in range(sum(n for _, n in seqs[:i]), sum(n for _, n in seqs[: i + 1]))]
+        starts, lens = [seqs[i][0] for i in which], [seqs[i][1] for i in which]
+        meta = build_metadata(
+            starts, lens, [tables[i] for i in which], sum(n == 1 for n in lens), block_size, None,
+            torch.device("cpu"), decode_kernel=False, prefill_alone=True,
+        )  # fmt: skip
+        return paged_attention(q[rows], k[rows], v[rows], k_cache.clone(), v_cache.clone(), meta)
+
+    beside = attend([0, 1, 2, 3])[1 : 1 + 130]
+    assert torch.equal(beside, attend([1]))
