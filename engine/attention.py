@@ -6,9 +6,9 @@ queries (one per sequence), the rest are prefill chunks of any length. Each grou
 batched SDPA call over [B, heads, q_len, context] with a boolean mask, so mixed batches never
 pad a decode query up to a prefill's length. Decodes run in a kernel that reads the KV in place
 instead where one runs: the C++ kernel on a CPU, the Triton kernel on CUDA (cuda_kernels.py). On a
-CPU the prefills run one sequence at a time (`PrefillSeqs`): as chunked matmuls in bf16
-(`_attend_matmul`), else one SDPA call each, a whole prompt causal without a mask, so that a prompt
-beside others is computed as it is alone.
+CPU the prefills run one sequence at a time instead (`PrefillSeqs`): as chunked matmuls in bf16
+with the C++ kernels (`_attend_matmul`), else, up to ALONE_MAX_SEQS of them, one SDPA call each,
+a whole prompt causal without a mask, so that its attention beside others has the bits it has alone.
 """
 
 from __future__ import annotations
@@ -25,6 +25,13 @@ from engine import cuda_kernels
 # On CUDA, not cuDNN's attention: it builds a plan per shape (1.7 ms of CPU each on an H200), and
 # a decode step's key length is new every step (bf16 decode steps ran 3x slower with it).
 CUDA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+# A CPU step's prefill sequences, at most, that make one SDPA call each: beyond, the per-call cost
+# outweighs the padding and the mask saved (one thread, a layer's attention against the batched
+# call's, scratch timings: 5 x 610 tokens 0.65x, 16 x 64 0.58x, 64 x 16 0.70x, 256 x 16 1.33x,
+# 128 x 4 4.7x). A prefill node's step of 610-token prompts holds at most 7.
+ALONE_MAX_SEQS = 16
 
 
 def attention_backends(device: torch.device) -> contextlib.AbstractContextManager:
@@ -89,7 +96,8 @@ def build_metadata(
     """starts[i]: KV positions sequence i already has; lens[i]: positions computed this step.
     The first `num_decode` sequences have lens == 1. With decode_kernel, their attention runs in
     a decode kernel (cpu_kernels.py, cuda_kernels.py); with prefill_matmul, the prefills' runs in
-    `_attend_matmul`; with prefill_alone (a CPU's), one SDPA call a sequence. Entries may share one block
+    `_attend_matmul`; with prefill_alone (a CPU's), one SDPA call a sequence where they are at
+    most ALONE_MAX_SEQS. Entries may share one block
     table (the queries of one sequence: the same list object), which is then copied to a tensor
     once."""
     num_seqs = len(starts)
@@ -123,11 +131,11 @@ def build_metadata(
         # Query i of a sequence sits at position start + i; padded rows repeat the last one.
         i = torch.arange(q_len)
         q_pos = g_start[:, None] + torch.minimum(i[None, :], g_len[:, None] - 1)  # [B, Lq]
-        # One whole prompt from position 0 (the common prefill): plain causal attention, which
-        # SDPA computes without reading a mask and skips the blocks above the diagonal (1.25x at
-        # 610 tokens, 1.7x at 2,000 on a CPU).
+        # One whole prompt from position 0 (the common prefill on a GPU): plain causal attention,
+        # which SDPA computes without reading a mask and skips the blocks above the diagonal
+        # (docs/benchmarks.md: 1.09-1.11x at 610 tokens, 1.48x at 2,000 on a CPU).
         mask = None
-        if not (sl.stop - sl.start == 1 and int(g_start[0]) == 0 and sliding_window is None):
+        if not (sl.stop - sl.start == 1 and _whole(int(g_start[0]), sliding_window)):
             mask = _mask(q_pos, ctx, sliding_window).to(device)
         q_index = None
         if q_len > 1:
@@ -141,7 +149,8 @@ def build_metadata(
         decode = DecodeGroup(block_table[:num_decode].to(device), (start + length)[:num_decode].to(device))
     else:
         decode = group(slice(0, num_decode))
-    if (prefill_matmul or prefill_alone) and num_decode < num_seqs:
+    alone = prefill_alone and num_seqs - num_decode <= ALONE_MAX_SEQS
+    if (prefill_matmul or alone) and num_decode < num_seqs:
         seqs = range(num_decode, num_seqs)
         prefill = PrefillSeqs(
             [all_slots(slice(i, i + 1), starts[i] + lens[i])[0].to(device) for i in seqs],
@@ -149,7 +158,7 @@ def build_metadata(
             lens[num_decode:],
             [
                 None
-                if prefill_matmul or (starts[i] == 0 and sliding_window is None)
+                if prefill_matmul or _whole(starts[i], sliding_window)
                 else _mask(torch.arange(starts[i], starts[i] + lens[i])[None], starts[i] + lens[i], sliding_window).to(
                     device
                 )
@@ -212,6 +221,11 @@ def paged_attention(
     o = _attend(q_pad.view(batch, g.q_len, *q.shape[1:]), k_cache, v_cache, g)
     out[nd:] = o.reshape(batch * g.q_len, *q.shape[1:]).index_select(0, g.q_index)
     return out
+
+
+def _whole(start: int, sliding_window: int | None) -> bool:
+    """A whole prompt from position 0 without a window: SDPA's is_causal, no mask."""
+    return start == 0 and sliding_window is None
 
 
 def _mask(q_pos: torch.Tensor, ctx: int, sliding_window: int | None) -> torch.Tensor:

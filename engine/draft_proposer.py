@@ -58,7 +58,8 @@ class DraftModelProposer:
         )
         self.decode_kernel = fused_ops and decode_attention_fits(cfg.head_dim)
         self.prefill_matmul = fused_ops and dtype == torch.bfloat16
-        self.prefill_alone = device.type == "cpu"  # one SDPA call a prompt: as it runs alone (attention.py)
+        # Elsewhere on a CPU, one SDPA call a prefill sequence (up to attention.ALONE_MAX_SEQS of them).
+        self.prefill_alone = device.type == "cpu"
         bm = block_manager
         self.kv_cache = KVCache(
             cfg.num_layers, bm.num_blocks, bm.block_size, cfg.num_kv_heads, cfg.head_dim, dtype, device

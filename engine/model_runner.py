@@ -48,7 +48,8 @@ class ModelRunner:
         )
         # Prefill attention as chunked matmuls: faster than torch's flash kernel on a CPU in bf16.
         self.prefill_matmul = self.use_cpu_kernels and dtype == torch.bfloat16
-        self.prefill_alone = device.type == "cpu"  # one SDPA call a prompt: as it runs alone (attention.py)
+        # Elsewhere on a CPU, one SDPA call a prefill sequence (up to attention.ALONE_MAX_SEQS of them).
+        self.prefill_alone = device.type == "cpu"
         # Deterministic: every token a single query through the C++ kernel (its sums run over the
         # context in blocks of absolute positions), every linear summed in k order (engine/csrc/ordered_linear.cpp).
         self.deterministic = config.deterministic

@@ -2,15 +2,15 @@
 as one SDPA call a sequence (`prefill_alone`, the CPU's other path) and as one batched SDPA call
 (a GPU's), each against attention written out in fp32: several prompts in one step, prompts
 extending a cached prefix, decodes in the same step, GQA and MHA, sliding windows, prompts longer
-than a chunk and ending mid-chunk. And a whole prompt beside others, one call a sequence, gets
-the bits it gets alone."""
+than a chunk and ending mid-chunk. And a whole prompt beside others, one call a sequence (up to
+ALONE_MAX_SEQS of them), gets the bits it gets alone."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from engine.attention import PrefillSeqs, build_metadata, paged_attention
+from engine.attention import ALONE_MAX_SEQS, PrefillSeqs, build_metadata, paged_attention
 
 
 def dense(q, k, v, starts, lens, window):
@@ -95,19 +95,29 @@ def test_a_whole_prompt_beside_others_attends_as_it_does_alone(dtype):
     heads, kv_heads, head_dim, block_size = 9, 3, 64, 16
     seqs = [(40, 1), (0, 130), (0, 7), (200, 65)]
     tables = [list(range(i * 20, i * 20 + 20)) for i in range(len(seqs))]
-    k_cache = torch.randn(len(seqs) * 20 * block_size, kv_heads, head_dim, generator=g).to(dtype)
-    v_cache = torch.randn_like(k_cache)
+    k_cache, v_cache = (
+        torch.randn(len(seqs) * 20 * block_size, kv_heads, head_dim, generator=g).to(dtype) for _ in "kv"
+    )
     total = sum(n for _, n in seqs)
     q, k, v = (torch.randn(total, h, head_dim, generator=g).to(dtype) for h in (heads, kv_heads, kv_heads))
 
-    def attend(which: list[int]) -> torch.Tensor:
+    def attend(which: list[int], alone: bool = True) -> torch.Tensor:
         rows = [r for i in which for r in range(sum(n for _, n in seqs[:i]), sum(n for _, n in seqs[: i + 1]))]
         starts, lens = [seqs[i][0] for i in which], [seqs[i][1] for i in which]
         meta = build_metadata(
             starts, lens, [tables[i] for i in which], sum(n == 1 for n in lens), block_size, None,
-            torch.device("cpu"), decode_kernel=False, prefill_alone=True,
+            torch.device("cpu"), decode_kernel=False, prefill_alone=alone,
         )  # fmt: skip
         return paged_attention(q[rows], k[rows], v[rows], k_cache.clone(), v_cache.clone(), meta)
 
     beside = attend([0, 1, 2, 3])[1 : 1 + 130]
     assert torch.equal(beside, attend([1]))
+    assert torch.equal(attend([1]), attend([1], alone=False))  # alone, the batched path's very call
+
+
+def test_more_prefill_sequences_than_alone_max_seqs_make_one_batched_call():
+    for n, alone in ((ALONE_MAX_SEQS, True), (ALONE_MAX_SEQS + 1, False)):
+        meta = build_metadata(
+            [0] * n, [4] * n, [[i] for i in range(n)], 0, 16, None, torch.device("cpu"), prefill_alone=True
+        )
+        assert isinstance(meta.prefill, PrefillSeqs) == alone
