@@ -52,6 +52,12 @@ class RouterConfig:
     max_local_prefill_tokens: int = option(
         MAX_LOCAL_TOKENS, "auto: the most uncached tokens a decode node may prefill itself"
     )
+    local_prefill_max_tpot: float | None = option(
+        None,
+        "auto: no local prefill starts while the sequences decoding on that node get their tokens "
+        "further apart than this many seconds (their recent time per output token); below a TPOT "
+        "SLO it keeps local prefills to the decode node's spare steps (default: no bound)",
+    )
     late_binding: bool = option(
         True,
         "auto: a request whose place is a decode node already computing a local prefill is sent there on "
@@ -73,7 +79,9 @@ class RouterConfig:
     def __post_init__(self):
         if self.kv_layerwise not in KV_LAYERWISE:
             raise ValueError(f"kv_layerwise must be one of {KV_LAYERWISE}, got {self.kv_layerwise!r}")
-        Placement(self.local_prefill, self.max_local_prefill_tokens)  # raises naming the setting
+        Placement(  # raises naming the setting
+            self.local_prefill, self.max_local_prefill_tokens, max_local_tpot_s=self.local_prefill_max_tpot
+        )
         if self.cache_affinity_tokens < 0:
             raise ValueError(f"cache_affinity_tokens must be >= 0, got {self.cache_affinity_tokens}")
         if self.max_outstanding < 1:

@@ -21,7 +21,11 @@ for the prefill pool and one for local prefills on decode nodes; until a local p
 measured, the prefill pool's line stands in (the same engine), and until local prefills of
 sizes spanning a factor of two have been, its slope. Nothing is guessed: until a
 remote prefill has been measured every prefill is remote. `max_local_tokens` bounds what a decode
-node may compute (a long local prefill stalls every sequence decoding there).
+node may compute (a long local prefill stalls every sequence decoding there), and
+`max_local_tpot_s`, where set, when: no local prefill starts while the sequences decoding there
+get their tokens further apart than that (their recent time per output token, as the router sees
+the node's streams: pool.TokenGaps). A local prefill lengthens every step it shares with them, so
+under a TPOT SLO the bound lets the decode node's spare steps take prompts and no others.
 
 Late binding: where the choice is local but the decode node already computes a local prefill of
 this router's, the new one would only queue behind it there. The decision says `hold`: the
@@ -91,6 +95,7 @@ class Decision:
     local_s: float | None = None  # the estimates it was made on (None: not measured yet)
     remote_s: float | None = None
     hold: bool = False  # local, behind another local prefill: decide again when a prefill ends
+    decode_tpot_s: float | None = None  # with a TPOT bound: the decode node's recent time per output token
 
 
 @dataclass
@@ -102,12 +107,15 @@ class Placement:
     link_s_per_token: float | None = None
     handoff_s: float | None = None
     late_binding: bool = True
+    max_local_tpot_s: float | None = None
 
     def __post_init__(self):
         if self.mode not in MODES:
             raise ValueError(f"local prefill mode must be one of {MODES}, got {self.mode!r}")
         if self.max_local_tokens < 0:
             raise ValueError(f"max_local_prefill_tokens must be >= 0, got {self.max_local_tokens}")
+        if self.max_local_tpot_s is not None and self.max_local_tpot_s <= 0:
+            raise ValueError(f"local_prefill_max_tpot must be > 0 seconds, got {self.max_local_tpot_s}")
 
     def decide(
         self,
@@ -119,12 +127,14 @@ class Placement:
         local_queued: int = 0,
         decode_running: int = 0,
         prefill_node: bool = True,
+        decode_tpot_s: float | None = None,
     ) -> Decision:
         """num_tokens: the prompt (with a migrated request's tokens); *_cached: its leading tokens
         each side's cache holds; moved: tokens of KV a remote prefill would send the decode node;
         *_queued: uncached tokens of this router's prefills in flight on each node;
         decode_running: sequences this router has decoding on the decode node; prefill_node:
-        whether a healthy prefill node would take it (without one, local unless mode is off)."""
+        whether a healthy prefill node would take it (without one, local unless mode is off);
+        decode_tpot_s: the decode node's recent time per output token (None: none measured)."""
         local_n = num_tokens - decode_cached
         remote_n = num_tokens - prefill_cached
         d = Decision(False, local_n, remote_n)
@@ -133,6 +143,10 @@ class Placement:
             return d
         if local_n > self.max_local_tokens:
             return d
+        if self.max_local_tpot_s is not None and decode_running and decode_tpot_s is not None:
+            d.decode_tpot_s = decode_tpot_s
+            if decode_tpot_s > self.max_local_tpot_s:
+                return d  # the sequences decoding there are already over the bound
         if not self.remote:
             return d  # nothing measured yet: the prefill pool's way, which measures it
         d.remote_s = (

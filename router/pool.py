@@ -20,6 +20,7 @@ import contextlib
 import itertools
 import logging
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -36,6 +37,24 @@ UNRESPONSIVE_S = 10.0  # a node that answered no health check for this long is h
 # A node removed from the pool keeps its channel this long once idle: a call still in flight on a
 # closed channel raises CancelledError in its caller (a request migrating off a dead node hung so).
 RETIRED_GRACE_S = 60.0
+TOKEN_GAPS = 32  # a decode node's recent time per output token: the mean over this many gaps
+
+
+class TokenGaps:
+    """A decode node's recent time per output token, as the router sees its streams: the gaps
+    between one stream's messages, each divided by the tokens it carries (speculation sends
+    several), the mean over the last TOKEN_GAPS of them across its streams."""
+
+    def __init__(self):
+        self.gaps: deque[float] = deque(maxlen=TOKEN_GAPS)
+
+    def add(self, seconds: float, tokens: int = 1) -> None:
+        if tokens > 0:
+            self.gaps.append(seconds / tokens)
+
+    @property
+    def tpot_s(self) -> float | None:
+        return sum(self.gaps) / len(self.gaps) if self.gaps else None
 
 
 class NoHealthyNode(RuntimeError):
@@ -58,6 +77,7 @@ class Endpoint:
     refreshing: asyncio.Task | None = None  # a GetLoad in flight (EndpointPool.refresh)
     retired_at: float | None = None  # when update() removed it from the pool
     last_answer: float = field(default_factory=time.monotonic)  # when a health check last answered
+    token_gaps: TokenGaps = field(default_factory=TokenGaps)  # on a decode node: its streams' (router/placement.py)
 
     def apply_load(self, load: common_pb2.NodeLoad) -> None:
         """Takes a GetLoad answer: the counters, and the changes to the node's prefix cache."""

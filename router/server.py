@@ -68,7 +68,10 @@ class Router(Frontend):
         public = public_security or config.public_security()
         self.config = config
         self.placement = Placement(
-            config.local_prefill, config.max_local_prefill_tokens, late_binding=config.late_binding
+            config.local_prefill,
+            config.max_local_prefill_tokens,
+            late_binding=config.late_binding,
+            max_local_tpot_s=config.local_prefill_max_tpot,
         )
         self._prefill_ended = asyncio.Event()  # set (and replaced) as each prefill ends: held requests look again
         self.api_keys, self._http = public.api_keys, None
@@ -218,8 +221,9 @@ class Router(Frontend):
                     yield head
                     if head.finished:
                         return
-                call = call or self._decode(decode, r, attempt, kv)
+                call, last = call or self._decode(decode, r, attempt, kv), None
                 async for part in call:
+                    last = _token_gap(decode, r, part, last)
                     if not read:
                         read = True
                         r.transferred(part)
@@ -245,7 +249,7 @@ class Router(Frontend):
                     raise grpc.aio.AioRpcError(
                         grpc.StatusCode.UNAVAILABLE, None, None, "decode stream ended before the first token"
                     )
-                streamed = True
+                streamed, last = True, _token_gap(decode, r, first, None)
                 r.prefilled(first, decode.address, local=True)
                 r.decoding_on(decode.address)
                 self.placement.measured_local(
@@ -253,6 +257,7 @@ class Router(Frontend):
                 )
                 yield r.message(first)
                 while (part := await call.read()) is not grpc.aio.EOF:  # (read() once: never `async for`)
+                    last = _token_gap(decode, r, part, last)
                     yield r.message(part)
         finally:
             self._end_calls(decode if streamed else None, call)
@@ -350,6 +355,7 @@ class Router(Frontend):
             local_queued=decode.prefill_tokens,
             decode_running=decode.outstanding,
             prefill_node=prefill is not None,
+            decode_tpot_s=decode.token_gaps.tpot_s,
         )
         log.debug(
             "placement: %s (decode node caches %d of %d tokens, %d decoding there)",
@@ -457,3 +463,13 @@ def _pick(
         return pool.pick(exclude, prompt, cache_salt)
     except NoHealthyNode as e:
         raise RequestError(grpc.StatusCode.UNAVAILABLE, str(e)) from None
+
+
+def _token_gap(decode: Endpoint, r: Request, part, last: float | None) -> float:
+    """A decode node's message arrived: counts its gap since the stream's last one (`last`,
+    monotonic; None: its first) in the node's token gaps, except where samples or beams
+    interleave in one stream (n > 1). Returns now."""
+    now = time.monotonic()
+    if last is not None and not r.several:
+        decode.token_gaps.add(now - last, len(part.token_ids))
+    return now

@@ -95,6 +95,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
         help="the router's option: bind a local prefill on arrival, behind another (default: held, placed again)",
     )
     s.add_argument(
+        "--local-prefill-max-tpot",
+        type=float,
+        default=None,
+        help="the router's option: no local prefill while the decode node's recent seconds per output token "
+        "are over this (default: no bound)",
+    )
+    s.add_argument(
         "--prefill-tokens-with-decodes",
         type=int,
         default=None,
@@ -180,6 +187,7 @@ def _simulate(args, prof: dict) -> int:
         local_prefill=args.local_prefill,
         max_local_tokens=args.max_local_prefill_tokens,
         late_binding=args.late_binding,
+        local_max_tpot=args.local_prefill_max_tpot,
         prefill_tokens_with_decodes=args.prefill_tokens_with_decodes,
         transport=args.transport or search.default_transport(prof),
         gpu=search.on_gpu(prof),

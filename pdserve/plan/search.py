@@ -3,7 +3,8 @@ the best that meets the SLOs, and the runner-up.
 
 Candidates: k colocated engines, and P prefill + D decode nodes with the router's local prefill
 on (auto, at each local-token cap and each share of prompt tokens a decode node's step computes
-beside its decodes) or off, using the whole budget or less. Of cores, each engine
+beside its decodes; with a TPOT SLO, also under each TPOT bound of TPOT_BOUNDS) or off, using
+the whole budget or less. Of cores, each engine
 takes its threads' worth (the thread counts the profile measured); of GPUs (a GPU's profile), one
 GPU each. A candidate meets the SLOs when its TTFT and TPOT at the given percentile are within
 them; among those the best has the highest goodput (tokens/s of requests within both SLOs), then
@@ -29,12 +30,18 @@ LOCAL_CAPS = (256, 1024, 4096)  # max_local_prefill_tokens tried with local pref
 # prefill_tokens_with_decodes tried with local prefill auto: a smaller share keeps decode steps
 # short where a prompt token costs more (fp32 on an AVX2 CPU: docs/benchmarks.md, section 5)
 BESIDE = (DECODE_NODE_PREFILL_TOKENS // 2, DECODE_NODE_PREFILL_TOKENS, 2 * DECODE_NODE_PREFILL_TOKENS)
+# local_prefill_max_tpot tried with a TPOT SLO, as shares of it: a local prefill lengthens the steps it
+# shares, so its bound sits under the SLO by about what it adds
+TPOT_BOUNDS = (0.75, 0.9)
 TIE = 0.02  # goodputs this close to the highest tie (docs/benchmarks.md, "A trace")
 
 
-def candidates(budget: int, threads: list[int], transport: str = "shm", gpu: bool = False) -> list[Deployment]:
+def candidates(
+    budget: int, threads: list[int], transport: str = "shm", gpu: bool = False, slo_tpot: float | None = None
+) -> list[Deployment]:
     """Every deployment within `budget` cores (or GPUs, with gpu: one an engine, at the first
-    thread count)."""
+    thread count); slo_tpot: local prefills also under its TPOT_BOUNDS."""
+    bounds = (None,) + (tuple(round(share * slo_tpot, 4) for share in TPOT_BOUNDS) if slo_tpot else ())
     out = []
     for t in threads[:1] if gpu else threads:
         engines = budget if gpu else budget // t
@@ -47,10 +54,15 @@ def candidates(budget: int, threads: list[int], transport: str = "shm", gpu: boo
                 out.append(Deployment(f"{name}-off", local_prefill="off", **each))
                 out += [
                     Deployment(
-                        f"{name}-local{cap}-beside{n}", max_local_tokens=cap, prefill_tokens_with_decodes=n, **each
+                        f"{name}-local{cap}-beside{n}" + (f"-tpot{bound}" if bound else ""),
+                        max_local_tokens=cap,
+                        prefill_tokens_with_decodes=n,
+                        local_max_tpot=bound,
+                        **each,
                     )
                     for cap in LOCAL_CAPS
                     for n in BESIDE
+                    for bound in bounds
                 ]
     return out
 
@@ -104,7 +116,7 @@ def rank(
     """Every candidate within `budget` cores (GPUs, with gpu), best first."""
     threads = sorted(int(t) for t in profile["engines"])
     scored = []
-    for dep in candidates(budget, threads, transport, gpu):
+    for dep in candidates(budget, threads, transport, gpu, slo_tpot):
         rep = simulate(profile, dep, workload, slo_ttft, slo_tpot)
         scored.append(
             Scored(dep, rep, within(rep, slo_ttft, slo_tpot, percentile), headroom(rep, slo_ttft, slo_tpot, percentile))
@@ -137,6 +149,8 @@ def command(dep: Deployment) -> str:
         if dep.local_prefill == "off"
         else f"--local-prefill auto --max-local-prefill-tokens {dep.max_local_tokens}"
     )
+    if dep.local_max_tpot is not None and dep.local_prefill == "auto":
+        local += f" --local-prefill-max-tpot {dep.local_max_tpot:g}"
     if dep.prefill_tokens_with_decodes is not None:
         local += f" --prefill-tokens-with-decodes {dep.prefill_tokens_with_decodes}"
     return f"pdserve up --prefill {dep.prefill} --decode {dep.decode} {place} {local}"

@@ -7,7 +7,8 @@ for them) and each step lasts what the profile's step line says it costs. The ro
 are the router's own code, not a copy: `EndpointPool.pick` chooses the decode node (load, then
 cached prefix) and the prefill node, `Placement.decide` chooses a local or remote prefill (and holds a
 request that would queue behind another local prefill until a prefill ends, as the router does) and
-learns from the simulated timings as the router learns from real ones, and block names are
+learns from the simulated timings as the router learns from real ones (prefill lines, hand-off,
+a decode node's token gaps where local prefills have a TPOT bound), and block names are
 `block_hashes`, so a follow-up hits exactly the nodes whose cache holds its history. A remote
 prefill's first token goes out when the prefill ends; the decode node admits the sequence after
 the profile's hand-off line (the transport's). The records are `pdserve bench`'s, and the report
@@ -65,6 +66,7 @@ class Deployment:
     local_prefill: str = "auto"  # the router's placement mode (colocated: always)
     max_local_tokens: int = MAX_LOCAL_TOKENS
     late_binding: bool = True  # the router's option
+    local_max_tpot: float | None = None  # the router's local_prefill_max_tpot (seconds)
     prefill_tokens_with_decodes: int | None = None  # the engine option (None: the node kind's default)
     transport: str = "shm"  # a key of the profile's handoff
     gpu: bool = False  # each engine on a GPU of its own (a GPU's profile)
@@ -101,6 +103,11 @@ class Deployment:
             f"{self.prefill}P{self.decode}D x {each}, local prefill {self.local_prefill}"
             + (f" (<= {self.max_local_tokens} tokens)" if self.local_prefill == "auto" else "")
             + ("" if self.late_binding or self.local_prefill != "auto" else ", bound on arrival")
+            + (
+                f", none while TPOT > {self.local_max_tpot * 1e3:.0f} ms"
+                if self.local_max_tpot is not None and self.local_prefill == "auto"
+                else ""
+            )
             + f", {self.transport}{beside}"
         )
 
@@ -155,6 +162,7 @@ class Decoding:
     left: int  # tokens still to generate
     on_token: Callable[[float, bool], None]  # (time, last)
     names: list[int] = field(default_factory=list)  # its prompt's blocks (block_hashes): a common prefix's are shared
+    streamed_at: float | None = None  # its decode node's last token (the router measures the gaps after it)
 
 
 @dataclass
@@ -287,6 +295,9 @@ class Engine:
     def _step_done(self, decodes: list[Decoding], chunks: list[tuple[Prefill, int]]) -> None:
         now = self.sim.now  # still stepping: what its results add (a sequence, a prefill) waits for the next step
         for seq in decodes:
+            if seq.streamed_at is not None:
+                self.endpoint.token_gaps.add(now - seq.streamed_at)
+            seq.streamed_at = now
             seq.left -= 1
             seq.tokens.append(self.sim.token())
             if seq.left <= 0:
@@ -349,6 +360,7 @@ class Simulation:
             "always" if local else deployment.local_prefill,
             deployment.max_local_tokens,
             late_binding=deployment.late_binding,
+            max_local_tpot_s=deployment.local_max_tpot,
         )
         beside = deployment.prefill_tokens_with_decodes  # a decode node's default, none in `pdserve colocated`
         if beside is not None and beside < 0:
@@ -467,6 +479,7 @@ class Simulation:
             local_queued=r.decode.prefill_tokens,
             decode_running=r.decode.outstanding,
             prefill_node=prefill is not None,
+            decode_tpot_s=r.decode.token_gaps.tpot_s,
         )
         if plan.hold:
             self.held.append(lambda: self._place(r))
@@ -487,6 +500,7 @@ class Simulation:
             self.at(now, self._prefill_ended)
             r.rec.cached_tokens, r.rec.local_prefill = cached, True
             self.placement.measured_local(len(r.prompt) - cached, now - began, alone)
+            r.seq.streamed_at = now  # the decode node's first message
             if self._first_token(r, now):
                 engine.add_decoding(r.seq)
 
