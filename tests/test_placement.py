@@ -18,6 +18,7 @@ from pdserve_api import nodes_pb2, nodes_pb2_grpc
 from router.client import AsyncClient, build_request
 from router.frontend import RequestError
 from router.placement import LinearFit, Placement
+from router.pool import TOKEN_GAPS, TokenGaps
 
 SYSTEM = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26, 43, 38, 32, 79, 50, 28, 84, 19, 71, 69, 39]
 
@@ -87,6 +88,34 @@ def test_the_cap_and_the_modes():
         Placement(mode="sometimes")
     with pytest.raises(ValueError, match="max_local_prefill_tokens must be >= 0"):
         Placement(max_local_tokens=-1)
+
+
+def test_a_tpot_bound_keeps_local_prefills_off_a_decode_node_whose_tokens_are_further_apart():
+    """local_prefill_max_tpot: over the bound, remote; at or under it, as without; with nobody
+    decoding there, or nothing measured, the bound has no one to protect."""
+    follow_up = dict(num_tokens=1000, decode_cached=992, prefill_cached=992, moved=1000, decode_running=1)
+    assert measured().decide(**follow_up, decode_tpot_s=0.5).local  # no bound
+    p = measured(max_local_tpot_s=0.05)
+    over = p.decide(**follow_up, decode_tpot_s=0.06)
+    assert not over.local and over.decode_tpot_s == 0.06 and over.remote_s is None
+    assert p.decide(**follow_up, decode_tpot_s=0.05).local
+    assert p.decide(**follow_up).local  # nothing measured yet
+    assert p.decide(**{**follow_up, "decode_running": 0}, decode_tpot_s=0.06).local
+    assert measured(mode="always", max_local_tpot_s=0.05).decide(**follow_up, decode_tpot_s=0.06).local
+    with pytest.raises(ValueError, match="local_prefill_max_tpot must be > 0 seconds, got 0"):
+        Placement(max_local_tpot_s=0)
+
+
+def test_token_gaps_are_per_token_over_the_last_few():
+    gaps = TokenGaps()
+    assert gaps.tpot_s is None
+    gaps.add(0.3, tokens=3)  # a speculative step's three tokens in one message
+    gaps.add(0.2)
+    gaps.add(1.0, tokens=0)  # no tokens (a final message): not a gap
+    assert gaps.tpot_s == pytest.approx(0.15)
+    for _ in range(TOKEN_GAPS):
+        gaps.add(0.01)
+    assert gaps.tpot_s == pytest.approx(0.01)
 
 
 def test_a_local_prefill_behind_another_there_is_held_to_be_placed_again():
@@ -166,6 +195,44 @@ def test_follow_ups_prefill_on_the_decode_node_from_its_cache_with_the_same_toke
                 assert "kv_transport" not in t
             assert router.metrics.sample("pdserve_prefills_total", where="remote") == 1
             assert router.metrics.sample("pdserve_prefills_total", where="local") == 3
+            await wait_for_no_blocks(prefills + decodes)
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("bound, local", [(1e-6, False), (10.0, True)])
+def test_a_tpot_bound_measured_from_the_streams_sends_follow_ups_remote_with_the_same_tokens(tiny_llama, bound, local):
+    """With a long request decoding on the decode node, follow-ups its cache holds prefill there
+    under a bound its token gaps meet, and on the prefill node over one (fp32: the same tokens)."""
+    reference = engine_chat(tiny_llama, SYSTEM)
+
+    async def scenario():
+        async with local_cluster(tiny_llama, local_prefill="auto", local_prefill_max_tpot=bound) as (
+            router,
+            prefills,
+            decodes,
+        ):
+            async with AsyncClient(router.address) as client:
+                streaming = asyncio.Event()
+
+                async def background():
+                    async for _ in client.stream([5, 6, 7, 8], max_tokens=1000, temperature=0, ignore_eos=True):
+                        streaming.set()
+
+                long = asyncio.create_task(background())
+                await asyncio.wait_for(streaming.wait(), 120)
+
+                def slow_link():  # a tiny model's steps take a millisecond: make the decision plain
+                    router.placement.link_s_per_token = 0.01
+
+                history, timings = await chat(router, SYSTEM, between=slow_link)
+                assert not long.done(), "the long request ended before the follow-ups: nobody to protect"
+                long.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await long
+            assert history == reference
+            assert [bool(t.get("local_prefill")) for t in timings[1:]] == [local] * 3
+            assert 0 < router.decode_pool.endpoints[0].token_gaps.tpot_s < 1.0  # measured from the streams
             await wait_for_no_blocks(prefills + decodes)
 
     asyncio.run(scenario())
