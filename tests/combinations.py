@@ -317,8 +317,9 @@ def count_work(report: Report, engine: LLMEngine) -> None:
 
 def random_cluster(rng: random.Random) -> dict:
     """Cluster settings for a mix: the KV's way across (shm, tcp), where prefills run, speculation
-    on the decode nodes, a small decode pool, their local prefills' chunks beside decodes, and
-    whether a decode node is killed mid-run."""
+    on the decode nodes, a small decode pool, their local prefills' chunks beside decodes, a TPOT
+    bound on local prefills (a tiny model's tokens come a few ms apart: some start, some do not),
+    and whether a decode node is killed mid-run."""
     return {
         "kv_transport": rng.choice(["shm", "tcp"]),
         "local_prefill": rng.choice(["off", "auto"]),
@@ -326,6 +327,7 @@ def random_cluster(rng: random.Random) -> dict:
         "num_kv_blocks": rng.choice([32, 48]),
         "kill": rng.random() < 0.5,
         "prefill_tokens_with_decodes": rng.choice([None, 5]),  # the decode node's default, or small chunks
+        "local_prefill_max_tpot": rng.choice([None, 0.005]),
     }
 
 
@@ -390,6 +392,7 @@ async def cluster_mix(model, seed: int, num_requests: int, report: Report, refer
         decode_engine=decode_engine,
         kv_transport=settings["kv_transport"],
         local_prefill=settings["local_prefill"],
+        local_prefill_max_tpot=settings["local_prefill_max_tpot"],
     ) as (router, prefills, decodes):
         killed = asyncio.Event()
 
