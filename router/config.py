@@ -52,11 +52,11 @@ class RouterConfig:
     max_local_prefill_tokens: int = option(
         MAX_LOCAL_TOKENS, "auto: the most uncached tokens a decode node may prefill itself"
     )
-    local_prefill_max_tpot: float | None = option(
+    max_local_prefill_tpot: float | None = option(
         None,
         "auto: no local prefill starts while the sequences decoding on that node get their tokens "
-        "further apart than this many seconds (their recent time per output token); below a TPOT "
-        "SLO it keeps local prefills to the decode node's spare steps (default: no bound)",
+        "further apart than this many seconds (their recent time per output token); set under a "
+        "TPOT SLO, it keeps local prefills to the decode node's spare steps (default: no bound)",
     )
     late_binding: bool = option(
         True,
@@ -80,7 +80,7 @@ class RouterConfig:
         if self.kv_layerwise not in KV_LAYERWISE:
             raise ValueError(f"kv_layerwise must be one of {KV_LAYERWISE}, got {self.kv_layerwise!r}")
         Placement(  # raises naming the setting
-            self.local_prefill, self.max_local_prefill_tokens, max_local_tpot_s=self.local_prefill_max_tpot
+            self.local_prefill, self.max_local_prefill_tokens, max_local_tpot_s=self.max_local_prefill_tpot
         )
         if self.cache_affinity_tokens < 0:
             raise ValueError(f"cache_affinity_tokens must be >= 0, got {self.cache_affinity_tokens}")

@@ -22,10 +22,10 @@ measured, the prefill pool's line stands in (the same engine), and until local p
 sizes spanning a factor of two have been, its slope. Nothing is guessed: until a
 remote prefill has been measured every prefill is remote. `max_local_tokens` bounds what a decode
 node may compute (a long local prefill stalls every sequence decoding there), and
-`max_local_tpot_s`, where set, when: no local prefill starts while the sequences decoding there
-get their tokens further apart than that (their recent time per output token, as the router sees
-the node's streams: pool.TokenGaps). A local prefill lengthens every step it shares with them, so
-under a TPOT SLO the bound lets the decode node's spare steps take prompts and no others.
+`max_local_tpot_s`, where set, bounds when it may: no local prefill starts while the sequences
+decoding there get their tokens further apart than that (their recent time per output token, as
+the router sees the node's streams: pool.TokenGaps). A local prefill lengthens every step it
+shares with them, so set under a TPOT SLO the bound keeps prompts to the decode node's spare steps.
 
 Late binding: where the choice is local but the decode node already computes a local prefill of
 this router's, the new one would only queue behind it there. The decision says `hold`: the
@@ -38,6 +38,7 @@ prompts when free).
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -95,7 +96,7 @@ class Decision:
     local_s: float | None = None  # the estimates it was made on (None: not measured yet)
     remote_s: float | None = None
     hold: bool = False  # local, behind another local prefill: decide again when a prefill ends
-    decode_tpot_s: float | None = None  # with a TPOT bound: the decode node's recent time per output token
+    decode_tpot_s: float | None = None  # with a TPOT bound and sequences decoding there: their recent TPOT
 
 
 @dataclass
@@ -114,8 +115,8 @@ class Placement:
             raise ValueError(f"local prefill mode must be one of {MODES}, got {self.mode!r}")
         if self.max_local_tokens < 0:
             raise ValueError(f"max_local_prefill_tokens must be >= 0, got {self.max_local_tokens}")
-        if self.max_local_tpot_s is not None and self.max_local_tpot_s <= 0:
-            raise ValueError(f"local_prefill_max_tpot must be > 0 seconds, got {self.max_local_tpot_s}")
+        if self.max_local_tpot_s is not None and not (0 < self.max_local_tpot_s < math.inf):
+            raise ValueError(f"max_local_prefill_tpot must be > 0 seconds and finite, got {self.max_local_tpot_s}")
 
     def decide(
         self,

@@ -41,20 +41,21 @@ TOKEN_GAPS = 32  # a decode node's recent time per output token: the mean over t
 
 
 class TokenGaps:
-    """A decode node's recent time per output token, as the router sees its streams: the gaps
-    between one stream's messages, each divided by the tokens it carries (speculation sends
-    several), the mean over the last TOKEN_GAPS of them across its streams."""
+    """A decode node's recent time per output token, as the router sees its streams: over the
+    last TOKEN_GAPS gaps between one stream's messages (across its streams), their seconds over
+    the tokens they brought (speculation sends several a message), as a request's TPOT is taken.
+    The router times its relay: a client that reads slowly, or a busy event loop, shows in them."""
 
     def __init__(self):
-        self.gaps: deque[float] = deque(maxlen=TOKEN_GAPS)
+        self.gaps: deque[tuple[float, int]] = deque(maxlen=TOKEN_GAPS)
 
     def add(self, seconds: float, tokens: int = 1) -> None:
         if tokens > 0:
-            self.gaps.append(seconds / tokens)
+            self.gaps.append((seconds, tokens))
 
     @property
     def tpot_s(self) -> float | None:
-        return sum(self.gaps) / len(self.gaps) if self.gaps else None
+        return sum(s for s, _ in self.gaps) / sum(n for _, n in self.gaps) if self.gaps else None
 
 
 class NoHealthyNode(RuntimeError):

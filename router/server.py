@@ -71,7 +71,7 @@ class Router(Frontend):
             config.local_prefill,
             config.max_local_prefill_tokens,
             late_binding=config.late_binding,
-            max_local_tpot_s=config.local_prefill_max_tpot,
+            max_local_tpot_s=config.max_local_prefill_tpot,
         )
         self._prefill_ended = asyncio.Event()  # set (and replaced) as each prefill ends: held requests look again
         self.api_keys, self._http = public.api_keys, None
@@ -357,6 +357,8 @@ class Router(Frontend):
             prefill_node=prefill is not None,
             decode_tpot_s=decode.token_gaps.tpot_s,
         )
+        if decode.token_gaps.tpot_s is not None:
+            self.metrics.set("pdserve_decode_node_tpot_seconds", decode.token_gaps.tpot_s, node=decode.address)
         log.debug(
             "placement: %s (decode node caches %d of %d tokens, %d decoding there)",
             plan,
@@ -468,7 +470,9 @@ def _pick(
 def _token_gap(decode: Endpoint, r: Request, part, last: float | None) -> float:
     """A decode node's message arrived: counts its gap since the stream's last one (`last`,
     monotonic; None: its first) in the node's token gaps, except where samples or beams
-    interleave in one stream (n > 1). Returns now."""
+    interleave in one stream (n > 1). Returns now (last, for a message without tokens)."""
+    if not part.token_ids:  # (a final message without a token)
+        return last
     now = time.monotonic()
     if last is not None and not r.several:
         decode.token_gaps.add(now - last, len(part.token_ids))

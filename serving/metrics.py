@@ -72,6 +72,13 @@ DEFINITIONS = {
         ("where",),
         None,
     ),
+    "pdserve_decode_node_tpot_seconds": (
+        "gauge",
+        "A decode node's recent time per output token as the router sees its streams (the local "
+        "prefill TPOT bound's measure), at the router's last placement there",
+        ("node",),
+        None,
+    ),
     "pdserve_node_outstanding_requests": (
         "gauge",
         "Requests this router has in flight on a node",

@@ -327,7 +327,7 @@ def random_cluster(rng: random.Random) -> dict:
         "num_kv_blocks": rng.choice([32, 48]),
         "kill": rng.random() < 0.5,
         "prefill_tokens_with_decodes": rng.choice([None, 5]),  # the decode node's default, or small chunks
-        "local_prefill_max_tpot": rng.choice([None, 0.005]),
+        "max_local_prefill_tpot": rng.choice([None, 0.005]),
     }
 
 
@@ -392,7 +392,7 @@ async def cluster_mix(model, seed: int, num_requests: int, report: Report, refer
         decode_engine=decode_engine,
         kv_transport=settings["kv_transport"],
         local_prefill=settings["local_prefill"],
-        local_prefill_max_tpot=settings["local_prefill_max_tpot"],
+        max_local_prefill_tpot=settings["max_local_prefill_tpot"],
     ) as (router, prefills, decodes):
         killed = asyncio.Event()
 

@@ -91,7 +91,7 @@ def test_the_cap_and_the_modes():
 
 
 def test_a_tpot_bound_keeps_local_prefills_off_a_decode_node_whose_tokens_are_further_apart():
-    """local_prefill_max_tpot: over the bound, remote; at or under it, as without; with nobody
+    """max_local_prefill_tpot: over the bound, remote; at or under it, as without; with nobody
     decoding there, or nothing measured, the bound has no one to protect."""
     follow_up = dict(num_tokens=1000, decode_cached=992, prefill_cached=992, moved=1000, decode_running=1)
     assert measured().decide(**follow_up, decode_tpot_s=0.5).local  # no bound
@@ -102,17 +102,18 @@ def test_a_tpot_bound_keeps_local_prefills_off_a_decode_node_whose_tokens_are_fu
     assert p.decide(**follow_up).local  # nothing measured yet
     assert p.decide(**{**follow_up, "decode_running": 0}, decode_tpot_s=0.06).local
     assert measured(mode="always", max_local_tpot_s=0.05).decide(**follow_up, decode_tpot_s=0.06).local
-    with pytest.raises(ValueError, match="local_prefill_max_tpot must be > 0 seconds, got 0"):
-        Placement(max_local_tpot_s=0)
+    for bad in (0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match=f"max_local_prefill_tpot must be > 0 seconds and finite, got {bad}"):
+            Placement(max_local_tpot_s=bad)
 
 
-def test_token_gaps_are_per_token_over_the_last_few():
+def test_token_gaps_are_seconds_over_tokens_over_the_last_few():
     gaps = TokenGaps()
     assert gaps.tpot_s is None
     gaps.add(0.3, tokens=3)  # a speculative step's three tokens in one message
     gaps.add(0.2)
     gaps.add(1.0, tokens=0)  # no tokens (a final message): not a gap
-    assert gaps.tpot_s == pytest.approx(0.15)
+    assert gaps.tpot_s == pytest.approx(0.5 / 4)  # seconds over tokens, as a request's TPOT
     for _ in range(TOKEN_GAPS):
         gaps.add(0.01)
     assert gaps.tpot_s == pytest.approx(0.01)
@@ -201,17 +202,27 @@ def test_follow_ups_prefill_on_the_decode_node_from_its_cache_with_the_same_toke
 
 
 @pytest.mark.parametrize("bound, local", [(1e-6, False), (10.0, True)])
-def test_a_tpot_bound_measured_from_the_streams_sends_follow_ups_remote_with_the_same_tokens(tiny_llama, bound, local):
+def test_a_tpot_bound_measured_from_the_streams_places_follow_ups_with_the_same_tokens(
+    tiny_llama, bound, local, monkeypatch
+):
     """With a long request decoding on the decode node, follow-ups its cache holds prefill there
     under a bound its token gaps meet, and on the prefill node over one (fp32: the same tokens)."""
     reference = engine_chat(tiny_llama, SYSTEM)
+    decided, decide = [], Placement.decide
+
+    def recorded(self, *a, **k):
+        decided.append((decide(self, *a, **k), k["decode_running"]))
+        return decided[-1][0]
+
+    monkeypatch.setattr(Placement, "decide", recorded)
 
     async def scenario():
-        async with local_cluster(tiny_llama, local_prefill="auto", local_prefill_max_tpot=bound) as (
-            router,
-            prefills,
-            decodes,
-        ):
+        async with local_cluster(
+            tiny_llama,
+            decode_engine={"num_kv_blocks": 512},  # the long request's 1,004 tokens and the chat's beside
+            local_prefill="auto",
+            max_local_prefill_tpot=bound,
+        ) as (router, prefills, decodes):
             async with AsyncClient(router.address) as client:
                 streaming = asyncio.Event()
 
@@ -232,7 +243,10 @@ def test_a_tpot_bound_measured_from_the_streams_sends_follow_ups_remote_with_the
                     await long
             assert history == reference
             assert [bool(t.get("local_prefill")) for t in timings[1:]] == [local] * 3
-            assert 0 < router.decode_pool.endpoints[0].token_gaps.tpot_s < 1.0  # measured from the streams
+            follow_ups = decided[-3:]  # each with the long request (at least) decoding there, its gaps measured
+            assert all(running >= 1 and 0 < d.decode_tpot_s < 1.0 for d, running in follow_ups), follow_ups
+            assert all((d.decode_tpot_s > bound) != local for d, _ in follow_ups)
+            assert router.metrics.sample("pdserve_decode_node_tpot_seconds", node=decodes[0].address) > 0
             await wait_for_no_blocks(prefills + decodes)
 
     asyncio.run(scenario())

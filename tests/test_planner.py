@@ -301,11 +301,11 @@ def test_the_simulator_holds_a_local_prefill_behind_another_as_the_router_does(m
 
 def test_the_simulator_measures_token_gaps_and_runs_the_tpot_bound_as_the_router_does(monkeypatch):
     """A decode node's token gaps are its steps' seconds, from its first token on (the router
-    measures from a stream's first decode message); under local_prefill_max_tpot no local prefill
+    measures from a stream's first decode message); under max_local_prefill_tpot no local prefill
     starts beside sequences decoding while the gaps are over it, so fewer start than without."""
     sim = Simulation(hand_profile(), Deployment("pd", prefill=1, decode=1), None, None)
     sim.run(one(100, 5))  # the prefill node's token, then 4 decode steps of one sequence: 3 gaps
-    assert list(sim.decodes[0].endpoint.token_gaps.gaps) == pytest.approx([FIXED + PER_TOKEN] * 3)
+    assert [s for s, _ in sim.decodes[0].endpoint.token_gaps.gaps] == pytest.approx([FIXED + PER_TOKEN] * 3)
 
     decided, decide = [], router.placement.Placement.decide
 
@@ -318,12 +318,12 @@ def test_the_simulator_measures_token_gaps_and_runs_the_tpot_bound_as_the_router
     free = simulate(hand_profile(), Deployment("pd", prefill=1, decode=1), anchor)
     decided.clear()
     # decode steps of 8 sequences take 18 ms, 50 ms beside a 32-token chunk of a local prefill
-    bounded = simulate(hand_profile(), Deployment("pd", prefill=1, decode=1, local_max_tpot=0.03), anchor)
+    bounded = simulate(hand_profile(), Deployment("pd", prefill=1, decode=1, max_local_tpot=0.03), anchor)
     assert bounded.completed == 32 and bounded.local_prefill_rate > 0
     assert bounded.tpot_s["p95"] < 0.9 * free.tpot_s["p95"]  # (here 23.5 ms against 27.4)
     over = [d for d, running in decided if running and d.decode_tpot_s is not None and d.decode_tpot_s > 0.03]
     assert over and not any(d.local for d in over)
-    assert "none while TPOT > 30 ms" in Deployment("pd", prefill=1, decode=1, local_max_tpot=0.03).describe()
+    assert "none while TPOT > 30 ms" in Deployment("pd", prefill=1, decode=1, max_local_tpot=0.03).describe()
 
 
 def test_follow_ups_hit_the_cache_of_the_node_holding_their_history():
@@ -425,13 +425,14 @@ def test_best_meets_the_slos_with_the_most_goodput_and_its_command_parses():
     assert best.meets and all(best.report.goodput_tps >= (1 - search.TIE) * s.report.goodput_tps for s in ranked)
     local = [s.deployment for s in ranked if s.deployment.prefill and s.deployment.local_prefill == "auto"]
     assert {d.prefill_tokens_with_decodes for d in local} == set(search.BESIDE)  # the share beside decodes
-    assert {d.local_max_tpot for d in local} == {None, 0.15, 0.18}  # no bound, and TPOT_BOUNDS of the SLO
+    assert {d.max_local_tpot for d in local} == {None, 0.15, 0.18}  # no bound, and TPOT_BOUNDS of the SLO
+    assert {d.max_local_tokens for d in local if d.max_local_tpot} == {router.placement.MAX_LOCAL_TOKENS}
     for s in ranked:
         cmd = shlex.split(search.command(s.deployment))
         assert cmd[0] == "pdserve"
         args = parser().parse_args(cmd[1:])  # every command it may print is one pdserve takes
         assert getattr(args, "prefill_tokens_with_decodes", None) == s.deployment.prefill_tokens_with_decodes
-        assert getattr(args, "local_prefill_max_tpot", None) == s.deployment.local_max_tpot
+        assert getattr(args, "max_local_prefill_tpot", None) == s.deployment.max_local_tpot
 
 
 def test_deployments_that_tie_on_goodput_are_ranked_by_cores_then_headroom_and_the_best_says_why(tmp_path, capsys):

@@ -28,8 +28,11 @@ from pdserve.plan.simulator import (
     timing_spread,
     traced,
 )
-from router.placement import MODES
-from serving.options import HelpFormatter
+from router.config import RouterConfig
+from serving.options import HelpFormatter, add_options
+
+# the router's options a simulated deployment takes (Deployment's fields, named as the router's)
+PLACEMENT_OPTIONS = ("local_prefill", "max_local_prefill_tokens", "late_binding", "max_local_prefill_tpot")
 
 PERCENTILES = ("p50", "p95", "p99")
 CONCURRENCY = 8  # a closed loop's requests in flight, by default
@@ -86,27 +89,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--prefill", type=int, default=1, help="prefill nodes")
     s.add_argument("--decode", type=int, default=1, help="decode nodes")
     s.add_argument("--threads", type=int, default=1, help="torch threads per engine (a thread count profiled)")
-    s.add_argument("--local-prefill", default="auto", choices=MODES, help="the router's placement mode")
-    s.add_argument("--max-local-prefill-tokens", type=int, default=search.Deployment.max_local_tokens)
-    s.add_argument(
-        "--no-late-binding",
-        dest="late_binding",
-        action="store_false",
-        help="the router's option: bind a local prefill on arrival, behind another (default: held, placed again)",
-    )
-    s.add_argument(
-        "--local-prefill-max-tpot",
-        type=float,
-        default=None,
-        help="the router's option: no local prefill while the decode node's recent seconds per output token "
-        "are over this (default: no bound)",
-    )
-    s.add_argument(
-        "--prefill-tokens-with-decodes",
-        type=int,
-        default=None,
-        help="the engines' option (default: as a decode node and `pdserve colocated` take it)",
-    )
+    add_options(s, RouterConfig, title="the router's placement", only=PLACEMENT_OPTIONS)
+    add_options(s, EngineConfig, title="the engines", only=("prefill_tokens_with_decodes",))
     s.add_argument("--transport", default=None, help=TRANSPORT_HELP)
     s.add_argument(
         "--timing-seeds",
@@ -187,7 +171,7 @@ def _simulate(args, prof: dict) -> int:
         local_prefill=args.local_prefill,
         max_local_tokens=args.max_local_prefill_tokens,
         late_binding=args.late_binding,
-        local_max_tpot=args.local_prefill_max_tpot,
+        max_local_tpot=args.max_local_prefill_tpot,  # (PLACEMENT_OPTIONS)
         prefill_tokens_with_decodes=args.prefill_tokens_with_decodes,
         transport=args.transport or search.default_transport(prof),
         gpu=search.on_gpu(prof),

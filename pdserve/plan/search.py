@@ -3,8 +3,8 @@ the best that meets the SLOs, and the runner-up.
 
 Candidates: k colocated engines, and P prefill + D decode nodes with the router's local prefill
 on (auto, at each local-token cap and each share of prompt tokens a decode node's step computes
-beside its decodes; with a TPOT SLO, also under each TPOT bound of TPOT_BOUNDS) or off, using
-the whole budget or less. Of cores, each engine
+beside its decodes; with a TPOT SLO, at the default cap also under a TPOT bound at each share
+of the SLO in TPOT_BOUNDS) or off, using the whole budget or less. Of cores, each engine
 takes its threads' worth (the thread counts the profile measured); of GPUs (a GPU's profile), one
 GPU each. A candidate meets the SLOs when its TTFT and TPOT at the given percentile are within
 them; among those the best has the highest goodput (tokens/s of requests within both SLOs), then
@@ -25,13 +25,14 @@ from engine.config import DECODE_NODE_PREFILL_TOKENS
 from kvtransfer.transports import TRANSPORTS
 from pdserve.bench_stats import Report
 from pdserve.plan.simulator import Deployment, Workload, simulate
+from router.placement import MAX_LOCAL_TOKENS
 
 LOCAL_CAPS = (256, 1024, 4096)  # max_local_prefill_tokens tried with local prefill auto
 # prefill_tokens_with_decodes tried with local prefill auto: a smaller share keeps decode steps
 # short where a prompt token costs more (fp32 on an AVX2 CPU: docs/benchmarks.md, section 5)
 BESIDE = (DECODE_NODE_PREFILL_TOKENS // 2, DECODE_NODE_PREFILL_TOKENS, 2 * DECODE_NODE_PREFILL_TOKENS)
-# local_prefill_max_tpot tried with a TPOT SLO, as shares of it: a local prefill lengthens the steps it
-# shares, so its bound sits under the SLO by about what it adds
+# max_local_prefill_tpot tried with a TPOT SLO (at the default cap), as shares of it: a local prefill
+# lengthens the steps it shares, so its bound sits under the SLO by about what it adds
 TPOT_BOUNDS = (0.75, 0.9)
 TIE = 0.02  # goodputs this close to the highest tie (docs/benchmarks.md, "A trace")
 
@@ -40,8 +41,8 @@ def candidates(
     budget: int, threads: list[int], transport: str = "shm", gpu: bool = False, slo_tpot: float | None = None
 ) -> list[Deployment]:
     """Every deployment within `budget` cores (or GPUs, with gpu: one an engine, at the first
-    thread count); slo_tpot: local prefills also under its TPOT_BOUNDS."""
-    bounds = (None,) + (tuple(round(share * slo_tpot, 4) for share in TPOT_BOUNDS) if slo_tpot else ())
+    thread count); slo_tpot: local prefills at the default cap also under its TPOT_BOUNDS."""
+    bounds = tuple(round(share * slo_tpot, 4) for share in TPOT_BOUNDS) if slo_tpot else ()
     out = []
     for t in threads[:1] if gpu else threads:
         engines = budget if gpu else budget // t
@@ -57,12 +58,12 @@ def candidates(
                         f"{name}-local{cap}-beside{n}" + (f"-tpot{bound}" if bound else ""),
                         max_local_tokens=cap,
                         prefill_tokens_with_decodes=n,
-                        local_max_tpot=bound,
+                        max_local_tpot=bound,
                         **each,
                     )
                     for cap in LOCAL_CAPS
                     for n in BESIDE
-                    for bound in bounds
+                    for bound in ((None, *bounds) if cap == MAX_LOCAL_TOKENS else (None,))
                 ]
     return out
 
@@ -149,8 +150,8 @@ def command(dep: Deployment) -> str:
         if dep.local_prefill == "off"
         else f"--local-prefill auto --max-local-prefill-tokens {dep.max_local_tokens}"
     )
-    if dep.local_max_tpot is not None and dep.local_prefill == "auto":
-        local += f" --local-prefill-max-tpot {dep.local_max_tpot:g}"
+    if dep.max_local_tpot is not None and dep.local_prefill == "auto":
+        local += f" --max-local-prefill-tpot {dep.max_local_tpot}"
     if dep.prefill_tokens_with_decodes is not None:
         local += f" --prefill-tokens-with-decodes {dep.prefill_tokens_with_decodes}"
     return f"pdserve up --prefill {dep.prefill} --decode {dep.decode} {place} {local}"

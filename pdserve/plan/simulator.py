@@ -8,7 +8,7 @@ are the router's own code, not a copy: `EndpointPool.pick` chooses the decode no
 cached prefix) and the prefill node, `Placement.decide` chooses a local or remote prefill (and holds a
 request that would queue behind another local prefill until a prefill ends, as the router does) and
 learns from the simulated timings as the router learns from real ones (prefill lines, hand-off,
-a decode node's token gaps where local prefills have a TPOT bound), and block names are
+a decode node's token gaps, which a TPOT bound on local prefills reads), and block names are
 `block_hashes`, so a follow-up hits exactly the nodes whose cache holds its history. A remote
 prefill's first token goes out when the prefill ends; the decode node admits the sequence after
 the profile's hand-off line (the transport's). The records are `pdserve bench`'s, and the report
@@ -66,7 +66,7 @@ class Deployment:
     local_prefill: str = "auto"  # the router's placement mode (colocated: always)
     max_local_tokens: int = MAX_LOCAL_TOKENS
     late_binding: bool = True  # the router's option
-    local_max_tpot: float | None = None  # the router's local_prefill_max_tpot (seconds)
+    max_local_tpot: float | None = None  # the router's max_local_prefill_tpot (seconds)
     prefill_tokens_with_decodes: int | None = None  # the engine option (None: the node kind's default)
     transport: str = "shm"  # a key of the profile's handoff
     gpu: bool = False  # each engine on a GPU of its own (a GPU's profile)
@@ -104,8 +104,8 @@ class Deployment:
             + (f" (<= {self.max_local_tokens} tokens)" if self.local_prefill == "auto" else "")
             + ("" if self.late_binding or self.local_prefill != "auto" else ", bound on arrival")
             + (
-                f", none while TPOT > {self.local_max_tpot * 1e3:.0f} ms"
-                if self.local_max_tpot is not None and self.local_prefill == "auto"
+                f", none while TPOT > {self.max_local_tpot * 1e3:.0f} ms"
+                if self.max_local_tpot is not None and self.local_prefill == "auto"
                 else ""
             )
             + f", {self.transport}{beside}"
@@ -360,7 +360,7 @@ class Simulation:
             "always" if local else deployment.local_prefill,
             deployment.max_local_tokens,
             late_binding=deployment.late_binding,
-            max_local_tpot_s=deployment.local_max_tpot,
+            max_local_tpot_s=deployment.max_local_tpot,
         )
         beside = deployment.prefill_tokens_with_decodes  # a decode node's default, none in `pdserve colocated`
         if beside is not None and beside < 0:
