@@ -37,7 +37,7 @@ UNRESPONSIVE_S = 10.0  # a node that answered no health check for this long is h
 # A node removed from the pool keeps its channel this long once idle: a call still in flight on a
 # closed channel raises CancelledError in its caller (a request migrating off a dead node hung so).
 RETIRED_GRACE_S = 60.0
-TOKEN_GAPS = 32  # a decode node's recent time per output token: the mean over this many gaps
+TOKEN_GAPS = 32  # a decode node's recent time per output token: over this many gaps (TokenGaps)
 
 
 class TokenGaps:

@@ -467,7 +467,7 @@ def _pick(
         raise RequestError(grpc.StatusCode.UNAVAILABLE, str(e)) from None
 
 
-def _token_gap(decode: Endpoint, r: Request, part, last: float | None) -> float:
+def _token_gap(decode: Endpoint, r: Request, part, last: float | None) -> float | None:
     """A decode node's message arrived: counts its gap since the stream's last one (`last`,
     monotonic; None: its first) in the node's token gaps, except where samples or beams
     interleave in one stream (n > 1). Returns now (last, for a message without tokens)."""

@@ -615,6 +615,24 @@ def test_simulate_over_timing_seeds_prints_each_figures_median_and_range(tmp_pat
     ]
 
 
+def test_simulate_takes_the_routers_placement_options_and_the_engines(tmp_path, monkeypatch, capsys):
+    """plan simulate's placement flags are the router's and the engine's own (declared once), and
+    reach the simulated deployment; plan best leaves out a bound a tiny TPOT SLO rounds to 0."""
+    from pdserve.plan import cli
+
+    path = tmp_path / "p.json"
+    profile_file.write(hand_profile(), path)
+    seen = []
+    monkeypatch.setattr(cli, "simulate", lambda prof, dep, *a: seen.append(dep) or simulate(prof, dep, *a))
+    flags = ["--max-local-prefill-tpot", "0.05", "--no-late-binding", "--max-local-prefill-tokens", "256"]
+    flags += ["--prefill-tokens-with-decodes", "8", "--num-requests", "2", "--prompt-len", "50", "--json"]
+    assert cli.main(parser().parse_args(["plan", "simulate", "--profile", str(path), *flags])) == 0
+    dep = seen[0]
+    assert (dep.local_prefill, dep.max_local_tpot, dep.late_binding, dep.max_local_tokens) == ("auto", 0.05, False, 256)
+    assert dep.prefill_tokens_with_decodes == 8 and json.loads(capsys.readouterr().out)["completed"] == 2
+    assert {d.max_local_tpot for d in search.candidates(2, [1], slo_tpot=1e-5)} == {None}
+
+
 @pytest.mark.parametrize(
     "args, says",
     [
@@ -625,6 +643,10 @@ def test_simulate_over_timing_seeds_prints_each_figures_median_and_range(tmp_pat
         (["profile", "--threads", "0", "--out", "x.json"], "--threads must list thread counts >= 1"),
         (["simulate", "--timing-seeds", "-1"], "--timing-seeds must be >= 0, got -1"),
         (["simulate", "--prefill-tokens-with-decodes", "-1"], "prefill_tokens_with_decodes must be >= 0, got -1"),
+        (
+            ["simulate", "--max-local-prefill-tpot", "0"],
+            "max_local_prefill_tpot must be > 0 seconds and finite, got 0.0",
+        ),
     ],
 )
 def test_bad_input_is_one_line_naming_it(tmp_path, args, says):

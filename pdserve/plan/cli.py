@@ -129,7 +129,7 @@ def _workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rate", type=float, default=None, help="open loop: requests/s (Poisson), instead")
     p.add_argument("--slo-ttft", type=float, default=None, help="seconds")
     p.add_argument("--slo-tpot", type=float, default=None, help="seconds per output token")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="the workload's random prompts and lengths (default: 0)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     trace.add_args(p)
 

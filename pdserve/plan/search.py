@@ -42,7 +42,8 @@ def candidates(
 ) -> list[Deployment]:
     """Every deployment within `budget` cores (or GPUs, with gpu: one an engine, at the first
     thread count); slo_tpot: local prefills at the default cap also under its TPOT_BOUNDS."""
-    bounds = tuple(round(share * slo_tpot, 4) for share in TPOT_BOUNDS) if slo_tpot else ()
+    shares = (round(share * slo_tpot, 4) for share in TPOT_BOUNDS) if slo_tpot else ()
+    bounds = tuple(dict.fromkeys(b for b in shares if b > 0))  # (a TPOT SLO of microseconds: none)
     out = []
     for t in threads[:1] if gpu else threads:
         engines = budget if gpu else budget // t
