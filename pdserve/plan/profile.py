@@ -95,6 +95,12 @@ QUICK = {
     "follow_up": (16, 16),
 }
 DECODE_STEPS = 6  # timed per decode sample (median)
+# the decode grid is timed in two passes, the second in reverse order, DECODE_STEPS // 2 steps a shape
+# each time, a shape sharing its blocks beside the same shape sharing none: timed one grid after the
+# other, the distinct shapes came out faster than the shared ones in all three AVX2 fp32 profiles
+# (4 x 1,024 tokens: 63-71 ms against 68-77), where timed in turn, three times, sharing made them
+# faster (60-63 ms against 77-84): the machine's speed moved between the two grids
+DECODE_PASSES = 2
 MIN_BATCH_SHARE = 0.05  # batch sizes of fewer served decode steps than this share stay out of serving's fit
 BUSY_GAP_S = 0.05  # a served engine's next step within this is serving's time between steps; later, a wait for work
 STREAM_LONG = 256  # tokens a stream may decode while a prefill beside it is timed (it is stopped then)
@@ -130,8 +136,8 @@ class StepProfiler:
         self.repeat = repeat
         self.rng = random.Random(seed)
         self.samples: list[tuple[Step, float]] = []
-        self._add_prefilled([16] * 2, 8)  # warm-up: the first steps pay one-time costs
-        _run_out(self.llm)
+        self._add_prefilled([16] * 2, 8)  # warm-up: the first prefill and decode steps pay one-time costs
+        _run_out(self.llm, abort=False)  # (the first decode step timed took 1.35x the line before)
 
     def _params(self, max_tokens: int) -> SamplingParams:
         return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
@@ -170,12 +176,12 @@ class StepProfiler:
         self.decode(batch, context)
         return [[len(s.decodes), t, s.decodes, s.shared] for s, t in self.samples[-DECODE_STEPS:]]
 
-    def decode(self, batch: int, context: int, chunk: int = 0, shared: bool = True) -> float:
+    def decode(self, batch: int, context: int, chunk: int = 0, shared: bool = True, steps: int = DECODE_STEPS) -> float:
         """A decode step of `batch` sequences (with a `chunk`-token prefill mixed in; shared: their
-        leading blocks in common)."""
-        self._add_prefilled([context] * batch, DECODE_STEPS + self.repeat + 4, shared)
+        leading blocks in common), timed `steps` times (with a prefill: `repeat` times)."""
+        self._add_prefilled([context] * batch, steps + self.repeat + 4, shared)
         times = []
-        for _ in range(self.repeat if chunk else DECODE_STEPS):
+        for _ in range(self.repeat if chunk else steps):
             contexts = [seq.num_tokens for seq in self.llm.scheduler.running]
             held = shared_tokens([seq.block_table for seq in self.llm.scheduler.running], self.llm.config.block_size)
             if chunk:  # a local prefill joins this step
@@ -206,14 +212,13 @@ def profile_steps(config: EngineConfig, repeat: int, quick: bool) -> dict:
         _say(
             f"{threads} thread(s): prefill of {new} new tokens after {cached} cached: {prof.prefill(new, cached):.4f} s"
         )
-    for batch, context in sizes["decode"]:
-        _say(f"{threads} thread(s): decode step, {batch} x {context} tokens: {prof.decode(batch, context):.4f} s")
-    for batch, context in sizes["distinct"]:
-        t = prof.decode(batch, context, shared=False)
-        _say(f"{threads} thread(s): decode step, {batch} x {context} tokens, no block shared: {t:.4f} s")
-    for batch, context, chunk in sizes["mixed"]:
-        t = prof.decode(batch, context, chunk)
-        _say(f"{threads} thread(s): decode step, {batch} x {context} tokens, {chunk}-token prefill mixed in: {t:.4f} s")
+    shapes = sorted([(b, c, 0, True) for b, c in sizes["decode"]] + [(b, c, 0, False) for b, c in sizes["distinct"]])
+    shapes += [(b, c, chunk, True) for b, c, chunk in sizes["mixed"]]
+    for n in range(DECODE_PASSES):
+        for batch, context, chunk, shared in shapes if n % 2 == 0 else shapes[::-1]:
+            t = prof.decode(batch, context, chunk, shared, steps=DECODE_STEPS // DECODE_PASSES)
+            what = f", {chunk}-token prefill mixed in" if chunk else "" if shared else ", no block shared"
+            _say(f"{threads} thread(s), pass {n + 1}: decode step, {batch} x {context} tokens{what}: {t:.4f} s")
     fit = StepModel.fit(prof.samples)
     errors = [abs(fit.seconds(s) - t) / t for s, t in prof.samples]
     return {
