@@ -564,6 +564,10 @@ def test_profile_simulate_and_best_end_to_end(tiny_llama, tmp_path):
     engine = prof["engines"]["1"]
     assert engine["dtype"] == "float32" and engine["step"]["fixed"] > 0 and len(engine["samples"]) >= 8
     assert isinstance(engine["decode_kernel"], bool)  # which attention path the steps were timed through
+    # the decode grid in two passes, the second reversed: 3 steps a shape each time (mixed: --repeat)
+    one_pass = [(1, False)] * 3 + [(2, False)] * 3 + [(4, False)] * 3 + [(2, True)] * 2
+    timed = [(len(s["decodes"]), bool(s["prefills"])) for s in engine["samples"] if s["decodes"]]
+    assert timed == one_pass + one_pass[::-1]
     workload = ["--profile", str(out), "--num-requests", "8", "--prompt-len", "40", "--output-len", "6", "--json"]
     sim = subprocess.run(
         run + ["simulate", *workload, "--prefill", "1", "--decode", "1"], capture_output=True, text=True, cwd=ROOT
