@@ -97,12 +97,12 @@ QUICK = {
 DECODE_STEPS = 6  # timed per decode sample (median)
 # the decode grid is timed in two passes, the second in reverse order, DECODE_STEPS // 2 steps a shape
 # each time, a shape sharing its blocks beside the same shape sharing none. Timed one grid after the
-# other, the distinct shapes came out faster than the shared ones in all three AVX2 fp32 profiles
-# before (1 thread, 4 x 1,024 tokens: 63-71 ms against 68-77), where timed in turn they were slower
-# (a scratch script, three rounds: 77-84 ms against 60-63; docs/bench/plan_profile_passes_1.json:
-# 73-82 against 61-76): the machine's speed moved between the two grids, and the line priced a chat's
-# shared prefix near a sequence's own blocks (its served steps of 4 sequences at 0.83-0.85 of the line,
-# docs/benchmarks.md, "The decode grid in two passes")
+# other, the distinct shapes came out faster than the shared ones in the three AVX2 fp32 profiles that
+# time both (1 thread, 4 x 1,024 tokens: 63-71 ms against 68-77), where timed in turn they were slower
+# (a scratch script, three rounds: 77-84 ms against 60-63; medians in docs/bench/plan_profile_passes_1
+# and _2.json: 76.2 against 68.8, 82.2 against 56.9): the machine's speed moved between the two grids,
+# and the line could price a chat's shared prefix near a sequence's own blocks (its served steps of 4
+# sequences at 0.83-0.85 of the line; docs/benchmarks.md, "The decode grid in two passes")
 DECODE_PASSES = 2
 MIN_BATCH_SHARE = 0.05  # batch sizes of fewer served decode steps than this share stay out of serving's fit
 BUSY_GAP_S = 0.05  # a served engine's next step within this is serving's time between steps; later, a wait for work
