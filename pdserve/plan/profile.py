@@ -95,14 +95,10 @@ QUICK = {
     "follow_up": (16, 16),
 }
 DECODE_STEPS = 6  # timed per decode sample (median)
-# the decode grid is timed in two passes, the second in reverse order, DECODE_STEPS // 2 steps a shape
-# each time, a shape sharing its blocks beside the same shape sharing none. Timed one grid after the
-# other, the distinct shapes came out faster than the shared ones in the three AVX2 fp32 profiles that
-# time both (1 thread, 4 x 1,024 tokens: 63-71 ms against 68-77), where timed in turn they were slower
-# (a scratch script, three rounds: 77-84 ms against 60-63; medians in docs/bench/plan_profile_passes_1
-# and _2.json: 76.2 against 68.8, 82.2 against 56.9): the machine's speed moved between the two grids,
-# and the line could price a chat's shared prefix near a sequence's own blocks (its served steps of 4
-# sequences at 0.83-0.85 of the line; docs/benchmarks.md, "The decode grid in two passes")
+# the decode grid is timed in two passes, the second reversed, DECODE_STEPS // 2 steps a shape each
+# time, a shape sharing its blocks beside the same shape sharing none: timed one grid after the other,
+# the machine's drift between them passed for the price of sharing (docs/benchmarks.md, "The decode
+# grid in two passes")
 DECODE_PASSES = 2
 MIN_BATCH_SHARE = 0.05  # batch sizes of fewer served decode steps than this share stay out of serving's fit
 BUSY_GAP_S = 0.05  # a served engine's next step within this is serving's time between steps; later, a wait for work
@@ -140,7 +136,7 @@ class StepProfiler:
         self.rng = random.Random(seed)
         self.samples: list[tuple[Step, float]] = []
         self._add_prefilled([16] * 2, 8)  # warm-up: the first prefill and decode steps pay one-time costs
-        _run_out(self.llm, abort=False)  # (the first decode step timed took 1.35x the line before)
+        _run_out(self.llm, abort=False)
 
     def _params(self, max_tokens: int) -> SamplingParams:
         return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
