@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import resource
 import statistics
 import time
 
@@ -34,20 +35,22 @@ def main() -> None:
     rng = random.Random(0)
     runs = iter(range(1 << 30))
 
-    def run() -> float:
+    def run() -> tuple[float, int]:
         r = next(runs)
         for i in range(args.prompts):
             engine.add_request(
                 f"p{r}-{i}", [rng.randrange(100, 40000) for _ in range(args.tokens)], SamplingParams(max_tokens=1)
             )
-        t = time.perf_counter()
+        faults, t = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, time.perf_counter()
         while engine.has_unfinished():
             engine.step()
-        return time.perf_counter() - t
+        return time.perf_counter() - t, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
 
     run()
-    ms = statistics.median(run() for _ in range(3)) * 1e3
-    print(f"prefill of {args.prompts} x {args.tokens} tokens: {ms:.0f} ms")
+    timed = [run() for _ in range(3)]
+    ms = statistics.median(t for t, _ in timed) * 1e3
+    faults = statistics.median(f for _, f in timed)
+    print(f"prefill of {args.prompts} x {args.tokens} tokens: {ms:.0f} ms, {faults:.0f} minor page faults")
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 

@@ -18,6 +18,7 @@ from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.draft_proposer import DraftModelProposer
 from engine.hardware import resolve_device, resolve_dtype
+from engine.host_memory import keep_freed_buffers
 from engine.kv_progress import LayerProgress
 from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner
@@ -60,6 +61,8 @@ class LLMEngine:
             )
         self.runner = ModelRunner(cfg, self.model_dir, config, self.dtype, self.device, max_model_len, kv_allocator)
         self.kv_cache = self.runner.kv_cache
+        if self.device.type == "cpu":  # after the weights' load: its temporaries go back to the kernel
+            keep_freed_buffers()
         self.numerics = self.runner.numerics  # what decides the KV's bits (KVLayout.numerics)
         self.block_manager = BlockManager(self.kv_cache.num_blocks, config.block_size, config.enable_prefix_caching)
         # A sequence can never outgrow the whole KV pool.
