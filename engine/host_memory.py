@@ -3,7 +3,7 @@
 glibc's malloc serves each request over 32 MiB (its largest mmap threshold) with a fresh mmap and
 hands it back to the kernel on free, so the next step's buffer of that size is touched page by
 page again (~2 GB/s here). A step's activations pass that size soon: one thread, fp32, the default
-model, a prefill step of 6 x 600 tokens made 324,000-364,000 minor page faults (its MLP's 44 MiB
+model, a prefill step of 6 x 600 tokens made 324,000-364,000 minor page faults (its MLP's 42 MiB
 gate-up output, in each of 30 layers) and took 1.11x the time it takes without them (median of
 three pairs; docs/benchmarks.md, "Prefill steps over 32 MiB of activations").
 
