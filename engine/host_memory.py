@@ -27,7 +27,7 @@ KEEP_BYTES = (1 << 31) - 1  # free memory at a heap's top kept up to this (mallo
 def keep_freed_buffers() -> bool:
     """No more mmap'd chunks, and no heap trimmed back to the kernel, in this process from now on
     (allocations made before keep theirs). Whether it took (False off glibc)."""
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+    if platform.libc_ver()[0] != "glibc":
         return False
     libc = ctypes.CDLL(None)
     libc.mallopt.argtypes = (ctypes.c_int, ctypes.c_int)

@@ -9,6 +9,7 @@ from conftest import make_engine
 
 from engine.host_memory import keep_freed_buffers
 
+pytestmark = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's")
 BUFFER_BYTES = 64 << 20  # over glibc's largest mmap threshold (32 MiB)
 PAGES = BUFFER_BYTES // resource.getpagesize()
 
@@ -20,7 +21,6 @@ def _faults_filling() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
 
 
-@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's")
 def test_a_freed_large_buffer_is_reused_without_page_faults():
     assert keep_freed_buffers()
     for _ in range(3):  # the heap grows to hold it (and the small requests that land in its free space)
@@ -29,7 +29,6 @@ def test_a_freed_large_buffer_is_reused_without_page_faults():
     assert sum(refilled) < PAGES // 10, f"{refilled} minor faults refilling {PAGES} pages each time"
 
 
-@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's")
 def test_a_cpu_engine_keeps_freed_buffers(tiny_llama):
     keep_freed_buffers.cache_clear()
     make_engine(tiny_llama)
