@@ -706,3 +706,22 @@ def test_a_served_batch_size_with_no_reference_takes_the_nearest_ones_drift():
         [0.006, 0.007, 0.007, 0.006]
     )
     assert less_drift(served, []) == served
+
+
+def test_the_profiles_served_requests_decode_greedily_as_its_steps_and_the_bench_do():
+    """The protocol's default samples at temperature 1; the profile's requests ask for greedy
+    decoding, as its grid's steps and `pdserve bench` (its default) decode: sampled, the served
+    steps carried the sampler's cost into what serving adds."""
+    import asyncio
+
+    asked = []
+
+    class Recording:  # the client's stream call, recorded (one finished message)
+        async def stream(self, prompt, **sampling):
+            asked.append(sampling)
+            yield type("Part", (), {"finished": True, "timings": None})()
+
+    asyncio.run(profiles._streams(Recording(), [[1, 2, 3]], 4))
+    assert asked == [{"max_tokens": 4, "temperature": 0.0, "ignore_eos": True}]
+    assert parser().parse_args(["bench", "--addr", "x"]).temperature == asked[0]["temperature"]
+    assert profiles.StepProfiler._params(None, 4).temperature == 0.0

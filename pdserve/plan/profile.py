@@ -104,6 +104,11 @@ MIN_BATCH_SHARE = 0.05  # batch sizes of fewer served decode steps than this sha
 BUSY_GAP_S = 0.05  # a served engine's next step within this is serving's time between steps; later, a wait for work
 STREAM_LONG = 256  # tokens a stream may decode while a prefill beside it is timed (it is stopped then)
 FOLLOW_UP = (64, 1024)  # a served prefill of this many new tokens after this many cached (a chat's next turn)
+# served requests decode greedily, as the grid's steps and `pdserve bench` (its default) do; the
+# protocol's default, temperature 1, samples each row over the vocabulary: at 8 streams of the
+# default model that took 9-10 ms of a 64 ms fp32 step (AVX2, one thread), which the profile
+# priced as serving (docs/benchmarks.md, "Served decode steps sampled")
+SERVED = {"temperature": 0.0, "ignore_eos": True}
 
 
 def _ids(rng: random.Random, n: int, vocab: int) -> list[int]:
@@ -139,7 +144,7 @@ class StepProfiler:
         _run_out(self.llm, abort=False)
 
     def _params(self, max_tokens: int) -> SamplingParams:
-        return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        return SamplingParams(max_tokens=max_tokens, **SERVED)
 
     def _add_prefilled(self, contexts: list[int], max_tokens: int, shared: bool = True) -> None:
         """Sequences decoding with these contexts (shared: their leading blocks in common, so that
@@ -465,7 +470,7 @@ async def _served_prefills(
             async def stream(ids):
                 nonlocal decoding
                 tokens = 0
-                async for _ in client.stream(ids, max_tokens=STREAM_LONG, ignore_eos=True):
+                async for _ in client.stream(ids, max_tokens=STREAM_LONG, **SERVED):
                     tokens += 1
                     if tokens == 2:  # its decode node streams it
                         decoding += 1
@@ -521,7 +526,7 @@ async def _streams(client, prompts: list[list[int]], max_tokens: int) -> list[tu
 
     async def one(prompt):
         first = last = timings = None
-        async for part in client.stream(prompt, max_tokens=max_tokens, ignore_eos=True):
+        async for part in client.stream(prompt, max_tokens=max_tokens, **SERVED):
             last = time.perf_counter()
             first = first or last
             timings = part.timings if part.finished else timings
