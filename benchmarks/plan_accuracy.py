@@ -8,7 +8,8 @@ on the real deployment, same prompts, same window.
 2. Two workloads, both as token ids (so the simulator sees the very prompts the servers get):
    anchor: 32 requests of 590-630 tokens, 64 output tokens, closed loop at concurrency 8;
    chat: 8 conversations of 4 turns, a shared 1,000-token system prompt, ~40-token questions,
-   32-token answers, closed loop at concurrency 4. Output lengths are fixed (ignore_eos).
+   32-token answers, closed loop at concurrency 4. Output lengths are fixed (ignore_eos); decoding is greedy unless
+   --temperature is given (to both the requests and the simulator).
    With --trace FILE and --only trace (or a list naming it), a third: the trace's requests at
    its times (`pdserve bench --trace`; the simulator shares the same blocks).
 3. Deployments on the 2 cores, each started, measured by `pdserve bench`, stopped:
@@ -26,6 +27,7 @@ on the real deployment, same prompts, same window.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import shlex
@@ -41,6 +43,7 @@ from disagg_vs_colocated import wait_line  # noqa: E402
 
 from engine import EngineConfig  # noqa: E402
 from pdserve import trace  # noqa: E402
+from pdserve.bench import add_temperature  # noqa: E402
 from pdserve.plan import profile as profiles  # noqa: E402
 from pdserve.plan import profile_file, search  # noqa: E402
 from pdserve.plan.simulator import Deployment, Item, Simulation, Workload, traced  # noqa: E402
@@ -164,6 +167,7 @@ def main() -> int:
     ap.add_argument(
         "--step-log", action="store_true", help="keep each engine's steps in its row (--step-log; plan_steps.py)"
     )
+    add_temperature(ap)  # the requests' (bench's) and the simulated workload's
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     began = time.monotonic()
@@ -177,7 +181,7 @@ def main() -> int:
         for wname in args.only.split(","):
             if wname == "trace" and not args.trace:
                 ap.error("the workload 'trace' needs --trace FILE")
-            work = workload(wname, args.trace)
+            work = dataclasses.replace(workload(wname, args.trace), temperature=args.temperature)
             slo = WORKLOADS[wname]
             for dname in args.deployments.split(","):
                 dep = DEPLOYMENTS[dname]
@@ -186,7 +190,8 @@ def main() -> int:
                 command += ["--step-log", str(steps)] if args.step_log else []
                 sim = Simulation(prof, dep, *slo)
                 predicted = sim.run(work)
-                run = measure(command, bench_args(wname, work, Path(tmp), args.trace), slo, Path(tmp))
+                sent = bench_args(wname, work, Path(tmp), args.trace) + ["--temperature", str(args.temperature)]
+                run = measure(command, sent, slo, Path(tmp))
                 measured = run["report"]
                 row = {"workload": wname, "deployment": dname, "slo_ttft_s": slo[0], "slo_tpot_s": slo[1]}
                 row |= {"trace": args.trace} if wname == "trace" else {}
@@ -212,6 +217,7 @@ def main() -> int:
                 )
     result = {
         **profiles.provenance(prof, began),
+        "temperature": args.temperature,
         "rows": rows,
     }
     (args.out / "plan_accuracy.json").write_text(json.dumps(result, indent=1))

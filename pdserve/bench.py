@@ -30,6 +30,11 @@ FILLER = (
 )
 
 
+def add_temperature(p) -> None:
+    """Every request's sampling temperature (`pdserve bench`'s, and the workload `pdserve plan` prices)."""
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 is greedy (default: 0.0)")
+
+
 def length_sampler(spec: str, rng: random.Random):
     """'128' | 'uniform:A:B' | 'normal:MEAN:STD' -> a function returning a length >= 1."""
     parts = spec.split(":")
@@ -290,7 +295,7 @@ def add_args(p) -> None:
         "per line (each turn is sent after the previous answer, with the history)",
     )
     trace.add_args(p)
-    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 is greedy")
+    add_temperature(p)
     p.add_argument(
         "--no-ignore-eos",
         dest="ignore_eos",

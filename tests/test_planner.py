@@ -149,6 +149,32 @@ def test_a_prefill_nodes_prefills_slow_by_the_share_serving_takes_while_streams_
     assert done == [pytest.approx((FIXED + 100 * PER_TOKEN) * (1 + 0.1 + 4 * 0.05))]
 
 
+def test_a_sampled_workload_pays_the_profiles_sampling_per_token_and_a_greedy_one_nothing():
+    """The step line is timed greedy; at a temperature each step adds the sampler's cost per token
+    it emits: the prompt's first (its prefill step), then one per decoding sequence."""
+    prof = hand_profile()
+    for engine in prof["engines"].values():
+        engine["sampling"] = {"fixed_s": 0.001, "per_row_s": 0.002, "samples": []}
+    greedy = one(100, 5)
+    sampled = Workload(greedy.items, concurrency=1, temperature=0.7)
+    for dep in (Deployment("c", colocated=1), Deployment("pd", prefill=1, decode=1, local_prefill="off")):
+        plain, drawn = simulate(prof, dep, greedy), simulate(prof, dep, sampled)
+        assert drawn.ttft_s["p50"] == pytest.approx(plain.ttft_s["p50"] + 0.003)
+        assert drawn.tpot_s["p50"] == pytest.approx(plain.tpot_s["p50"] + 0.003)
+    sim = Simulation(prof, Deployment("c", colocated=1), None, None)
+    sim.run(sampled)
+    engine = sim.decodes[0]
+    assert engine.step_seconds(Step([], [100, 100]), 0) == pytest.approx(FIXED + 2 * PER_TOKEN + 0.001 + 2 * 0.002)
+    assert engine.step_seconds(Step([(50, 0), (8, 0)], [100]), 1) == pytest.approx(  # one chunk ends its prompt
+        FIXED + 59 * PER_TOKEN + 0.001 + 2 * 0.002
+    )
+    assert engine.step_seconds(Step([(50, 0)], []), 0) == pytest.approx(FIXED + 50 * PER_TOKEN)  # samples nothing
+    del prof["engines"]["1"]["sampling"]  # a profile written before it measured sampling
+    assert simulate(prof, Deployment("c", colocated=1), greedy).completed == 1
+    with pytest.raises(ValueError, match="the profile has no sampling cost"):
+        simulate(prof, Deployment("c", colocated=1), sampled)
+
+
 @pytest.mark.parametrize(
     "deployment, chunked",
     [
@@ -564,6 +590,8 @@ def test_profile_simulate_and_best_end_to_end(tiny_llama, tmp_path):
     engine = prof["engines"]["1"]
     assert engine["dtype"] == "float32" and engine["step"]["fixed"] > 0 and len(engine["samples"]) >= 8
     assert isinstance(engine["decode_kernel"], bool)  # which attention path the steps were timed through
+    # the sampler at temperature 1 over greedy, 1 and 4 rows, twice each
+    assert [n for n, _ in engine["sampling"]["samples"]] == [1, 1, 4, 4] and engine["sampling"]["per_row_s"] >= 0
     # the decode grid in two passes, the second reversed: 3 steps a shape each time (mixed: --repeat)
     one_pass = [(1, False)] * 3 + [(2, False)] * 3 + [(4, False)] * 3 + [(2, True)] * 2
     timed = [(len(s["decodes"]), bool(s["prefills"])) for s in engine["samples"] if s["decodes"]]
@@ -574,6 +602,13 @@ def test_profile_simulate_and_best_end_to_end(tiny_llama, tmp_path):
     )
     assert sim.returncode == 0, sim.stderr
     assert json.loads(sim.stdout)["completed"] == 8
+    drawn = subprocess.run(
+        run + ["simulate", *workload, "--colocated", "1", "--temperature", "0.8"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    assert drawn.returncode == 0 and json.loads(drawn.stdout)["completed"] == 8, drawn.stderr
     seeds = subprocess.run(
         run + ["simulate", *workload, "--colocated", "1", "--timing-seeds", "3"],
         capture_output=True,
@@ -646,6 +681,8 @@ def test_simulate_takes_the_routers_placement_options_and_the_engines(tmp_path, 
         (["best", "--cores", "2", "--num-requests", "0"], "--num-requests must be >= 1, got 0"),
         (["profile", "--threads", "0", "--out", "x.json"], "--threads must list thread counts >= 1"),
         (["simulate", "--timing-seeds", "-1"], "--timing-seeds must be >= 0, got -1"),
+        (["simulate", "--temperature", "-1"], "the temperature must be >= 0, got -1.0"),
+        (["best", "--cores", "2", "--temperature", "1"], "the profile has no sampling cost"),
         (["simulate", "--prefill-tokens-with-decodes", "-1"], "prefill_tokens_with_decodes must be >= 0, got -1"),
         (
             ["simulate", "--max-local-prefill-tpot", "0"],

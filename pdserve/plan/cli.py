@@ -9,12 +9,13 @@ pdserve plan best      the best deployment for a workload, SLOs and a budget of 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 
 from engine.config import DTYPES, GIB, EngineConfig
 from pdserve import trace
-from pdserve.bench import length_sampler
+from pdserve.bench import add_temperature, length_sampler
 from pdserve.bench_stats import format_report
 from pdserve.plan import memory, profile, profile_file, search
 from pdserve.plan.simulator import (
@@ -130,11 +131,16 @@ def _workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slo-ttft", type=float, default=None, help="seconds")
     p.add_argument("--slo-tpot", type=float, default=None, help="seconds per output token")
     p.add_argument("--seed", type=int, default=0, help="the workload's random prompts and lengths (default: 0)")
+    add_temperature(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     trace.add_args(p)
 
 
 def workload(args) -> Workload:
+    return dataclasses.replace(_items(args), temperature=args.temperature)
+
+
+def _items(args) -> Workload:
     if args.trace:
         if args.turns or args.system_len or args.rate or args.concurrency is not None:
             raise ValueError(

@@ -93,6 +93,7 @@ QUICK = {
     "streams": (1, 2),
     "stream_prompt": 16,
     "follow_up": (16, 16),
+    "sampled_rows": (1, 4),
 }
 DECODE_STEPS = 6  # timed per decode sample (median)
 # the decode grid is timed in two passes, the second reversed, DECODE_STEPS // 2 steps a shape each
@@ -109,6 +110,7 @@ FOLLOW_UP = (64, 1024)  # a served prefill of this many new tokens after this ma
 # default model that took 9-10 ms of a 64 ms fp32 step (AVX2, one thread), which the profile
 # priced as serving (docs/benchmarks.md, "Served decode steps sampled")
 SERVED = {"temperature": 0.0, "ignore_eos": True}
+SAMPLED_ROWS = (1, 8, 32)  # logit rows the engine's sampler draws from at temperature 1, timed beside greedy
 
 
 def _ids(rng: random.Random, n: int, vocab: int) -> list[int]:
@@ -225,6 +227,8 @@ def profile_steps(config: EngineConfig, repeat: int, quick: bool) -> dict:
             _say(f"{threads} thread(s), pass {n + 1}: decode step, {batch} x {context} tokens{what}: {t:.4f} s")
     fit = StepModel.fit(prof.samples)
     errors = [abs(fit.seconds(s) - t) / t for s, t in prof.samples]
+    sampling = sampling_cost(prof.llm, QUICK["sampled_rows"] if quick else SAMPLED_ROWS, repeat)
+    _say(f"{threads} thread(s): sampling at temperature 1: {sampling['per_row_s'] * 1e3:.2f} ms a row over greedy")
     return {
         "threads": threads,
         "dtype": str(prof.llm.dtype).removeprefix("torch."),
@@ -233,12 +237,38 @@ def profile_steps(config: EngineConfig, repeat: int, quick: bool) -> dict:
         "decode_kernel": prof.llm.runner.decode_kernel,  # decodes read the KV in place (else SDPA over gathered KV)
         "max_num_batched_tokens": config.max_num_batched_tokens,
         "step": fit.to_dict(),
+        "sampling": sampling,
         "fit_error_median": statistics.median(errors),
         "fit_error_max": max(errors),
         "samples": [
             {"prefills": s.prefills, "decodes": s.decodes, "shared": s.shared, "seconds": t} for s, t in prof.samples
         ],
     }
+
+
+def sampling_cost(llm: LLMEngine, rows: tuple[int, ...], repeat: int) -> dict:
+    """What sampling at temperature 1 (top-k and top-p off, the protocol's defaults) adds to a step
+    over greedy decoding, which the step line and the served steps are timed at (SERVED): the
+    engine's own sampler over logits of the model's vocabulary, each size `repeat` times with the
+    two alternating; fixed_s + per_row_s x rows through the sizes' medians, the samples beside."""
+    sampler, vocab, device = llm.runner.sampler, llm.model_config.vocab_size, llm.device
+    greedy, sampled = SamplingParams(**SERVED), SamplingParams(**SERVED | {"temperature": 1.0})
+
+    def timed(logits: torch.Tensor, params: SamplingParams) -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t = time.perf_counter()
+        sampler(logits, [params] * len(logits), [0] * len(logits))  # (its token ids come back to the host)
+        return time.perf_counter() - t
+
+    samples = []
+    for n in rows:
+        logits = torch.randn(n, vocab, device=device, dtype=torch.float32)
+        timed(logits, sampled)  # (first use of a size)
+        for _ in range(repeat):
+            samples.append((n, timed(logits, sampled) - timed(logits, greedy)))
+    line = _line(samples)
+    return {"fixed_s": line["fixed_s"], "per_row_s": line["per_token_s"], "samples": samples}
 
 
 async def profile_serving(model: str, dtype: str, device: str, threads: list[int], repeat: int, quick: bool) -> dict:

@@ -12,7 +12,8 @@ a decode node's token gaps, which a TPOT bound on local prefills reads), and blo
 `block_hashes`, so a follow-up hits exactly the nodes whose cache holds its history. A remote
 prefill's first token goes out when the prefill ends; the decode node admits the sequence after
 the profile's hand-off line (the transport's). The records are `pdserve bench`'s, and the report
-is bench_stats' (TTFT, TPOT, goodput).
+is bench_stats' (TTFT, TPOT, goodput). The step line is timed decoding greedily; a workload with a
+temperature adds what the profile measured sampling to cost, per token a step emits.
 
 Arrival timing: by default a request reaches its engine exactly router_s after it is sent, and
 an idle engine starts its step at once. In a real deployment the serving thread and the engine's
@@ -125,6 +126,7 @@ class Workload:
     rate: float | None = None  # open loop: items per second (Poisson)
     seed: int = 0
     times: list[float] | None = None  # a trace's arrivals (seconds), one per item, instead of either loop
+    temperature: float = 0.0  # every request's (0: greedy, as the profile's steps; top-k and top-p off)
 
 
 def synthetic(num: int, prompt_len: str, output_len: str, seed: int = 0, **loop) -> Workload:
@@ -273,6 +275,9 @@ class Engine:
         what it adds to prompts (a share of their line, and seconds per prompt that ends here;
         on a prefill node, more with the streams decoding elsewhere: by default the simulation's)."""
         seconds = self.model.seconds(step)
+        rows = len(step.decodes) + ending  # the tokens the step samples
+        if self.sim.sampling and rows:
+            seconds += self.sim.sampling["fixed_s"] + self.sim.sampling["per_row_s"] * rows
         if step.decodes:
             seconds += self.sim.serving["fixed_s"] + self.sim.serving["per_sequence_s"] * len(step.decodes)
         if step.prefills and self.served:
@@ -343,6 +348,8 @@ class Simulation:
         # the reads that leave out the blocks the decode node holds (their Capabilities' partial)
         self.partial = deployment.transport.split("-")[0] in ("shm", "tcp")
         self.router_s, self.serving = profile["router_s"], profile["serving"]
+        self.sampling = None  # what sampling adds to a step: set by run() for a workload with a temperature
+        self.sampling_profiled = eng.get("sampling")  # (profiles before it: none)
         prefill_serving = profile.get("prefill_serving")
         colocated_prefills = None  # what serving adds to a `pdserve colocated`'s prefills (older profiles: none)
         if deployment.single_process:  # (a profile without its decode-step figure: the nodes')
@@ -393,6 +400,11 @@ class Simulation:
 
     def run(self, workload: Workload) -> Report:
         self.records: list[RequestRecord] = []  # each request's times, as `pdserve bench` keeps them
+        if workload.temperature < 0:
+            raise ValueError(f"the temperature must be >= 0, got {workload.temperature}")
+        if workload.temperature > 0 and self.sampling_profiled is None:
+            raise ValueError("the profile has no sampling cost (written before it was measured): profile again")
+        self.sampling = self.sampling_profiled if workload.temperature > 0 else None
         records = self.records
         items = iter(workload.items)
 
