@@ -7,7 +7,8 @@ Engine.step_seconds on the profile the runs were measured on.
 
 Per cell and kind of step (decode: decodes only; prefill: prefill chunks only; mixed: both): the
 steps' count, the median of measured / priced, the sum of measured over the sum priced, and the
-same against the step line alone (without what serving adds); for decode steps, per batch size.
+same against the step line alone (without what serving adds, or sampling at the run's temperature);
+for decode steps, per batch size. Runs at another temperature are cells of their own.
 Gap: the median time between one step's end and the next's start on the same engine, where the
 next starts within 50 ms (a busy engine; longer gaps are waits for work), which the simulator
 prices as nothing of its own (what serving adds is measured from TPOT, so it holds the gaps).
@@ -50,8 +51,9 @@ def summary(rows: list[tuple[float, float, float]]) -> dict:
     }
 
 
-def cell(prof: dict, workload: str, deployment: str, steps: list[dict]) -> dict:
+def cell(prof: dict, workload: str, deployment: str, temperature: float, steps: list[dict]) -> dict:
     sim = Simulation(prof, DEPLOYMENTS[deployment], *WORKLOADS[workload])
+    sim.sample_at(temperature)  # (the run's requests': plan_accuracy.py --temperature)
     by_pid = defaultdict(list)
     for s in steps:
         by_pid[s["pid"]].append(s)
@@ -76,6 +78,7 @@ def cell(prof: dict, workload: str, deployment: str, steps: list[dict]) -> dict:
     return {
         "workload": workload,
         "deployment": deployment,
+        "temperature": temperature,
         "kinds": {k: summary(v) for k, v in sorted(kinds.items())},
         "decode_batches": {b: summary(v) for b, v in batches.items()},
         "busy_gap_ms": statistics.median(gaps) * 1e3 if gaps else None,
@@ -92,12 +95,13 @@ def main() -> int:
     cells = defaultdict(list)
     for run in runs_on(prof, args.profile, args.runs, ap):
         for row in run["rows"]:
-            cells[row["workload"], row["deployment"]] += row.get("steps", [])
+            cells[row["workload"], row["deployment"], run.get("temperature", 0.0)] += row.get("steps", [])
     if not any(cells.values()):
         ap.error("no run kept its steps (plan_accuracy.py --step-log)")
-    out = [cell(prof, w, d, steps) for (w, d), steps in cells.items() if steps]
+    out = [cell(prof, *key, steps) for key, steps in cells.items() if steps]
     for c in out:
-        print(f"{c['workload']} {c['deployment']}: busy gap {c['busy_gap_ms'] or 0:.1f} ms")
+        at = f" at temperature {c['temperature']:g}" if c["temperature"] else ""
+        print(f"{c['workload']} {c['deployment']}{at}: busy gap {c['busy_gap_ms'] or 0:.1f} ms")
         for name, k in [*c["kinds"].items(), *((f"  decode {b}", v) for b, v in c["decode_batches"].items())]:
             print(
                 f"  {name:14s} {k['steps']:4d} steps, {k['measured_ms']:7.1f} ms; measured / priced "

@@ -348,7 +348,7 @@ class Simulation:
         # the reads that leave out the blocks the decode node holds (their Capabilities' partial)
         self.partial = deployment.transport.split("-")[0] in ("shm", "tcp")
         self.router_s, self.serving = profile["router_s"], profile["serving"]
-        self.sampling = None  # what sampling adds to a step: set by run() for a workload with a temperature
+        self.sampling = None  # what sampling adds to a step (sample_at: run() sets it from the workload)
         self.sampling_profiled = eng.get("sampling")  # (profiles before it: none)
         prefill_serving = profile.get("prefill_serving")
         colocated_prefills = None  # what serving adds to a `pdserve colocated`'s prefills (older profiles: none)
@@ -387,6 +387,14 @@ class Simulation:
         self.engine_of = {e.endpoint.address: e for e in self.decodes + self.prefills}
         self.held: list[Callable[[], None]] = []  # requests waiting for a place (Decision.hold)
 
+    def sample_at(self, temperature: float) -> None:
+        """Steps price what sampling adds at this temperature (at 0, greedy: nothing)."""
+        if temperature < 0:
+            raise ValueError(f"the temperature must be >= 0, got {temperature}")
+        if temperature > 0 and self.sampling_profiled is None:
+            raise ValueError("the profile has no sampling cost (written before it was measured): profile again")
+        self.sampling = self.sampling_profiled if temperature > 0 else None
+
     def at(self, t: float, fn: Callable[[], None]) -> None:
         heapq.heappush(self._events, (t, next(self._order), fn))
 
@@ -400,11 +408,7 @@ class Simulation:
 
     def run(self, workload: Workload) -> Report:
         self.records: list[RequestRecord] = []  # each request's times, as `pdserve bench` keeps them
-        if workload.temperature < 0:
-            raise ValueError(f"the temperature must be >= 0, got {workload.temperature}")
-        if workload.temperature > 0 and self.sampling_profiled is None:
-            raise ValueError("the profile has no sampling cost (written before it was measured): profile again")
-        self.sampling = self.sampling_profiled if workload.temperature > 0 else None
+        self.sample_at(workload.temperature)
         records = self.records
         items = iter(workload.items)
 
