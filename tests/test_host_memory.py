@@ -2,6 +2,7 @@
 
 import platform
 import resource
+import statistics
 
 import pytest
 import torch
@@ -26,7 +27,10 @@ def test_a_freed_large_buffer_is_reused_without_page_faults():
     for _ in range(3):  # the heap grows to hold it (and the small requests that land in its free space)
         _faults_filling()
     refilled = [_faults_filling() for _ in range(5)]
-    assert sum(refilled) < PAGES // 10, f"{refilled} minor faults refilling {PAGES} pages each time"
+    # Most refills fault nothing; one may still grow the heap, when a small request of the test
+    # run's (another test's thread, the collector) lands at its top between two (CI saw [16384, 0, 0, 0, 0]).
+    # Without keep_freed_buffers every refill faults all PAGES in.
+    assert statistics.median(refilled) < PAGES // 10, f"{refilled} minor faults refilling {PAGES} pages each time"
 
 
 def test_a_cpu_engine_keeps_freed_buffers(tiny_llama):
