@@ -8,7 +8,9 @@ Engine.step_seconds on the profile the runs were measured on.
 Per cell and kind of step (decode: decodes only; prefill: prefill chunks only; mixed: both): the
 steps' count, the median of measured / priced, the sum of measured over the sum priced, and the
 same against the step line alone (without what serving adds, or sampling at the run's temperature);
-for decode steps, per batch size. Runs at another temperature are cells of their own.
+for decode steps, per batch size, and (deployments of two or more engines) by what the other
+engines ran over most of the step: decoding (a step with decodes), prefilling (prefill chunks only)
+or idle. Runs at another temperature are cells of their own.
 Gap: the median time between one step's end and the next's start on the same engine, where the
 next starts within 50 ms (a busy engine; longer gaps are waits for work), which the simulator
 prices as nothing of its own (what serving adds is measured from TPOT, so it holds the gaps).
@@ -40,6 +42,17 @@ def kind(step: dict) -> str:
     return "mixed" if step["prefills"] and step["decodes"] else "prefill" if step["prefills"] else "decode"
 
 
+def beside(step: dict, others: list[tuple[float, float, str]]) -> str:
+    """What the other engines ran over most of a step (others: their steps' (start, end, kind)):
+    "decoding", "prefilling", or "idle" (under half of the step beside any)."""
+    start, end = step["t"], step["t"] + step["s"]
+    overlap = defaultdict(float)
+    for a, b, k in others:
+        overlap["prefilling" if k == "prefill" else "decoding"] += max(0.0, min(end, b) - max(start, a))
+    busiest = max(overlap, key=overlap.get, default="idle")
+    return busiest if overlap.get(busiest, 0.0) > step["s"] / 2 else "idle"
+
+
 def summary(rows: list[tuple[float, float, float]]) -> dict:
     """rows: (measured, priced, line) seconds."""
     return {
@@ -57,7 +70,7 @@ def cell(prof: dict, workload: str, deployment: str, temperature: float, steps: 
     by_pid = defaultdict(list)
     for s in steps:
         by_pid[s["pid"]].append(s)
-    kinds, batches, gaps = defaultdict(list), defaultdict(list), []
+    kinds, batches, neighbours, gaps = defaultdict(list), defaultdict(list), defaultdict(list), []
     # a prefill node's engine never decodes; its served share grows with the streams decoding
     # elsewhere: those of the latest decode step begun on any other engine
     decoding = sorted((s["t"], len(s["decodes"])) for s in steps if s["decodes"])
@@ -65,6 +78,7 @@ def cell(prof: dict, workload: str, deployment: str, temperature: float, steps: 
         prefill_node = sim.prefills and not any(s["decodes"] for s in engine_steps)
         engine = sim.prefills[0] if prefill_node else sim.decodes[0]
         engine_steps.sort(key=lambda s: s["t"])
+        others = [(s["t"], s["t"] + s["s"], kind(s)) for s in steps if s["pid"] != engine_steps[0]["pid"]]
         for s, after in zip(engine_steps, engine_steps[1:] + [None]):
             step = Step([tuple(p) for p in s["prefills"]], s["decodes"], s["shared"])
             before = bisect.bisect(decoding, (s["t"], 1 << 30))
@@ -73,6 +87,8 @@ def cell(prof: dict, workload: str, deployment: str, temperature: float, steps: 
             kinds[kind(s)].append(row)
             if kind(s) == "decode":
                 batches[next(f"{lo}-{min(hi, 99)}" for lo, hi in BATCHES if lo <= len(s["decodes"]) <= hi)].append(row)
+                if len(by_pid) > 1:
+                    neighbours[beside(s, others)].append(row)
                 if after is not None and 0 <= after["t"] - s["t"] - s["s"] < BUSY_GAP_S:
                     gaps.append(after["t"] - s["t"] - s["s"])
     return {
@@ -81,6 +97,7 @@ def cell(prof: dict, workload: str, deployment: str, temperature: float, steps: 
         "temperature": temperature,
         "kinds": {k: summary(v) for k, v in sorted(kinds.items())},
         "decode_batches": {b: summary(v) for b, v in batches.items()},
+        "decode_beside": {n: summary(v) for n, v in sorted(neighbours.items())},
         "busy_gap_ms": statistics.median(gaps) * 1e3 if gaps else None,
     }
 
@@ -102,7 +119,11 @@ def main() -> int:
     for c in out:
         at = f" at temperature {c['temperature']:g}" if c["temperature"] else ""
         print(f"{c['workload']} {c['deployment']}{at}: busy gap {c['busy_gap_ms'] or 0:.1f} ms")
-        for name, k in [*c["kinds"].items(), *((f"  decode {b}", v) for b, v in c["decode_batches"].items())]:
+        for name, k in [
+            *c["kinds"].items(),
+            *((f"  decode {b}", v) for b, v in c["decode_batches"].items()),
+            *((f"  beside {n}", v) for n, v in c["decode_beside"].items()),
+        ]:
             print(
                 f"  {name:14s} {k['steps']:4d} steps, {k['measured_ms']:7.1f} ms; measured / priced "
                 f"{k['over_priced']:.2f} (sums {k['sum_over_priced']:.2f}), / line {k['over_line']:.2f}"
