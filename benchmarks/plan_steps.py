@@ -7,7 +7,8 @@ Engine.step_seconds on the profile the runs were measured on.
 
 Per cell and kind of step (decode: decodes only; prefill: prefill chunks only; mixed: both): the
 steps' count, the median of measured / priced, the sum of measured over the sum priced, and the
-same against the step line alone (without what serving adds, or sampling at the run's temperature);
+same against the step line alone (without what serving adds, sampling at the run's temperature, or
+the profile's contention figure on a decode step beside another engine's decoding);
 for decode steps, per batch size, and (deployments of two or more engines) by what the other
 engines ran over most of the step: decoding (a step with decodes), prefilling (prefill chunks only)
 or idle. Runs at another temperature are cells of their own.
@@ -83,12 +84,14 @@ def cell(prof: dict, workload: str, deployment: str, temperature: float, steps: 
             step = Step([tuple(p) for p in s["prefills"]], s["decodes"], s["shared"])
             before = bisect.bisect(decoding, (s["t"], 1 << 30))
             streams = decoding[before - 1][1] if before else 0
-            row = (s["s"], engine.step_seconds(step, s["ending"], streams), engine.model.seconds(step))
+            state = beside(s, others) if len(by_pid) > 1 else None
+            contended = state == "decoding" and kind(s) == "decode"  # (the simulator asks at its start)
+            row = (s["s"], engine.step_seconds(step, s["ending"], streams, contended), engine.model.seconds(step))
             kinds[kind(s)].append(row)
             if kind(s) == "decode":
                 batches[next(f"{lo}-{min(hi, 99)}" for lo, hi in BATCHES if lo <= len(s["decodes"]) <= hi)].append(row)
-                if len(by_pid) > 1:
-                    neighbours[beside(s, others)].append(row)
+                if state:
+                    neighbours[state].append(row)
                 if after is not None and 0 <= after["t"] - s["t"] - s["s"] < BUSY_GAP_S:
                     gaps.append(after["t"] - s["t"] - s["s"])
     return {

@@ -175,6 +175,29 @@ def test_a_sampled_workload_pays_the_profiles_sampling_per_token_and_a_greedy_on
         simulate(prof, Deployment("c", colocated=1), sampled)
 
 
+def test_a_decode_step_beside_another_engines_decoding_pays_the_profiles_contention():
+    """Two engines on the profiled host, both decoding: each decode step costs the contention
+    figure times its line; one engine alone, a prefill node beside (it never decodes), a
+    deployment over the host's cores or a profile without the figure: the line alone."""
+    prof = hand_profile() | {"machine": {"cores": 2}}
+    two = Workload([Item([list(range(k, k + 100))], 60) for k in (1, 1000)], concurrency=2)
+    alone = Workload(two.items[:1], concurrency=1)
+    x2, pd = Deployment("x2", colocated=2), Deployment("pd", prefill=1, decode=1, local_prefill="off")
+    before = {d.name: simulate(prof, d, two).tpot_s["p50"] for d in (x2, pd)}
+    prof["engines"]["1"]["contention"] = {"decoding": 1.5, "context": 600, "samples": []}
+    after = {d.name: simulate(prof, d, two).tpot_s["p50"] for d in (x2, pd)}
+    line = FIXED + PER_TOKEN  # a decode step of one sequence
+    assert before["x2"] == pytest.approx(line, rel=0.02) and after["x2"] == pytest.approx(1.5 * line, rel=0.02)
+    assert after["pd"] == pytest.approx(before["pd"])
+    assert simulate(prof, x2, alone).tpot_s["p50"] == pytest.approx(line, rel=0.02)
+    prof["machine"]["cores"] = 1  # two one-thread engines: more cores than the profiled host's
+    assert simulate(prof, x2, two).tpot_s["p50"] == pytest.approx(before["x2"])
+    sim = Simulation(prof | {"machine": {"cores": 2}}, x2, None, None)
+    engine = sim.decodes[0]
+    assert engine.step_seconds(Step([], [100]), 0, contended=True) == pytest.approx(1.5 * line)
+    assert engine.step_seconds(Step([(8, 0)], [100]), 0, contended=True) == pytest.approx(line + 8 * PER_TOKEN)
+
+
 @pytest.mark.parametrize(
     "deployment, chunked",
     [
@@ -188,7 +211,9 @@ def test_prompts_beside_decodes_go_a_share_a_step_where_the_engine_would_take_on
     sim = Simulation(hand_profile(), deployment, None, None)
     engine, steps, done = sim.decodes[0], [], []
     price = engine.step_seconds
-    engine.step_seconds = lambda step, *more: steps.append([n for n, _ in step.prefills]) or price(step, *more)
+    engine.step_seconds = lambda step, *more, **named: (
+        steps.append([n for n, _ in step.prefills]) or price(step, *more, **named)
+    )
     engine.running = [Decoding([1] * 10, 50, lambda *_: None)]  # decoding throughout
     engine.add_prefill(Prefill(list(range(100)), [], lambda now, cached: done.append(now)))
     while not done:
@@ -592,6 +617,12 @@ def test_profile_simulate_and_best_end_to_end(tiny_llama, tmp_path):
     assert isinstance(engine["decode_kernel"], bool)  # which attention path the steps were timed through
     # the sampler at temperature 1 over greedy, 1 and 4 rows, twice each
     assert [n for n, _ in engine["sampling"]["samples"]] == [1, 1, 4, 4] and engine["sampling"]["per_row_s"] >= 0
+    # a decode step alone and beside a second engine decoding on the other core, one round (one core: none)
+    contention = engine["contention"]
+    if len(os.sched_getaffinity(0)) >= 2:
+        assert len(contention["samples"]) == 1 and contention["decoding"] > 0 and contention["context"] == 16
+    else:
+        assert contention is None
     # the decode grid in two passes, the second reversed: 3 steps a shape each time (mixed: --repeat)
     one_pass = [(1, False)] * 3 + [(2, False)] * 3 + [(4, False)] * 3 + [(2, True)] * 2
     timed = [(len(s["decodes"]), bool(s["prefills"])) for s in engine["samples"] if s["decodes"]]

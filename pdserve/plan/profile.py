@@ -38,7 +38,9 @@ import os
 import platform
 import random
 import shutil
+import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -94,6 +96,7 @@ QUICK = {
     "stream_prompt": 16,
     "follow_up": (16, 16),
     "sampled_rows": (1, 4),
+    "contention": {"rounds": 1, "context": 16},
 }
 DECODE_STEPS = 6  # timed per decode sample (median)
 # the decode grid is timed in two passes, the second reversed, DECODE_STEPS // 2 steps a shape each
@@ -111,6 +114,11 @@ FOLLOW_UP = (64, 1024)  # a served prefill of this many new tokens after this ma
 # priced as serving (docs/benchmarks.md, "Served decode steps sampled")
 SERVED = {"temperature": 0.0, "ignore_eos": True}
 SAMPLED_ROWS = (1, 8, 32)  # logit rows the engine's sampler draws from at temperature 1, timed beside greedy
+# A decode step beside a second engine decoding on the host's other cores (colocated-x2's two
+# engines) reads its weights while the other reads its own: one sequence of 1,190 tokens took
+# 1.08-1.24x as long (median 1.19x; 600 tokens: 1.17x; fp32, AVX2, served: docs/benchmarks.md,
+# "Decode steps beside a second engine"). Timed alone and beside, rounds alternating.
+CONTENTION = {"rounds": 5, "context": 600}
 
 
 def _ids(rng: random.Random, n: int, vocab: int) -> list[int]:
@@ -229,6 +237,9 @@ def profile_steps(config: EngineConfig, repeat: int, quick: bool) -> dict:
     errors = [abs(fit.seconds(s) - t) / t for s, t in prof.samples]
     sampling = sampling_cost(prof.llm, QUICK["sampled_rows"] if quick else SAMPLED_ROWS, repeat)
     _say(f"{threads} thread(s): sampling at temperature 1: {sampling['per_row_s'] * 1e3:.2f} ms a row over greedy")
+    contention = decode_contention(prof, config, **(QUICK["contention"] if quick else CONTENTION))
+    if contention:
+        _say(f"{threads} thread(s): a decode step beside another engine decoding: {contention['decoding']:.2f}x")
     return {
         "threads": threads,
         "dtype": str(prof.llm.dtype).removeprefix("torch."),
@@ -238,6 +249,7 @@ def profile_steps(config: EngineConfig, repeat: int, quick: bool) -> dict:
         "max_num_batched_tokens": config.max_num_batched_tokens,
         "step": fit.to_dict(),
         "sampling": sampling,
+        "contention": contention,
         "fit_error_median": statistics.median(errors),
         "fit_error_max": max(errors),
         "samples": [
@@ -269,6 +281,53 @@ def sampling_cost(llm: LLMEngine, rows: tuple[int, ...], repeat: int) -> dict:
             samples.append((n, timed(logits, sampled) - timed(logits, greedy)))
     line = _line(samples)
     return {"fixed_s": line["fixed_s"], "per_row_s": line["per_token_s"], "samples": samples}
+
+
+def decode_contention(prof: StepProfiler, config: EngineConfig, rounds: int, context: int) -> dict | None:
+    """A decode step of one sequence beside a second engine of this model decoding on as many of
+    the host's other cores, over the same step alone: each round times it with the other engine
+    stopped (SIGSTOP), then running; the median of the rounds' ratios, the pairs of medians beside.
+    None on a GPU, or where the cores hold no second engine. Its steps stay out of the step line."""
+    from engine.hardware import resolve_device
+
+    cores, threads = sorted(os.sched_getaffinity(0)), config.num_threads
+    if resolve_device(config.device).type != "cpu" or len(cores) < 2 * threads:
+        return None
+    code = "import sys; from pdserve.plan.profile import decode_forever as f; f(*sys.argv[1:])"
+    args = [config.model, config.dtype, str(threads), str(context)]
+    other = subprocess.Popen([sys.executable, "-c", code, *args], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    keep = len(prof.samples)
+    try:
+        os.sched_setaffinity(other.pid, cores[threads : 2 * threads])
+        os.sched_setaffinity(0, cores[:threads])
+        if other.stdout.readline().strip() != b"decoding":
+            raise RuntimeError(f"the second engine did not start (exit {other.wait()})")
+        samples = []
+        for _ in range(rounds):
+            other.send_signal(signal.SIGSTOP)
+            alone = prof.decode(1, context)
+            other.send_signal(signal.SIGCONT)
+            samples.append([alone, prof.decode(1, context)])
+    finally:
+        other.kill()
+        other.wait()
+        os.sched_setaffinity(0, cores)
+        del prof.samples[keep:]
+    return {"decoding": statistics.median(b / a for a, b in samples), "context": context, "samples": samples}
+
+
+def decode_forever(model: str, dtype: str, threads: str, context: str) -> None:
+    """The second engine of decode_contention (its own process): one sequence of `context`
+    tokens decoding, step after step, until killed."""
+    torch.set_num_threads(int(threads))
+    config = EngineConfig(
+        model=model, dtype=dtype, device="cpu", num_threads=int(threads), num_kv_blocks=HANDOFF_BLOCKS
+    )
+    prof = StepProfiler(config, 1)
+    while True:
+        prof._add_prefilled([int(context)], prof.llm.max_model_len - int(context))
+        print("decoding", flush=True)  # (its prompt's prefill done: minutes of decode steps follow)
+        _run_out(prof.llm, abort=False)
 
 
 async def profile_serving(model: str, dtype: str, device: str, threads: list[int], repeat: int, quick: bool) -> dict:

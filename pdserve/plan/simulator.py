@@ -26,6 +26,11 @@ arrival at the engine that prefills it, and an idle engine's start (a sequence h
 decode node is admitted after the hand-off line, which was measured through that node's serving
 thread); `timing_spread` summarizes the runs of several seeds.
 
+Engines on one host share its memory bandwidth: a decode step that begins while another engine
+is in a step that decodes costs the profile's contention figure times its line (measured with one
+other engine; the engines' steps are alike in that, whatever their batch), where the deployment's
+cores fit the profiled machine (beyond it, which engines share a host is not known).
+
 Not modelled: preemption (the KV is assumed to fit), speculative decoding, n > 1 and beams,
 failures, and the step-to-step noise of a shared machine.
 """
@@ -199,6 +204,7 @@ class Engine:
         self.cache: OrderedDict[int, None] = OrderedDict()  # block names, least recently used first
         self.busy_s = 0.0
         self.stepping = self.waking = False
+        self.decoding = False  # its step in flight decodes (another engine's decode step beside it pays contention)
 
     def add_prefill(self, job: Prefill) -> None:
         self.waiting.append(job)
@@ -265,16 +271,23 @@ class Engine:
         prefills = [(n, j.computed) for j, n in chunks]
         shared = self._shared_tokens(decodes) if self.model.per_distinct else 0
         ending = sum(j.computed + n == len(j.tokens) for j, n in chunks)
-        seconds = self.step_seconds(Step(prefills, [len(s.tokens) for s in decodes], shared), ending)
-        self.stepping = True
+        contended = bool(decodes) and not chunks and any(e.decoding for e in self.sim.engines if e is not self)
+        seconds = self.step_seconds(
+            Step(prefills, [len(s.tokens) for s in decodes], shared), ending, contended=contended
+        )
+        self.stepping, self.decoding = True, bool(decodes)
         self.busy_s += seconds
         self.sim.at(self.sim.now + seconds, lambda: self._step_done(decodes, chunks))
 
-    def step_seconds(self, step: Step, ending: int, streams: int | None = None) -> float:
-        """A step's seconds: the step line, what serving adds to a step that streams tokens, and
-        what it adds to prompts (a share of their line, and seconds per prompt that ends here;
-        on a prefill node, more with the streams decoding elsewhere: by default the simulation's)."""
+    def step_seconds(self, step: Step, ending: int, streams: int | None = None, contended: bool = False) -> float:
+        """A step's seconds: the step line (a decode step's times the contention figure when
+        `contended`: it began beside another engine's decoding), what serving adds to a step that
+        streams tokens, and what it adds to prompts (a share of their line, and seconds per prompt
+        that ends here; on a prefill node, more with the streams decoding elsewhere: by default the
+        simulation's)."""
         seconds = self.model.seconds(step)
+        if contended and self.sim.contention and not step.prefills:
+            seconds *= self.sim.contention
         rows = len(step.decodes) + ending  # the tokens the step samples
         if self.sim.sampling and rows:
             seconds += self.sim.sampling["fixed_s"] + self.sim.sampling["per_row_s"] * rows
@@ -318,7 +331,7 @@ class Engine:
             else:  # the engine names a chunk's full blocks as it computes them
                 self.remember(job.names[: job.computed // self.sim.block_size])
         self.endpoint.load.num_waiting, self.endpoint.load.num_running = len(self.waiting), len(self.running)
-        self.stepping = False
+        self.stepping = self.decoding = False
         self._step()  # the engine's loop goes on without waking
 
 
@@ -350,6 +363,9 @@ class Simulation:
         self.router_s, self.serving = profile["router_s"], profile["serving"]
         self.sampling = None  # what sampling adds to a step (sample_at: run() sets it from the workload)
         self.sampling_profiled = eng.get("sampling")  # (profiles before it: none)
+        # a decode step beside another engine's decoding, over alone (profiles before it, GPUs: none)
+        on_host = deployment.spends <= profile.get("machine", {}).get("cores", 0) and not deployment.gpu
+        self.contention = (eng.get("contention") or {}).get("decoding") if on_host else None
         prefill_serving = profile.get("prefill_serving")
         colocated_prefills = None  # what serving adds to a `pdserve colocated`'s prefills (older profiles: none)
         if deployment.single_process:  # (a profile without its decode-step figure: the nodes')
@@ -384,7 +400,8 @@ class Simulation:
         ]
         self.decode_pool.endpoints = [e.endpoint for e in self.decodes]
         self.prefill_pool.endpoints = [e.endpoint for e in self.prefills]
-        self.engine_of = {e.endpoint.address: e for e in self.decodes + self.prefills}
+        self.engines = self.prefills + self.decodes
+        self.engine_of = {e.endpoint.address: e for e in self.engines}
         self.held: list[Callable[[], None]] = []  # requests waiting for a place (Decision.hold)
 
     def sample_at(self, temperature: float) -> None:
@@ -452,7 +469,7 @@ class Simulation:
         assert not self.held, f"{len(self.held)} requests held with no prefill left to end"
         duration = max(r.done for r in records) if records else 0.0
         rep = report(records, duration, *self.slo)
-        engines = self.prefills + self.decodes
+        engines = self.engines
         rep.extra = {
             "deployment": self.deployment.describe(),
             ("gpus" if self.deployment.gpu else "cores"): self.deployment.spends,
