@@ -5,7 +5,9 @@
 For each thread count (a node's share of the cores), an engine of this model times its own steps:
 prefills alone over (new tokens, tokens already cached), decode steps over (batch, context) (the
 sequences sharing their leading blocks, and a few sharing none), and decode steps with a prefill
-chunk mixed in (a local prefill); the step line (step_model.py) is fitted to them. Then a real
+chunk mixed in (a local prefill); the step line (step_model.py) is fitted to them. It times the
+sampler at temperature 1 beside greedy, and (on a CPU with cores for two such engines) a decode step
+beside a second engine decoding on the other cores, over the same step alone. Then a real
 prefill node and decode node (their own processes, one torch thread and one core each, as `pdserve
 up --pin-cpus` runs them) and a router on this host's loopback hand KV over each transport
 (layer-wise where it can): the time from the prefill's end to the decode node's admission is fitted
