@@ -289,11 +289,13 @@ def decode_contention(prof: StepProfiler, config: EngineConfig, rounds: int, con
     """A decode step of one sequence beside a second engine of this model decoding on as many of
     the host's other cores, over the same step alone: each round times it with the other engine
     stopped (SIGSTOP), then running; the median of the rounds' ratios, the pairs of medians beside.
-    None on a GPU, or where the cores hold no second engine. Its steps stay out of the step line."""
+    None on a GPU, where the cores hold no second engine, or where processes cannot be placed on
+    cores (macOS). Its steps stay out of the step line."""
     from engine.hardware import resolve_device
+    from serving.process import usable_cores
 
-    cores, threads = sorted(os.sched_getaffinity(0)), config.num_threads
-    if resolve_device(config.device).type != "cpu" or len(cores) < 2 * threads:
+    cores, threads = usable_cores(), config.num_threads
+    if resolve_device(config.device).type != "cpu" or len(cores) < 2 * threads or not hasattr(os, "sched_setaffinity"):
         return None
     code = "import sys; from pdserve.plan.profile import decode_forever as f; f(*sys.argv[1:])"
     args = [config.model, config.dtype, str(threads), str(context)]
