@@ -7,7 +7,7 @@
    modes interleaved; tokens/s = N x M / the timed generate's wall time (after a warm-up). Reported:
    the medians and the median of the per-run ratios (on / off).
 2. Batch invariance: benchmarks/speculative.py's 16 prompts, greedy with the chosen token's
-   logprob, each alone and then beside the next prompt (prefix caching off, as batch_variance.py),
+   logprob, each alone and then beside the next prompt (prefix caching off),
    with the mode off and on, in each dtype: how many outputs' tokens change, and how many change
    in any logprob bit.
 3. The linears alone (--linear-rows): the default model's linear shapes, oneDNN's prepacked kernel

