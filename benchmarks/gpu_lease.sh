@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One GPU lease's checks and figures (docs/benchmarks.md, "On a GPU"), run there through the
+# One GPU lease's checks and figures (docs/benchmarks.md#gpu), run there through the
 # device tool with the default model's config and tokenizer carried in .gpu/ (its weights are
 # over the tool's size limit; the profiles time random twins, see benchmarks/random_twin.py):
 #   mkdir -p .gpu && cp ~/.cache/pdserve/models/SmolLM2-*/{{config,tokenizer,tokenizer_config,generation_config}.json,chat_template.jinja} .gpu/

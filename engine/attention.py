@@ -61,7 +61,7 @@ class DecodeGroup:
 class PrefillSeqs:
     """On a CPU: each prefill sequence attended alone, no padding (in `_attend_matmul`, or SDPA:
     a whole prompt batched with others under one mask took 1.25x the attention of the prompts
-    alone, causal, in fp32 on AVX2, five of 600 tokens: docs/benchmarks.md)."""
+    alone, causal, in fp32 on AVX2, five of 600 tokens: docs/benchmarks.md at 0f5299a, "2b")."""
 
     slots: list[torch.Tensor]  # per sequence, [start + len] slots of its context
     starts: list[int]
@@ -133,7 +133,7 @@ def build_metadata(
         q_pos = g_start[:, None] + torch.minimum(i[None, :], g_len[:, None] - 1)  # [B, Lq]
         # One whole prompt from position 0 (the common prefill on a GPU): plain causal attention,
         # which SDPA computes without reading a mask and skips the blocks above the diagonal
-        # (docs/benchmarks.md: 1.09-1.11x at 610 tokens, 1.48x at 2,000 on a CPU).
+        # (docs/benchmarks.md at 0f5299a, "2b": 1.09-1.11x at 610 tokens, 1.48x at 2,000 on a CPU).
         mask = None
         if not (sl.stop - sl.start == 1 and _whole(int(g_start[0]), sliding_window)):
             mask = _mask(q_pos, ctx, sliding_window).to(device)

@@ -16,7 +16,7 @@ SCHEDULING = ("continuous", "static")
 LINEAR_KERNELS = ("auto", "ordered", "onednn")
 GIB = 1 << 30
 # A decode node's prompt tokens per step beside its decodes (prefill_tokens_with_decodes): measured on the
-# anchor workload, docs/benchmarks.md "Local prefills a chunk at a time"
+# anchor workload, docs/benchmarks.md at 0f5299a, "Local prefills a chunk at a time"
 DECODE_NODE_PREFILL_TOKENS = 32
 
 

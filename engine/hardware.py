@@ -22,7 +22,7 @@ AVX2 path; it can lower the class, never raise it.
 "ordered" is engine/csrc/ordered_linear.cpp, deterministic mode's kernel, built for the class's
 own flags (not a lesser build it fell back to): for these classes and dtypes it measured
 1.48-1.75x oneDNN's prepacked weights on a lone stream, 1.00-1.06x on a full batch and 0.94-1.00x
-on a prefill (docs/benchmarks.md, "Linears"). fp32 on AVX-512 measured both ahead and behind
+on a prefill (docs/benchmarks.md#engine, "Linears"). fp32 on AVX-512 measured both ahead and behind
 oneDNN's (0.85-0.89x at 64-1,024 rows with two threads), AMX runs tile instructions the kernel
 does not, and Arm is unmeasured: those keep oneDNN.
 """

@@ -5,7 +5,7 @@ hands it back to the kernel on free, so the next step's buffer of that size is t
 page again (~2 GB/s here). A step's activations pass that size soon: one thread, fp32, the default
 model, a prefill step of 6 x 600 tokens made 324,000-364,000 minor page faults (its MLP's 42 MiB
 gate-up output, in each of 30 layers) and took 1.11x the time it takes without them (median of
-three pairs; docs/benchmarks.md, "Prefill steps over 32 MiB of activations").
+three pairs; docs/benchmarks.md at 0f5299a, "Prefill steps over 32 MiB of activations").
 
 keep_freed_buffers() has malloc take every request from its heaps and keep what is freed there for
 the next one: the process's resident memory stays at its peak instead of falling back between

@@ -31,7 +31,7 @@ Late binding: where the choice is local but the decode node already computes a l
 this router's, the new one would only queue behind it there. The decision says `hold`: the
 router keeps the request and decides again when a prefill ends, on either side. If the prefill
 node frees first, the prompt goes there; on the anchor workload a prompt bound to its decode node
-on arrival waited there while the prefill node stood idle (docs/benchmarks.md, section 5). This
+on arrival waited there while the prefill node stood idle (docs/benchmarks.md at 0f5299a, section 5). This
 is the router's share of what Dynamo's earlier global prefill queue did (prefill workers pulled
 prompts when free).
 """
@@ -43,7 +43,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 MODES = ("auto", "off", "always")
-MAX_LOCAL_TOKENS = 1024  # measured on the anchor workload: docs/benchmarks.md, section 5
+MAX_LOCAL_TOKENS = 1024  # measured on the anchor workload: docs/benchmarks.md at 0f5299a, section 5
 SAMPLES = 32
 # A free line needs sizes spanning this factor. On the anchor workload (590-630-token prompts) a
 # local line through sizes that close came out at 1.38 s + 2.08 ms a token against the engine's

@@ -58,7 +58,7 @@ constexpr int64_t NR = V * LANES;   // columns a tile computes side by side
 // The most rows a tile computes: its MR x V sums stay in registers beside the V weight vectors and
 // a row's value (32 vector registers with AVX-512; 16 with AVX: 6 x 2 + 2 + 1, the 6 x 16 tile
 // of BLIS's Haswell kernels; 4 rows left 5-8 rows to two tiles, 10 ms more per decode step of the
-// default model in fp32, docs/benchmarks.md "Linears").
+// default model in fp32, docs/benchmarks.md#engine, "Linears").
 constexpr int64_t MR = LANES == 16 ? 8 : 6;
 constexpr int64_t MC = 64;          // rows whose copy stays in cache while the panels stream past
 

@@ -103,7 +103,7 @@ QUICK = {
 DECODE_STEPS = 6  # timed per decode sample (median)
 # the decode grid is timed in two passes, the second reversed, DECODE_STEPS // 2 steps a shape each
 # time, a shape sharing its blocks beside the same shape sharing none: timed one grid after the other,
-# the machine's drift between them passed for the price of sharing (docs/benchmarks.md, "The decode
+# the machine's drift between them passed for the price of sharing (docs/benchmarks.md at 0f5299a, "The decode
 # grid in two passes")
 DECODE_PASSES = 2
 MIN_BATCH_SHARE = 0.05  # batch sizes of fewer served decode steps than this share stay out of serving's fit
@@ -113,12 +113,12 @@ FOLLOW_UP = (64, 1024)  # a served prefill of this many new tokens after this ma
 # served requests decode greedily, as the grid's steps and `pdserve bench` (its default) do; the
 # protocol's default, temperature 1, samples each row over the vocabulary: at 8 streams of the
 # default model that took 9-10 ms of a 64 ms fp32 step (AVX2, one thread), which the profile
-# priced as serving (docs/benchmarks.md, "Served decode steps sampled")
+# priced as serving (docs/benchmarks.md at 0f5299a, "Served decode steps sampled")
 SERVED = {"temperature": 0.0, "ignore_eos": True}
 SAMPLED_ROWS = (1, 8, 32)  # logit rows the engine's sampler draws from at temperature 1, timed beside greedy
 # A decode step beside a second engine decoding on the host's other cores (colocated-x2's two
 # engines) reads its weights while the other reads its own: one sequence of 1,190 tokens took
-# 1.08-1.24x as long (median 1.19x; 600 tokens: 1.17x; fp32, AVX2, served: docs/benchmarks.md,
+# 1.08-1.24x as long (median 1.19x; 600 tokens: 1.17x; fp32, AVX2, served: docs/benchmarks.md at 0f5299a,
 # "Decode steps beside a second engine"). Timed alone and beside, rounds alternating.
 CONTENTION = {"rounds": 5, "context": 600}
 

@@ -29,12 +29,12 @@ from router.placement import MAX_LOCAL_TOKENS
 
 LOCAL_CAPS = (256, 1024, 4096)  # max_local_prefill_tokens tried with local prefill auto
 # prefill_tokens_with_decodes tried with local prefill auto: a smaller share keeps decode steps
-# short where a prompt token costs more (fp32 on an AVX2 CPU: docs/benchmarks.md, section 5)
+# short where a prompt token costs more (fp32 on an AVX2 CPU: docs/benchmarks.md at 0f5299a, section 5)
 BESIDE = (DECODE_NODE_PREFILL_TOKENS // 2, DECODE_NODE_PREFILL_TOKENS, 2 * DECODE_NODE_PREFILL_TOKENS)
 # max_local_prefill_tpot tried with a TPOT SLO (at the default cap), as shares of it: a local prefill
 # lengthens the steps it shares, so its bound sits under the SLO by about what it adds
 TPOT_BOUNDS = (0.75, 0.9)
-TIE = 0.02  # goodputs this close to the highest tie (docs/benchmarks.md, "A trace")
+TIE = 0.02  # goodputs this close to the highest tie (docs/benchmarks.md at 0f5299a, "A trace")
 
 
 def candidates(
