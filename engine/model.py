@@ -1,10 +1,10 @@
 """The Llama-family forward pass over packed tokens and the paged KV cache.
 
-Per layer: RMSNorm -> fused QKV (+ bias for Qwen2) -> RoPE -> paged GQA attention -> O ->
-residual add + RMSNorm -> SwiGLU MLP -> residual add; then the final norm and the LM head (tied
-to the embedding when the config says so). The residual stream is kept in its own tensor and
-each "add, then normalize" is one fused step, as in vLLM. Numerics follow transformers' Llama
-modules, so fp32 logits agree with it to 1e-5.
+Per layer: RMSNorm -> fused QKV (+ bias for Qwen2; a per-head q/k RMSNorm for Qwen3) -> RoPE ->
+paged GQA attention -> O -> residual add + RMSNorm -> SwiGLU MLP -> residual add; then the final
+norm and the LM head (tied to the embedding when the config says so). The residual stream is
+kept in its own tensor and each "add, then normalize" is one fused step, as in vLLM. Numerics
+follow transformers' modules, so fp32 logits agree with it to 1e-5.
 """
 
 from __future__ import annotations
@@ -59,6 +59,8 @@ class LlamaModel:
             if i > 0:
                 ops.add_rms_norm_(h, residual, layer.input_norm, eps)  # h was the previous MLP's output
             qkv = layer.qkv(h)  # [T, (Hq + 2 Hkv) * D]
+            if layer.q_norm is not None:
+                self._norm_heads_(qkv, layer, num_tokens)
             ops.rope_(qkv, positions, self.cos_sin, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             attn = paged_attention(
@@ -75,6 +77,15 @@ class LlamaModel:
             h = layer.down(ops.silu_mul(layer.gate_up(h)))  # [T, 2 I] -> [T, I] -> [T, H]
         ops.add_rms_norm_(h, residual, self.w.final_norm, eps)
         return h
+
+    def _norm_heads_(self, qkv: torch.Tensor, layer, num_tokens: int) -> None:
+        """Qwen3: each q and k head RMSNormed over head_dim, in place (a row's sum is the head's
+        alone, whatever the batch)."""
+        cfg = self.cfg
+        q = qkv[:, : self.q_size].view(num_tokens, cfg.num_heads, cfg.head_dim)
+        k = qkv[:, self.q_size : self.q_size + self.kv_size].view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+        q.copy_(rms_norm(q, layer.q_norm, cfg.rms_norm_eps))
+        k.copy_(rms_norm(k, layer.k_norm, cfg.rms_norm_eps))
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,8 @@
-"""The facts about a Llama-family checkpoint that the engine needs, read from its config.json."""
+"""The facts about a Llama-family checkpoint that the engine needs, read from its config.json.
+
+The families share the Llama block (RMSNorm, RoPE, GQA, SwiGLU): Qwen2 adds a qkv bias, Qwen3 a
+per-head RMSNorm on q and k (and a head_dim of its own), Phi-3 stores q/k/v and gate/up fused,
+Mistral and Phi-3 may slide a window over every layer."""
 
 from __future__ import annotations
 
@@ -6,8 +10,13 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-# Architectures that share the Llama block (RMSNorm, RoPE, GQA, SwiGLU); Qwen2 adds a qkv bias.
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "Phi3ForCausalLM",
+)
 SUPPORTED_ROPE = ("default", "linear", "llama3", "yarn")
 
 
@@ -25,6 +34,7 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     qkv_bias: bool
+    qk_norm: bool  # Qwen3: RMSNorm over each q and k head before RoPE
     rope: dict = field(hash=False)  # rope_parameters: rope_type, rope_theta and the variant's knobs
     sliding_window: int | None
     eos_token_ids: tuple[int, ...]
@@ -45,7 +55,7 @@ class ModelConfig:
             raise ValueError(f"model: rope_type {rope['rope_type']!r} is not supported; supported: {SUPPORTED_ROPE}")
         if rope.get("partial_rotary_factor", 1.0) != 1.0:
             raise ValueError("model: partial_rotary_factor other than 1.0 is not supported")
-        sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+        sliding = _sliding_window(cfg)
         eos = _as_tuple(cfg.get("eos_token_id"))
         gen_path = Path(model_dir) / "generation_config.json"
         if gen_path.is_file():  # instruct models often list extra end-of-turn ids here
@@ -63,6 +73,7 @@ class ModelConfig:
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             qkv_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
+            qk_norm=arch == "Qwen3ForCausalLM",
             rope=rope,
             sliding_window=sliding,
             eos_token_ids=eos,
@@ -72,6 +83,21 @@ class ModelConfig:
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """2 (K and V) x layers x kv_heads x head_dim x dtype bytes."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
+
+def _sliding_window(cfg: dict) -> int | None:
+    """The window every layer slides, or None. A config's layer_types, where it has them, say which
+    layers slide (transformers reads them before sliding_window); windows on some layers only are
+    refused until the KV cache and kernels take a window per layer."""
+    window = cfg.get("sliding_window") if cfg.get("use_sliding_window") is not False else None  # Phi-3 writes None
+    kinds = set(cfg.get("layer_types") or [])
+    if len(kinds) > 1:
+        raise ValueError(
+            f"model: layer_types mixes {sorted(kinds)}; a sliding window on some layers only is not supported yet"
+        )
+    if kinds == {"full_attention"}:
+        return None
+    return window
 
 
 def _as_tuple(ids) -> tuple[int, ...]:

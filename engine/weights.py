@@ -1,7 +1,7 @@
 """Reads a Hugging Face checkpoint's safetensors into the engine's fused layout.
 
 q/k/v projections are concatenated into one matrix and gate/up into another, so each layer
-runs four matmuls instead of seven.
+runs four matmuls instead of seven (Phi-3 checkpoints store them so already).
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ class LayerWeights:
     qkv: Linear  # [(Hq + 2 Hkv) * D, H] (+ bias for Qwen2)
     o: Linear  # [H, Hq * D]
     post_norm: torch.Tensor  # [H]
+    q_norm: torch.Tensor | None  # [D], Qwen3's per-head norms
+    k_norm: torch.Tensor | None  # [D]
     gate_up: Linear  # [2 I, H]
     down: Linear  # [H, I]
 
@@ -60,6 +62,9 @@ def load_weights(
             raise ValueError(f"model: checkpoint in {model_dir} lacks tensor {name!r}")
         return raw.pop(name).to(device=device, dtype=dtype)
 
+    def fused(name: str, parts: list[str]) -> torch.Tensor:
+        return take(name) if name in raw else torch.cat([take(p) for p in parts])
+
     layers = []
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
@@ -70,10 +75,14 @@ def load_weights(
         layers.append(
             LayerWeights(
                 input_norm=take(p + "input_layernorm.weight"),
-                qkv=linear(torch.cat([take(attn + f"{n}_proj.weight") for n in "qkv"]), qkv_bias),
+                qkv=linear(fused(attn + "qkv_proj.weight", [attn + f"{n}_proj.weight" for n in "qkv"]), qkv_bias),
                 o=linear(take(attn + "o_proj.weight")),
                 post_norm=take(p + "post_attention_layernorm.weight"),
-                gate_up=linear(torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])),
+                q_norm=take(attn + "q_norm.weight") if cfg.qk_norm else None,
+                k_norm=take(attn + "k_norm.weight") if cfg.qk_norm else None,
+                gate_up=linear(
+                    fused(p + "mlp.gate_up_proj.weight", [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"])
+                ),
                 down=linear(take(p + "mlp.down_proj.weight")),
             )
         )

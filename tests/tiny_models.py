@@ -46,14 +46,21 @@ def make_tiny_model(
     tie: bool = False,
     max_position_embeddings: int = 1024,
     sliding_window: int | None = None,
+    **shape,
 ) -> Path:
+    """arch: llama, qwen2, qwen3, mistral or phi3; shape: config fields to override (hidden_size,
+    num_attention_heads, num_key_value_heads, head_dim, ...)."""
     from transformers import (
         LlamaConfig,
         LlamaForCausalLM,
         MistralConfig,
         MistralForCausalLM,
+        Phi3Config,
+        Phi3ForCausalLM,
         Qwen2Config,
         Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
     )
 
     path = Path(path)
@@ -73,6 +80,7 @@ def make_tiny_model(
         initializer_range=0.1,  # peakier than the default so greedy has clear winners
         rope_parameters=rope_parameters or {"rope_type": "default", "rope_theta": 10000.0},
     )
+    common.update(shape)
     torch.manual_seed(seed)
     if arch == "llama":
         model = LlamaForCausalLM(LlamaConfig(**common))
@@ -82,8 +90,12 @@ def make_tiny_model(
             for layer in model.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     proj.bias.normal_(0, 0.5)
+    elif arch == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(**common))
     elif arch == "mistral":
         model = MistralForCausalLM(MistralConfig(**common, sliding_window=sliding_window))
+    elif arch == "phi3":
+        model = Phi3ForCausalLM(Phi3Config(**common, sliding_window=sliding_window, pad_token_id=eos_id))
     else:
         raise ValueError(arch)
     with torch.no_grad():  # non-trivial norm weights, so a missing norm would show

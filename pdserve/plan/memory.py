@@ -4,11 +4,12 @@
         --memory-gb 80 --seq-len 4096 --json
 
 Weights: every parameter of the Llama-family block (embeddings, q/k/v/o, the SwiGLU MLP, the
-norms, a qkv bias where the config has one, the LM head unless tied) at the dtype's size. KV per
-token: 2 (K and V) x layers x kv_heads x head_dim x dtype bytes (engine/model_config.py, the
-engine's own formula). With --memory-gb: the tokens of KV that fit beside the weights, and with
---seq-len the sequences of that length. Activations, the CUDA context and allocator slack are not
-counted: take them off --memory-gb (or leave a --reserve-gb).
+norms, a qkv bias and Qwen3's per-head q/k norms where the config has them, the LM head unless
+tied) at the dtype's size. KV per token: 2 (K and V) x layers x kv_heads x head_dim x dtype
+bytes (engine/model_config.py, the engine's own formula). With --memory-gb: the tokens of KV
+that fit beside the weights, and with --seq-len the sequences of that length. Activations, the
+CUDA context and allocator slack are not counted: take them off --memory-gb (or leave a
+--reserve-gb).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ def num_params(cfg: ModelConfig) -> int:
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     attention = cfg.hidden_size * (q + 2 * kv) + q * cfg.hidden_size + ((q + 2 * kv) if cfg.qkv_bias else 0)
     mlp = 3 * cfg.hidden_size * cfg.intermediate_size
-    layer = attention + mlp + 2 * cfg.hidden_size  # two RMSNorms
+    layer = attention + mlp + 2 * cfg.hidden_size + (2 * cfg.head_dim if cfg.qk_norm else 0)  # the RMSNorms
     embeddings = cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2)
     return cfg.num_layers * layer + embeddings + cfg.hidden_size  # the final norm
 

@@ -1,0 +1,202 @@
+"""The model families beyond Llama (Qwen3, Phi-3) from checkpoints saved as a user's would be,
+built from transformers' own config classes in several shapes: fp32 logits and greedy tokens equal
+to transformers', the same tokens through the P/D split, every engine feature together
+(tests/combinations.py's mixes), deterministic mode's tokens invariant to the batch, and a negative
+control that breaks what the family adds and must fail."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from cluster import local_cluster, wait_for_no_blocks
+from combinations import Reference, Report, cluster_mix, engine_mix
+from conftest import engine_alone, make_engine
+from test_model_equality import ATOL, PROMPTS, check_prefill_then_decode, hf_last_logits
+from tiny_models import make_tiny_model
+from transformers import AutoModelForCausalLM
+
+from engine import cpu_kernels
+from engine.model_config import ModelConfig
+from engine.sampling_params import SamplingParams
+from engine.scheduler import ScheduledBatch
+from engine.sequence import Sequence
+from pdserve.plan.memory import memory
+from router.client import AsyncClient
+
+# name -> (arch, seed, shape): GQA groups 1-4 and MQA, head sizes unequal to hidden / heads, tied
+# and untied heads, a window shorter than the prompts
+SHAPES = {
+    "qwen3-gqa2-head32": ("qwen3", 11, dict(head_dim=32)),
+    "qwen3-mqa-head24-tied": ("qwen3", 12, dict(num_key_value_heads=1, head_dim=24, tie=True)),
+    "qwen3-gqa3-head16": ("qwen3", 13, dict(hidden_size=96, num_attention_heads=6, num_key_value_heads=2)),
+    "phi3-window5": ("phi3", 14, dict(sliding_window=5)),
+    "phi3-mha": ("phi3", 15, dict(num_key_value_heads=4)),
+}
+ROOT = Path(__file__).resolve().parent.parent
+GREEDY = dict(max_tokens=12, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict:
+    return {
+        name: make_tiny_model(tmp_path_factory.mktemp(name), arch, seed=seed, **shape)
+        for name, (arch, seed, shape) in SHAPES.items()
+    }
+
+
+@pytest.mark.parametrize("cpu_kernels", [True, False], ids=["cpu-kernels", "plain-torch"])
+@pytest.mark.parametrize("name", sorted(SHAPES))
+def test_logits_match_transformers_over_prefill_and_mixed_decode_steps(models, name, cpu_kernels):
+    check_prefill_then_decode(models[name], cpu_kernels=cpu_kernels)
+
+
+@pytest.mark.parametrize("name", sorted(SHAPES))
+def test_greedy_tokens_equal_transformers_generate(models, name):
+    hf = AutoModelForCausalLM.from_pretrained(models[name], dtype=torch.float32).eval()
+    ours = engine_alone(models[name], PROMPTS, **GREEDY)  # all prompts batched in one engine
+    for prompt, tokens in zip(PROMPTS, ours):
+        out = hf.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=12,
+            do_sample=False,
+            eos_token_id=hf.config.vocab_size,
+            pad_token_id=0,
+        )
+        assert out[0, len(prompt) :].tolist() == tokens, name
+
+
+def _prefill_logits_match(hf_dir, engine_dir=None, tamper=None) -> bool:
+    """The last prompt position's fp32 logits, the engine's (on engine_dir, tampered with) against
+    transformers' (on hf_dir)."""
+    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    engine = make_engine(engine_dir or hf_dir)
+    if tamper:
+        tamper(engine.runner.model)
+    seq = Sequence("r", list(PROMPTS[2]), SamplingParams(temperature=0))
+    engine.block_manager.allocate(seq, seq.num_tokens)
+    _, _, logits = engine.runner.forward(ScheduledBatch([seq], [seq.num_tokens]))
+    return torch.allclose(logits[0], hf_last_logits(hf, PROMPTS[2]), atol=ATOL, rtol=0)
+
+
+def test_the_negative_control_fails_without_qwen3s_head_norms(models):
+    """The same check as above, with the per-head q/k norm skipped: it must not pass."""
+    model = models["qwen3-gqa2-head32"]
+    assert _prefill_logits_match(model)
+
+    def no_head_norms(m):
+        for layer in m.w.layers:
+            layer.q_norm = layer.k_norm = None
+
+    assert not _prefill_logits_match(model, tamper=no_head_norms)
+
+
+def test_the_negative_control_fails_without_phi3s_window(models, tmp_path):
+    """Phi-3's window (5 tokens; the prompt has 13) dropped from its config.json: the logits part."""
+    model = models["phi3-window5"]
+    assert _prefill_logits_match(model)
+    for f in model.iterdir():
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["sliding_window"] = None
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert not _prefill_logits_match(model, engine_dir=tmp_path)
+
+
+@pytest.mark.parametrize(
+    "transport, local_prefill", [("shm", "off"), ("tcp", "off"), ("shm", "always"), ("tcp", "always")]
+)
+@pytest.mark.parametrize("name", ["qwen3-mqa-head24-tied", "phi3-window5"])
+def test_the_pd_split_gives_the_engines_tokens(models, name, transport, local_prefill):
+    """Remote prefill (the KV over shm or tcp, layer by layer) and local prefill on the decode node."""
+    model = models[name]
+    reference = engine_alone(model, PROMPTS, **GREEDY)
+
+    async def scenario():
+        async with local_cluster(model, kv_transport=transport, local_prefill=local_prefill) as (
+            router,
+            prefills,
+            decodes,
+        ):
+            async with AsyncClient(router.address) as client:
+                for prompt, ref in zip(PROMPTS, reference):
+                    result = await client.generate(prompt, **GREEDY)
+                    assert result.token_ids == ref
+            await wait_for_no_blocks(prefills + decodes)
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("name", ["qwen3-gqa2-head32", "phi3-window5"])
+def test_random_mixes_of_every_feature_equal_each_request_alone(models, name):
+    """Batches, chunked prefills, the prefix cache, preemption, speculation, n > 1, beams, stops,
+    cancels (fp32), in one engine and through a cluster with a decode node killed."""
+    report, reference = Report(), Reference()
+    for seed in range(6):
+        engine_mix(models[name], seed, 16, report, reference)
+    asyncio.run(cluster_mix(models[name], 101, 24, report, reference))
+    print(report)
+    assert not report.wrong, report.wrong[:3]
+    assert not report.leaked, report.leaked
+    assert report.cache_hit_tokens and report.spec_accepted and report.preemptions
+
+
+@pytest.mark.skipif(not cpu_kernels.load(), reason="deterministic mode needs the C++ CPU kernels")
+@pytest.mark.parametrize("name", ["qwen3-gqa2-head32", "phi3-window5"])
+def test_deterministic_mode_is_invariant_to_the_batch_in_bf16(models, name):
+    report, reference = Report(), Reference.deterministic("bfloat16")
+    for seed in range(6):
+        engine_mix(models[name], seed, 16, report, reference)
+    print(report)
+    assert not report.wrong, report.wrong[:3]
+
+
+@pytest.mark.parametrize("name", sorted(SHAPES))
+def test_plan_memory_counts_the_checkpoints_parameters_and_the_engines_kv(models, name):
+    cfg = ModelConfig.from_dir(models[name])
+    p = memory(cfg, "float32")
+    assert p["num_params"] == AutoModelForCausalLM.from_pretrained(models[name]).num_parameters()
+    engine = make_engine(models[name])
+    assert p["kv_bytes_per_token"] == engine.kv_cache.bytes_per_block // engine.config.block_size
+
+
+def test_a_window_on_some_layers_only_is_refused_by_name(tmp_path):
+    model = make_tiny_model(tmp_path, "qwen3", seed=16, use_sliding_window=True, sliding_window=4, max_window_layers=1)
+    assert json.loads((model / "config.json").read_text())["layer_types"] == ["full_attention", "sliding_attention"]
+    with pytest.raises(ValueError, match=r"layer_types mixes \['full_attention', 'sliding_attention'\]"):
+        ModelConfig.from_dir(model)
+
+
+def test_an_unknown_architecture_is_refused_naming_the_supported_ones(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPTNeoXForCausalLM"]}))
+    with pytest.raises(ValueError, match=r"'GPTNeoXForCausalLM' is not supported; supported: .*Qwen3ForCausalLM"):
+        ModelConfig.from_dir(tmp_path)
+
+
+@pytest.mark.parametrize("name, public", [("qwen3-8b", 8.2e9), ("qwen3-0.6b", 0.6e9), ("phi-3-mini-4k", 3.8e9)])
+def test_the_shipped_configs_count_what_transformers_builds_from_them(name, public):
+    """deploy/model_configs/: `plan memory`'s count equals transformers' model built from the same
+    config.json (on the meta device: no weights), and the model card's rounded size."""
+    from transformers import AutoConfig
+
+    path = ROOT / "deploy" / "model_configs" / name
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+    count = memory(ModelConfig.from_dir(path), "bfloat16")["num_params"]
+    assert count == hf.num_parameters()
+    assert round(count / 1e8) / 10 == public / 1e9
+
+
+def test_a_sharded_checkpoint_loads_as_the_whole_one(models, tmp_path):
+    """model-0000i-of-0000n.safetensors with its index, as large checkpoints ship."""
+    model = models["qwen3-gqa2-head32"]
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    hf.save_pretrained(tmp_path, max_shard_size="100KB")
+    for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        (tmp_path / f).write_bytes((model / f).read_bytes())
+    assert len(list(tmp_path.glob("model-*-of-*.safetensors"))) > 1
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    assert _prefill_logits_match(model, engine_dir=tmp_path)
