@@ -79,6 +79,7 @@ class AttentionMetadata:
     prefill: AttendGroup | PrefillSeqs | None
     block_size: int
     sliding_window: int | None
+    local: AttentionMetadata | None = None  # the same step's for the layers that slide a window of their own
 
 
 def build_metadata(
@@ -92,6 +93,7 @@ def build_metadata(
     decode_kernel: bool = False,
     prefill_matmul: bool = False,
     prefill_alone: bool = False,
+    local_window: int | None = None,
 ) -> AttentionMetadata:
     """starts[i]: KV positions sequence i already has; lens[i]: positions computed this step.
     The first `num_decode` sequences have lens == 1. With decode_kernel, their attention runs in
@@ -99,7 +101,14 @@ def build_metadata(
     `_attend_matmul`; with prefill_alone (a CPU's), one SDPA call a sequence where they are at
     most ALONE_MAX_SEQS. Entries may share one block
     table (the queries of one sequence: the same list object), which is then copied to a tensor
-    once."""
+    once. With local_window (a model whose layers slide a window only in part), `local` holds the
+    metadata for the layers that slide it."""
+    if local_window is not None:
+        args = (starts, lens, block_tables, num_decode, block_size)
+        kernels = (device, decode_kernel, prefill_matmul, prefill_alone)
+        meta = build_metadata(*args, sliding_window, *kernels)
+        meta.local = build_metadata(*args, local_window, *kernels)
+        return meta
     num_seqs = len(starts)
     width = max(len(bt) for bt in block_tables)
     row_of: dict[int, int] = {}  # id(table) -> its row in unique
@@ -180,27 +189,27 @@ def paged_attention(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
+    scale: float | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """q: [T, Hq, D]; k, v: [T, Hkv, D]; k_cache, v_cache: [num_slots, Hkv, D]. Returns [T, Hq, D]."""
+    """q: [T, Hq, D]; k, v: [T, Hkv, D]; k_cache, v_cache: [num_slots, Hkv, D]. Returns [T, Hq, D].
+    scale: the scores' (default head_dim ** -0.5); softcap: scores capped to cap * tanh(s / cap)
+    before the mask (Gemma 2)."""
+    kernel_scale = q.shape[-1] ** -0.5 if scale is None else scale  # (SDPA's default, passed as None)
     k_cache.index_copy_(0, meta.slot_mapping, k)
     v_cache.index_copy_(0, meta.slot_mapping, v)
     nd = meta.num_decode_tokens
     out = q.new_empty(q.shape)  # q may be a strided view into the fused qkv output
     if isinstance(meta.decode, DecodeGroup):
-        kernel = cuda_kernels.paged_decode_attention if q.is_cuda else torch.ops.pdserve.paged_decode_attention
-        kernel(
-            out[:nd],
-            q[:nd],
-            k_cache,
-            v_cache,
-            meta.decode.block_table,
-            meta.decode.context_lens,
-            meta.block_size,
-            q.shape[-1] ** -0.5,
-            meta.sliding_window or 0,
-        )
+        args = (out[:nd], q[:nd], k_cache, v_cache, meta.decode.block_table, meta.decode.context_lens)
+        if q.is_cuda:  # (the engine runs it only without a softcap)
+            cuda_kernels.paged_decode_attention(*args, meta.block_size, kernel_scale, meta.sliding_window or 0)
+        else:
+            torch.ops.pdserve.paged_decode_attention(
+                *args, meta.block_size, kernel_scale, meta.sliding_window or 0, softcap or 0.0
+            )
     elif meta.decode is not None:
-        out[:nd] = _attend(q[:nd].unsqueeze(1), k_cache, v_cache, meta.decode).squeeze(1)
+        out[:nd] = _attend(q[:nd].unsqueeze(1), k_cache, v_cache, meta.decode, scale, softcap).squeeze(1)
     if meta.prefill is None:
         return out
     g = meta.prefill
@@ -208,17 +217,18 @@ def paged_attention(
         first = nd
         for slots, start, n, mask in zip(g.slots, g.starts, g.lens, g.masks):
             if g.matmul:
-                _attend_matmul(
-                    out[first : first + n], q[first : first + n], k_cache, v_cache, slots, start, meta.sliding_window
-                )
+                window = meta.sliding_window
+                o, qs = out[first : first + n], q[first : first + n]
+                _attend_matmul(o, qs, k_cache, v_cache, slots, start, window, kernel_scale, softcap)
             else:  # (q contiguous as a lone prompt's: the same call, the same bits)
                 alone = AttendGroup(slots[None], mask, None, n)
-                out[first : first + n] = _attend(q[first : first + n].contiguous()[None], k_cache, v_cache, alone)[0]
+                q_seq = q[first : first + n].contiguous()[None]
+                out[first : first + n] = _attend(q_seq, k_cache, v_cache, alone, scale, softcap)[0]
             first += n
         return out
     batch = g.slots.shape[0]
     q_pad = q.new_zeros(batch * g.q_len, *q.shape[1:]).index_copy_(0, g.q_index, q[nd:])
-    o = _attend(q_pad.view(batch, g.q_len, *q.shape[1:]), k_cache, v_cache, g)
+    o = _attend(q_pad.view(batch, g.q_len, *q.shape[1:]), k_cache, v_cache, g, scale, softcap)
     out[nd:] = o.reshape(batch * g.q_len, *q.shape[1:]).index_select(0, g.q_index)
     return out
 
@@ -237,16 +247,48 @@ def _mask(q_pos: torch.Tensor, ctx: int, sliding_window: int | None) -> torch.Te
     return mask[:, None]
 
 
-def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: AttendGroup) -> torch.Tensor:
-    """q: [B, Lq, Hq, D] -> [B, Lq, Hq, D], attending over the group's context slots."""
+def _attend(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    g: AttendGroup,
+    scale: float | None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """q: [B, Lq, Hq, D] -> [B, Lq, Hq, D], attending over the group's context slots; scale None:
+    head_dim ** -0.5."""
     batch, ctx = g.slots.shape
     flat = g.slots.view(-1)
     k = k_cache.index_select(0, flat).view(batch, ctx, *k_cache.shape[1:]).transpose(1, 2)  # [B, Hkv, Lk, D]
     v = v_cache.index_select(0, flat).view(batch, ctx, *v_cache.shape[1:]).transpose(1, 2)
+    if softcap:
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        return _attend_capped(q.transpose(1, 2), k, v, g.mask, scale, softcap).transpose(1, 2)
     o = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k, v, attn_mask=g.mask, is_causal=g.mask is None, enable_gqa=q.shape[2] != k.shape[1]
+        q.transpose(1, 2),
+        k,
+        v,
+        attn_mask=g.mask,
+        is_causal=g.mask is None,
+        scale=scale,
+        enable_gqa=q.shape[2] != k.shape[1],
     )
     return o.transpose(1, 2)
+
+
+def _attend_capped(q, k, v, mask: torch.Tensor | None, scale: float, softcap: float) -> torch.Tensor:
+    """Attention written out, for soft-capped scores (which SDPA cannot take), as transformers'
+    eager Gemma 2 computes it: q [B, Hq, Lq, D]; k, v [B, Hkv, Lk, D]; mask [B, 1, Lq, Lk] or None
+    (causal, queries the last Lq positions)."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale
+    s = torch.tanh(s / softcap) * softcap
+    if mask is None:
+        lq, lk = s.shape[-2:]
+        mask = torch.ones(lq, lk, dtype=torch.bool, device=s.device).tril(lk - lq)
+    s = s.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype), v)
 
 
 def _attend_matmul(
@@ -257,6 +299,8 @@ def _attend_matmul(
     slots: torch.Tensor,
     start: int,
     sliding_window: int | None,
+    scale: float,
+    softcap: float | None = None,
     chunk: int = 64,
 ) -> None:
     """One sequence's prefill queries q [L, Hq, D] (positions start..start+L-1) over its context
@@ -274,7 +318,6 @@ def _attend_matmul(
     v = v_cache.index_select(0, slots).transpose(0, 1).to(torch.float32, memory_format=torch.contiguous_format)
     q = q.view(seq_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)  # [Hkv, G, L, D]
     out = out.view(seq_len, num_kv_heads, group, head_dim)
-    scale = head_dim**-0.5
     c0 = 0
     while c0 < seq_len:
         # Chunks aligned to absolute positions: a query sees the same keys in the same sums
@@ -284,6 +327,8 @@ def _attend_matmul(
         k_begin = max(0, start + c0 - sliding_window + 1) if sliding_window else 0
         qc = q[:, :, c0 : c0 + n].reshape(num_kv_heads, group * n, head_dim).float() * scale
         s = torch.bmm(qc, k[:, k_begin:k_end].transpose(1, 2)).view(num_kv_heads, group, n, k_end - k_begin)
+        if softcap:
+            s.div_(softcap).tanh_().mul_(softcap)
         # Without a window, only the chunk's own n positions (the last n keys) hide any key.
         masked = s if sliding_window else s[..., -n:]
         q_pos = torch.arange(start + c0, k_end)[:, None]

@@ -64,9 +64,11 @@ def why_not(
     return None
 
 
-def reference_attention(q, k_cache, v_cache, block_tables, context_lens, block_size: int, window: int) -> torch.Tensor:
-    """What the kernel computes, written out in torch in fp32 (its check, and the tests'): q: [B,
-    Hq, D]; caches [slots, Hkv, D] -> [B, Hq, D]."""
+def reference_attention(
+    q, k_cache, v_cache, block_tables, context_lens, block_size: int, window: int, softcap: float = 0.0
+) -> torch.Tensor:
+    """What the kernels compute, written out in torch in fp32 (their check, and the tests'): q: [B,
+    Hq, D]; caches [slots, Hkv, D] -> [B, Hq, D]; softcap (the C++ kernel's only): cap * tanh(s / cap)."""
     out = []
     for b in range(q.shape[0]):
         ctx = int(context_lens[b])
@@ -79,6 +81,8 @@ def reference_attention(q, k_cache, v_cache, block_tables, context_lens, block_s
         group = q.shape[1] // k.shape[0]
         k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
         scores = (q[b].float()[:, None, :] @ k.transpose(1, 2)) * q.shape[-1] ** -0.5  # [Hq, 1, Lk]
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
         out.append((scores.softmax(-1) @ v)[:, 0])
     return torch.stack(out)
 

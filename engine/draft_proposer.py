@@ -124,6 +124,7 @@ class DraftModelProposer:
             self.decode_kernel,
             self.prefill_matmul,
             self.prefill_alone,
+            self.cfg.local_window,
         )
         hidden = self.model.forward(
             torch.tensor(ids, dtype=torch.long).to(self.device), meta.positions, meta, self.kv_cache

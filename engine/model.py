@@ -2,9 +2,11 @@
 
 Per layer: RMSNorm -> fused QKV (+ bias for Qwen2; a per-head q/k RMSNorm for Qwen3) -> RoPE ->
 paged GQA attention -> O -> residual add + RMSNorm -> SwiGLU MLP -> residual add; then the final
-norm and the LM head (tied to the embedding when the config says so). The residual stream is
-kept in its own tensor and each "add, then normalize" is one fused step, as in vLLM. Numerics
-follow transformers' modules, so fp32 logits agree with it to 1e-5.
+norm and the LM head (tied to the embedding when the config says so). Gemma adds a norm on each
+sublayer's output before its residual add, a GeGLU MLP, a scaled embedding, its own attention
+scale, layers that slide a window beside full ones, and soft caps (engine/model_config.py). The
+residual stream is kept in its own tensor and each "add, then normalize" is one fused step, as in
+vLLM. Numerics follow transformers' modules, so fp32 logits agree with it to 1e-5.
 """
 
 from __future__ import annotations
@@ -26,9 +28,13 @@ class LlamaModel:
         self.cfg = cfg
         self.w = weights
         self.ops = ops
-        self.cos_sin = cos_sin_table(
-            cfg.rope, cfg.head_dim, max_positions, weights.embed.dtype, weights.embed.device
-        )  # [P, 2, D]
+        dtype, device = weights.embed.dtype, weights.embed.device
+        self.cos_sin = cos_sin_table(cfg.rope, cfg.head_dim, max_positions, dtype, device)  # [P, 2, D]
+        # Layers that slide a window when others do not (meta.local), with their own RoPE in Gemma 3.
+        self.local_layers = frozenset(cfg.local_layers)
+        self.local_cos_sin = self.cos_sin
+        if cfg.local_rope is not None:
+            self.local_cos_sin = cos_sin_table(cfg.local_rope, cfg.head_dim, max_positions, dtype, device)
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
 
@@ -50,6 +56,8 @@ class LlamaModel:
         cfg, ops, eps = self.cfg, self.ops, self.cfg.rms_norm_eps
         num_tokens = input_ids.shape[0]
         residual = torch.nn.functional.embedding(input_ids, self.w.embed)  # [T, H], the residual stream
+        if cfg.embed_scale != 1.0:  # (rounded to the model's dtype first, as transformers does)
+            residual *= torch.tensor(cfg.embed_scale, dtype=residual.dtype)
         if ops.fused:  # every norm through one kernel (a row's sum never split by the batch's shape)
             h = torch.zeros_like(residual)
             ops.add_rms_norm_(h, residual, self.w.layers[0].input_norm, eps)
@@ -61,25 +69,33 @@ class LlamaModel:
             qkv = layer.qkv(h)  # [T, (Hq + 2 Hkv) * D]
             if layer.q_norm is not None:
                 self._norm_heads_(qkv, layer, num_tokens)
-            ops.rope_(qkv, positions, self.cos_sin, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+            local = i in self.local_layers
+            cos_sin = self.local_cos_sin if local else self.cos_sin
+            ops.rope_(qkv, positions, cos_sin, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             attn = paged_attention(
                 q.view(num_tokens, cfg.num_heads, cfg.head_dim),
                 k.view(num_tokens, cfg.num_kv_heads, cfg.head_dim),
                 v.view(num_tokens, cfg.num_kv_heads, cfg.head_dim),
                 *kv_cache.layer(i),
-                meta,
+                meta.local if local else meta,
+                cfg.attn_scale,
+                cfg.attn_softcap,
             )  # [T, Hq, D]
             if layer_done is not None:
                 layer_done(i)
             h = layer.o(attn.view(num_tokens, self.q_size))
+            if layer.attn_out_norm is not None:
+                ops.rms_norm_(h, layer.attn_out_norm, eps)
             ops.add_rms_norm_(h, residual, layer.post_norm, eps)
-            h = layer.down(ops.silu_mul(layer.gate_up(h)))  # [T, 2 I] -> [T, I] -> [T, H]
+            h = layer.down(ops.act_mul(layer.gate_up(h), cfg.hidden_act))  # [T, 2 I] -> [T, I] -> [T, H]
+            if layer.mlp_out_norm is not None:
+                ops.rms_norm_(h, layer.mlp_out_norm, eps)
         ops.add_rms_norm_(h, residual, self.w.final_norm, eps)
         return h
 
     def _norm_heads_(self, qkv: torch.Tensor, layer, num_tokens: int) -> None:
-        """Qwen3: each q and k head RMSNormed over head_dim, in place (a row's sum is the head's
+        """Qwen3, Gemma 3: each q and k head RMSNormed over head_dim, in place (a row's sum is the head's
         alone, whatever the batch)."""
         cfg = self.cfg
         q = qkv[:, : self.q_size].view(num_tokens, cfg.num_heads, cfg.head_dim)
@@ -89,5 +105,7 @@ class LlamaModel:
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [N, H] -> logits [N, V] in fp32."""
-        return self.w.lm_head(hidden).float()
+        """hidden: [N, H] -> logits [N, V] in fp32 (soft-capped in fp32 where the model caps them)."""
+        logits = self.w.lm_head(hidden).float()
+        cap = self.cfg.final_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap

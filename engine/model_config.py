@@ -2,7 +2,11 @@
 
 The families share the Llama block (RMSNorm, RoPE, GQA, SwiGLU): Qwen2 adds a qkv bias, Qwen3 a
 per-head RMSNorm on q and k (and a head_dim of its own), Phi-3 stores q/k/v and gate/up fused,
-Mistral and Phi-3 may slide a window over every layer."""
+Mistral and Phi-3 may slide a window over every layer. Gemma 2 and 3 change more of the block:
+RMSNorm scales by (1 + w), the embedding by sqrt(hidden), each sublayer's output is normalized
+again before the residual add ("sandwich" norms), the MLP is GeGLU, the attention scale is
+query_pre_attn_scalar's, sliding and full layers alternate (Gemma 3's sliding ones with their own
+RoPE base), and Gemma 2 soft-caps the attention scores and the logits (cap * tanh(x / cap))."""
 
 from __future__ import annotations
 
@@ -16,7 +20,11 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     "Phi3ForCausalLM",
+    "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM",
 )
+GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 SUPPORTED_ROPE = ("default", "linear", "llama3", "yarn")
 
 
@@ -34,11 +42,22 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     qkv_bias: bool
-    qk_norm: bool  # Qwen3: RMSNorm over each q and k head before RoPE
+    qk_norm: bool  # Qwen3, Gemma 3: RMSNorm over each q and k head before RoPE
     rope: dict = field(hash=False)  # rope_parameters: rope_type, rope_theta and the variant's knobs
-    sliding_window: int | None
+    sliding_window: int | None  # the window every layer slides
     eos_token_ids: tuple[int, ...]
     checkpoint_dtype: str
+    # Where only some layers slide a window (Gemma 2 and 3, Qwen's max_window_layers): its width, the
+    # layers, and the RoPE those layers use when it is not `rope` (Gemma 3's local base).
+    local_window: int | None = None
+    local_layers: tuple[int, ...] = ()
+    local_rope: dict | None = field(default=None, hash=False)
+    hidden_act: str = "silu"  # the gated MLP's activation: SwiGLU's silu, GeGLU's tanh-approximated gelu
+    gemma_norms: bool = False  # RMSNorm scales by (1 + w); sandwich norms around attention and the MLP
+    embed_scale: float = 1.0  # the embedding's output times this (Gemma: sqrt(hidden_size))
+    attn_scale: float | None = None  # the scores' scale; None: head_dim ** -0.5
+    attn_softcap: float | None = None  # Gemma 2: scores capped to cap * tanh(s / cap) before the mask
+    final_softcap: float | None = None  # Gemma 2: the logits capped so
 
     @classmethod
     def from_dir(cls, model_dir: Path) -> ModelConfig:
@@ -48,14 +67,19 @@ class ModelConfig:
             raise ValueError(f"model: architecture {arch!r} is not supported; supported: {SUPPORTED_ARCHITECTURES}")
         heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
-        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-        rope.setdefault("rope_type", rope.pop("type", "default"))
-        rope.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
-        if rope["rope_type"] not in SUPPORTED_ROPE:
-            raise ValueError(f"model: rope_type {rope['rope_type']!r} is not supported; supported: {SUPPORTED_ROPE}")
-        if rope.get("partial_rotary_factor", 1.0) != 1.0:
-            raise ValueError("model: partial_rotary_factor other than 1.0 is not supported")
-        sliding = _sliding_window(cfg)
+        if arch == "Gemma3ForCausalLM":
+            rope, local_rope = _gemma3_ropes(cfg)
+        else:
+            rope, local_rope = _rope(cfg.get("rope_parameters") or cfg.get("rope_scaling"), cfg, 10000.0), None
+        windows = _layer_windows(cfg)
+        sliding = windows[0] if len(set(windows)) == 1 else None
+        local = () if sliding or not any(windows) else tuple(i for i, w in enumerate(windows) if w)
+        gemma = arch in GEMMA
+        if gemma and cfg.get("use_bidirectional_attention"):
+            raise ValueError("model: use_bidirectional_attention (an encoder's) is not supported")
+        act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
+        if act not in SUPPORTED_ACTIVATIONS:
+            raise ValueError(f"model: activation {act!r} is not supported; supported: {SUPPORTED_ACTIVATIONS}")
         eos = _as_tuple(cfg.get("eos_token_id"))
         gen_path = Path(model_dir) / "generation_config.json"
         if gen_path.is_file():  # instruct models often list extra end-of-turn ids here
@@ -71,13 +95,22 @@ class ModelConfig:
             vocab_size=cfg["vocab_size"],
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
-            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", gemma),  # Gemma's class default: tied
             qkv_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
             rope=rope,
             sliding_window=sliding,
             eos_token_ids=eos,
             checkpoint_dtype=str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32"),
+            local_window=windows[local[0]] if local else None,
+            local_layers=local,
+            local_rope=local_rope,
+            hidden_act=act,
+            gemma_norms=gemma,
+            embed_scale=cfg["hidden_size"] ** 0.5 if gemma else 1.0,
+            attn_scale=cfg.get("query_pre_attn_scalar", 256) ** -0.5 if gemma else None,
+            attn_softcap=cfg.get("attn_logit_softcapping") if gemma else None,
+            final_softcap=cfg.get("final_logit_softcapping") if gemma else None,
         )
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
@@ -85,19 +118,44 @@ class ModelConfig:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
 
 
-def _sliding_window(cfg: dict) -> int | None:
-    """The window every layer slides, or None. A config's layer_types, where it has them, say which
-    layers slide (transformers reads them before sliding_window); windows on some layers only are
-    refused until the KV cache and kernels take a window per layer."""
+def _layer_windows(cfg: dict) -> list[int | None]:
+    """Each layer's sliding window, or None where it attends in full. A config's layer_types, where
+    it has them, say which layers slide (transformers reads them before sliding_window); Gemma
+    configs from before layer_types alternate by a pattern (Gemma 2: every other layer from the
+    first; Gemma 3: five of every six)."""
     window = cfg.get("sliding_window") if cfg.get("use_sliding_window") is not False else None  # Phi-3 writes None
-    kinds = set(cfg.get("layer_types") or [])
-    if len(kinds) > 1:
-        raise ValueError(
-            f"model: layer_types mixes {sorted(kinds)}; a sliding window on some layers only is not supported yet"
-        )
-    if kinds == {"full_attention"}:
-        return None
-    return window
+    num_layers = cfg["num_hidden_layers"]
+    kinds = cfg.get("layer_types")
+    if kinds is None and cfg.get("architectures", [None])[0] in GEMMA:
+        pattern = 2 if cfg["architectures"][0] == "Gemma2ForCausalLM" else cfg.get("sliding_window_pattern", 6)
+        kinds = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
+    if kinds is None:
+        return [window] * num_layers
+    unknown = set(kinds) - {"full_attention", "sliding_attention"}
+    if unknown:
+        raise ValueError(f"model: layer_types {sorted(unknown)} are not supported")
+    return [window if kind == "sliding_attention" else None for kind in kinds]
+
+
+def _rope(params: dict | None, cfg: dict, default_theta: float) -> dict:
+    rope = dict(params or {})
+    rope.setdefault("rope_type", rope.pop("type", "default"))
+    rope.setdefault("rope_theta", cfg.get("rope_theta", default_theta))
+    if rope["rope_type"] not in SUPPORTED_ROPE:
+        raise ValueError(f"model: rope_type {rope['rope_type']!r} is not supported; supported: {SUPPORTED_ROPE}")
+    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError("model: partial_rotary_factor other than 1.0 is not supported")
+    return rope
+
+
+def _gemma3_ropes(cfg: dict) -> tuple[dict, dict]:
+    """Gemma 3's two RoPEs, (full layers', sliding layers'): rope_parameters keyed by layer type, or
+    in older configs rope_theta with rope_scaling for the full layers and rope_local_base_freq."""
+    params = cfg.get("rope_parameters") or {}
+    full = _rope(params.get("full_attention") or cfg.get("rope_scaling"), cfg, 1_000_000.0)
+    local = dict(params.get("sliding_attention") or {"rope_type": "default"})
+    local.setdefault("rope_theta", cfg.get("rope_local_base_freq", 10_000.0))
+    return full, _rope(local, {}, 10_000.0)
 
 
 def _as_tuple(ids) -> tuple[int, ...]:

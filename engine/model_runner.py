@@ -44,7 +44,10 @@ class ModelRunner:
         # Decodes read the KV in place through the block table: the C++ kernel on a CPU, Triton's on
         # CUDA where it builds and agrees with torch on this GPU (else SDPA over gathered KV).
         self.decode_kernel = (self.use_cpu_kernels and cpu_kernels.decode_attention_fits(cfg.head_dim)) or (
-            config.cuda_kernels and device.type == "cuda" and self._cuda_kernel_runs(device, dtype, config)
+            config.cuda_kernels
+            and device.type == "cuda"
+            and not cfg.attn_softcap  # (the Triton kernel has no soft cap)
+            and self._cuda_kernel_runs(device, dtype, config)
         )
         # Prefill attention as chunked matmuls: faster than torch's flash kernel on a CPU in bf16.
         self.prefill_matmul = self.use_cpu_kernels and dtype == torch.bfloat16
@@ -158,6 +161,7 @@ class ModelRunner:
             self.decode_kernel,
             self.prefill_matmul,
             self.prefill_alone,
+            self.cfg.local_window,
         )
         ids = torch.tensor(input_ids, dtype=torch.long).to(self.device)
         # Layer-wise streaming: prompts whose last chunk runs now publish each layer once written.

@@ -40,14 +40,21 @@ class Ops:
         rotate_half = torch.cat((-rotated[..., half:], rotated[..., :half]), dim=-1)
         rotated.copy_(rotated * cos + rotate_half * sin)
 
-    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """[T, 2 I] (gate, up) -> silu(gate) * up [T, I]."""
+    def rms_norm_(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+        """In place: x = rms_norm(x) * weight (through the fused kernel, onto a zero residual)."""
         if self.fused:
+            torch.ops.pdserve.add_rms_norm(x, torch.zeros_like(x), weight, eps)
+        else:
+            x.copy_(rms_norm(x, weight, eps))
+
+    def act_mul(self, gate_up: torch.Tensor, act: str) -> torch.Tensor:
+        """[T, 2 I] (gate, up) -> act(gate) * up [T, I]: SwiGLU (silu, fused) or GeGLU (gelu_pytorch_tanh)."""
+        if act == "silu" and self.fused:
             out = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
             torch.ops.pdserve.silu_mul(out, gate_up)
             return out
         gate, up = gate_up.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return (F.silu(gate) if act == "silu" else F.gelu(gate, approximate="tanh")) * up
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """Reads a Hugging Face checkpoint's safetensors into the engine's fused layout.
 
 q/k/v projections are concatenated into one matrix and gate/up into another, so each layer
-runs four matmuls instead of seven (Phi-3 checkpoints store them so already).
+runs four matmuls instead of seven (Phi-3 checkpoints store them so already). Gemma's norms,
+which scale by (1 + w), are stored here as 1 + w (summed in fp32), so every norm is one kind.
 """
 
 from __future__ import annotations
@@ -21,11 +22,13 @@ class LayerWeights:
     input_norm: torch.Tensor  # [H]
     qkv: Linear  # [(Hq + 2 Hkv) * D, H] (+ bias for Qwen2)
     o: Linear  # [H, Hq * D]
-    post_norm: torch.Tensor  # [H]
-    q_norm: torch.Tensor | None  # [D], Qwen3's per-head norms
+    post_norm: torch.Tensor  # [H], before the MLP (Gemma's pre_feedforward_layernorm)
+    q_norm: torch.Tensor | None  # [D], Qwen3's and Gemma 3's per-head norms
     k_norm: torch.Tensor | None  # [D]
     gate_up: Linear  # [2 I, H]
     down: Linear  # [H, I]
+    attn_out_norm: torch.Tensor | None = None  # [H], Gemma's sandwich norms: on the attention's output
+    mlp_out_norm: torch.Tensor | None = None  # [H], and on the MLP's, each before the residual add
 
 
 @dataclass
@@ -65,6 +68,13 @@ def load_weights(
     def fused(name: str, parts: list[str]) -> torch.Tensor:
         return take(name) if name in raw else torch.cat([take(p) for p in parts])
 
+    def norm(name: str) -> torch.Tensor:
+        if not cfg.gemma_norms:
+            return take(name)
+        if name not in raw:
+            raise ValueError(f"model: checkpoint in {model_dir} lacks tensor {name!r}")
+        return (1.0 + raw.pop(name).float()).to(device=device, dtype=dtype)
+
     layers = []
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
@@ -72,20 +82,25 @@ def load_weights(
         qkv_bias = None
         if cfg.qkv_bias:
             qkv_bias = torch.cat([take(attn + f"{n}_proj.bias") for n in "qkv"])
+        sandwich = cfg.gemma_norms
         layers.append(
             LayerWeights(
-                input_norm=take(p + "input_layernorm.weight"),
+                input_norm=norm(p + "input_layernorm.weight"),
                 qkv=linear(fused(attn + "qkv_proj.weight", [attn + f"{n}_proj.weight" for n in "qkv"]), qkv_bias),
                 o=linear(take(attn + "o_proj.weight")),
-                post_norm=take(p + "post_attention_layernorm.weight"),
-                q_norm=take(attn + "q_norm.weight") if cfg.qk_norm else None,
-                k_norm=take(attn + "k_norm.weight") if cfg.qk_norm else None,
+                post_norm=norm(
+                    p + ("pre_feedforward_layernorm.weight" if sandwich else "post_attention_layernorm.weight")
+                ),
+                q_norm=norm(attn + "q_norm.weight") if cfg.qk_norm else None,
+                k_norm=norm(attn + "k_norm.weight") if cfg.qk_norm else None,
                 gate_up=linear(
                     fused(p + "mlp.gate_up_proj.weight", [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"])
                 ),
                 down=linear(take(p + "mlp.down_proj.weight")),
+                attn_out_norm=norm(p + "post_attention_layernorm.weight") if sandwich else None,
+                mlp_out_norm=norm(p + "post_feedforward_layernorm.weight") if sandwich else None,
             )
         )
     embed = take("model.embed_tokens.weight")
     lm_head = linear(embed if cfg.tie_word_embeddings else take("lm_head.weight"))
-    return ModelWeights(embed=embed, layers=layers, final_norm=take("model.norm.weight"), lm_head=lm_head)
+    return ModelWeights(embed=embed, layers=layers, final_norm=norm("model.norm.weight"), lm_head=lm_head)

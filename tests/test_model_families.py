@@ -1,4 +1,4 @@
-"""The model families beyond Llama (Qwen3, Phi-3) from checkpoints saved as a user's would be,
+"""The model families beyond Llama (Qwen3, Phi-3, Gemma 2 and 3) from checkpoints saved as a user's would be,
 built from transformers' own config classes in several shapes: fp32 logits and greedy tokens equal
 to transformers', the same tokens through the P/D split, every engine feature together
 (tests/combinations.py's mixes), deterministic mode's tokens invariant to the batch, and a negative
@@ -28,15 +28,26 @@ from pdserve.plan.memory import memory
 from router.client import AsyncClient
 
 # name -> (arch, seed, shape): GQA groups 1-4 and MQA, head sizes unequal to hidden / heads, tied
-# and untied heads, a window shorter than the prompts
+# and untied heads, windows shorter than the prompts on every layer or on some (Gemma's patterns,
+# Qwen's max_window_layers); head sizes the C++ decode kernel takes (16, 32) and one it does not (24)
 SHAPES = {
     "qwen3-gqa2-head32": ("qwen3", 11, dict(head_dim=32)),
     "qwen3-mqa-head24-tied": ("qwen3", 12, dict(num_key_value_heads=1, head_dim=24, tie=True)),
     "qwen3-gqa3-head16": ("qwen3", 13, dict(hidden_size=96, num_attention_heads=6, num_key_value_heads=2)),
     "phi3-window5": ("phi3", 14, dict(sliding_window=5)),
     "phi3-mha": ("phi3", 15, dict(num_key_value_heads=4)),
+    "qwen3-window-on-layer1": ("qwen3", 16, dict(use_sliding_window=True, sliding_window=4, max_window_layers=1)),
+    "gemma2-window5-tied": ("gemma2", 17, dict(num_hidden_layers=3, sliding_window=5, tie=True)),
+    "gemma2-mqa-head32": ("gemma2", 29, dict(num_key_value_heads=1, head_dim=32, sliding_window=4)),
+    "gemma3-pattern6-window4-tied": ("gemma3", 19, dict(num_hidden_layers=7, sliding_window=4, tie=True)),
+    "gemma3-gqa4-head24": (
+        "gemma3",
+        24,
+        dict(num_attention_heads=8, num_key_value_heads=2, head_dim=24, sliding_window=3, sliding_window_pattern=2),
+    ),
 }
 ROOT = Path(__file__).resolve().parent.parent
+LAYER_KINDS = ("full_attention", "sliding_attention")
 GREEDY = dict(max_tokens=12, temperature=0, ignore_eos=True)
 
 
@@ -98,18 +109,13 @@ def test_the_negative_control_fails_without_phi3s_window(models, tmp_path):
     """Phi-3's window (5 tokens; the prompt has 13) dropped from its config.json: the logits part."""
     model = models["phi3-window5"]
     assert _prefill_logits_match(model)
-    for f in model.iterdir():
-        (tmp_path / f.name).write_bytes(f.read_bytes())
-    cfg = json.loads((tmp_path / "config.json").read_text())
-    cfg["sliding_window"] = None
-    (tmp_path / "config.json").write_text(json.dumps(cfg))
-    assert not _prefill_logits_match(model, engine_dir=tmp_path)
+    assert not _prefill_logits_match(model, engine_dir=_tampered_config(model, tmp_path, sliding_window=None))
 
 
 @pytest.mark.parametrize(
     "transport, local_prefill", [("shm", "off"), ("tcp", "off"), ("shm", "always"), ("tcp", "always")]
 )
-@pytest.mark.parametrize("name", ["qwen3-mqa-head24-tied", "phi3-window5"])
+@pytest.mark.parametrize("name", ["qwen3-mqa-head24-tied", "phi3-window5", "gemma2-window5-tied", "gemma3-gqa4-head24"])
 def test_the_pd_split_gives_the_engines_tokens(models, name, transport, local_prefill):
     """Remote prefill (the KV over shm or tcp, layer by layer) and local prefill on the decode node."""
     model = models[name]
@@ -130,7 +136,7 @@ def test_the_pd_split_gives_the_engines_tokens(models, name, transport, local_pr
     asyncio.run(scenario())
 
 
-@pytest.mark.parametrize("name", ["qwen3-gqa2-head32", "phi3-window5"])
+@pytest.mark.parametrize("name", ["qwen3-gqa2-head32", "phi3-window5", "gemma2-mqa-head32", "gemma3-gqa4-head24"])
 def test_random_mixes_of_every_feature_equal_each_request_alone(models, name):
     """Batches, chunked prefills, the prefix cache, preemption, speculation, n > 1, beams, stops,
     cancels (fp32), in one engine and through a cluster with a decode node killed."""
@@ -145,7 +151,9 @@ def test_random_mixes_of_every_feature_equal_each_request_alone(models, name):
 
 
 @pytest.mark.skipif(not cpu_kernels.load(), reason="deterministic mode needs the C++ CPU kernels")
-@pytest.mark.parametrize("name", ["qwen3-gqa2-head32", "phi3-window5"])
+@pytest.mark.parametrize(
+    "name", ["qwen3-gqa2-head32", "phi3-window5", "gemma2-window5-tied", "gemma3-pattern6-window4-tied"]
+)
 def test_deterministic_mode_is_invariant_to_the_batch_in_bf16(models, name):
     report, reference = Report(), Reference.deterministic("bfloat16")
     for seed in range(6):
@@ -163,11 +171,59 @@ def test_plan_memory_counts_the_checkpoints_parameters_and_the_engines_kv(models
     assert p["kv_bytes_per_token"] == engine.kv_cache.bytes_per_block // engine.config.block_size
 
 
-def test_a_window_on_some_layers_only_is_refused_by_name(tmp_path):
-    model = make_tiny_model(tmp_path, "qwen3", seed=16, use_sliding_window=True, sliding_window=4, max_window_layers=1)
-    assert json.loads((model / "config.json").read_text())["layer_types"] == ["full_attention", "sliding_attention"]
-    with pytest.raises(ValueError, match=r"layer_types mixes \['full_attention', 'sliding_attention'\]"):
-        ModelConfig.from_dir(model)
+def test_the_configs_say_which_layers_slide(models):
+    """layer_types as transformers wrote them: Qwen's max_window_layers, Gemma 2's every other
+    layer, Gemma 3's five in six, and a pattern of its own."""
+    expect = {
+        "qwen3-window-on-layer1": (4, (1,)),
+        "gemma2-window5-tied": (5, (0, 2)),
+        "gemma3-pattern6-window4-tied": (4, (0, 1, 2, 3, 4, 6)),
+        "gemma3-gqa4-head24": (3, (0,)),
+    }
+    for name, (window, layers) in expect.items():
+        cfg = ModelConfig.from_dir(models[name])
+        assert (cfg.sliding_window, cfg.local_window, cfg.local_layers) == (None, window, layers), name
+
+
+def _tampered_config(model: Path, tmp_path: Path, **changes) -> Path:
+    """A copy of the checkpoint with config.json's fields changed."""
+    for f in model.iterdir():
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg.update(changes)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    return tmp_path
+
+
+@pytest.mark.parametrize(
+    "name, changes",
+    [
+        ("gemma2-window5-tied", dict(attn_logit_softcapping=None)),
+        ("gemma2-window5-tied", dict(final_logit_softcapping=None)),
+        ("gemma2-window5-tied", dict(layer_types=["full_attention"] * 3)),
+        ("gemma2-window5-tied", dict(query_pre_attn_scalar=16)),
+        (
+            "gemma3-pattern6-window4-tied",
+            dict(rope_parameters={k: {"rope_type": "default", "rope_theta": 1e6} for k in LAYER_KINDS}),
+        ),
+        ("qwen3-window-on-layer1", dict(layer_types=["full_attention"] * 2)),
+    ],
+    ids=["attn-softcap", "final-softcap", "windows", "scale", "local-rope", "qwen-window"],
+)
+def test_the_negative_controls_fail_without_what_the_config_adds(models, tmp_path, name, changes):
+    """Each thing the family's config.json adds, taken out for the engine alone: the logits part."""
+    model = models[name]
+    assert _prefill_logits_match(model)
+    assert not _prefill_logits_match(model, engine_dir=_tampered_config(model, tmp_path, **changes))
+
+
+def test_the_negative_control_fails_without_gemmas_one_plus_w_norms(models):
+    def plain_norms(m):
+        for layer in m.w.layers:
+            for norm in (layer.input_norm, layer.post_norm, layer.attn_out_norm, layer.mlp_out_norm):
+                norm -= 1
+
+    assert not _prefill_logits_match(models["gemma2-mqa-head32"], tamper=plain_norms)
 
 
 def test_an_unknown_architecture_is_refused_naming_the_supported_ones(tmp_path):
@@ -176,7 +232,16 @@ def test_an_unknown_architecture_is_refused_naming_the_supported_ones(tmp_path):
         ModelConfig.from_dir(tmp_path)
 
 
-@pytest.mark.parametrize("name, public", [("qwen3-8b", 8.2e9), ("qwen3-0.6b", 0.6e9), ("phi-3-mini-4k", 3.8e9)])
+@pytest.mark.parametrize(
+    "name, public",
+    [
+        ("qwen3-8b", 8.2e9),
+        ("qwen3-0.6b", 0.6e9),
+        ("phi-3-mini-4k", 3.8e9),
+        ("gemma-2-2b", 2.6e9),
+        ("gemma-3-1b", 1.0e9),
+    ],
+)
 def test_the_shipped_configs_count_what_transformers_builds_from_them(name, public):
     """deploy/model_configs/: `plan memory`'s count equals transformers' model built from the same
     config.json (on the meta device: no weights), and the model card's rounded size."""

@@ -48,9 +48,13 @@ def make_tiny_model(
     sliding_window: int | None = None,
     **shape,
 ) -> Path:
-    """arch: llama, qwen2, qwen3, mistral or phi3; shape: config fields to override (hidden_size,
-    num_attention_heads, num_key_value_heads, head_dim, ...)."""
+    """arch: llama, qwen2, qwen3, mistral, phi3, gemma2 or gemma3; shape: config fields to override
+    (hidden_size, num_attention_heads, num_key_value_heads, head_dim, ...)."""
     from transformers import (
+        Gemma2Config,
+        Gemma2ForCausalLM,
+        Gemma3ForCausalLM,
+        Gemma3TextConfig,
         LlamaConfig,
         LlamaForCausalLM,
         MistralConfig,
@@ -91,16 +95,32 @@ def make_tiny_model(
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     proj.bias.normal_(0, 0.5)
     elif arch == "qwen3":
-        model = Qwen3ForCausalLM(Qwen3Config(**common))
+        model = Qwen3ForCausalLM(
+            Qwen3Config(**common, **({"sliding_window": sliding_window} if sliding_window else {}))
+        )
     elif arch == "mistral":
         model = MistralForCausalLM(MistralConfig(**common, sliding_window=sliding_window))
     elif arch == "phi3":
         model = Phi3ForCausalLM(Phi3Config(**common, sliding_window=sliding_window, pad_token_id=eos_id))
+    elif arch == "gemma2":  # transformers' defaults otherwise: caps 50 and 30, GeGLU, alternating windows
+        common.setdefault("head_dim", 16)
+        common.setdefault("query_pre_attn_scalar", 24)
+        model = Gemma2ForCausalLM(Gemma2Config(**common, sliding_window=sliding_window or 4096, pad_token_id=eos_id))
+    elif arch == "gemma3":  # five sliding layers to one full (a pattern of 6), a local RoPE base of its own
+        common.setdefault("head_dim", 16)
+        common.setdefault("query_pre_attn_scalar", 24)
+        if rope_parameters is None:
+            common["rope_parameters"] = {
+                "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+            }
+        cfg = Gemma3TextConfig(**common, sliding_window=sliding_window or 4096, pad_token_id=eos_id)
+        model = Gemma3ForCausalLM(cfg)
     else:
         raise ValueError(arch)
     with torch.no_grad():  # non-trivial norm weights, so a missing norm would show
         for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
+            if "norm" in name:  # (Gemma's scale by 1 + w: the same spread around 1 there)
+                p.uniform_(-0.5, 0.5) if arch.startswith("gemma") else p.uniform_(0.5, 1.5)
     model.to(torch.float32).save_pretrained(path)
     return path

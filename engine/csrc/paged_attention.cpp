@@ -93,7 +93,7 @@ inline fv sum_lanes(const fv* v) {
 template <typename scalar_t, int DV>
 void decode(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
             const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t block_size,
-            double scale, int64_t window) {
+            double scale, int64_t window, double softcap) {
   const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t dv = DV > 0 ? DV : head_dim / L;
   const int64_t num_kv_heads = k_cache.size(1);
@@ -170,6 +170,10 @@ void decode(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, con
               const fv s = sum_lanes(part.data() + r * padded_block + t);
               std::memcpy(sr + t, &s, sizeof(s));
             }
+            if (softcap > 0) {  // Gemma 2: cap * tanh(s / cap), before the softmax
+              const float cap = float(softcap), inv_cap = 1.f / cap;
+              for (int64_t t = 0; t < n; ++t) sr[t] = cap * std::tanh(sr[t] * inv_cap);
+            }
             float m = row_max[r];
             for (int64_t t = 0; t < n; ++t) m = std::max(m, sr[t]);
             const float correction = std::exp(row_max[r] - m);
@@ -214,9 +218,11 @@ void decode(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, con
 
 // out, q: [B, Hq, D]; k_cache, v_cache: [num_slots, Hkv, D]; block_tables: [B, max_blocks] int64;
 // context_lens: [B] int64 (KV positions to attend, the new token's included). D: a multiple of 8, at most 256.
+// window: a sliding window's width, 0 for none; softcap: the scores' tanh cap, 0 for none.
 void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache,
                             const at::Tensor& v_cache, const at::Tensor& block_tables,
-                            const at::Tensor& context_lens, int64_t block_size, double scale, int64_t window) {
+                            const at::Tensor& context_lens, int64_t block_size, double scale, int64_t window,
+                            double softcap) {
   TORCH_CHECK(out.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() && q.stride(2) == 1 &&
                   q.stride(1) == q.size(2),
               "paged_decode_attention: out and caches must be contiguous, q rows [heads, head_dim] dense");
@@ -227,9 +233,9 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tenso
               "paged_decode_attention: head_dim must be a multiple of ", L, " and at most 256, got ", q.size(2));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
     switch (q.size(2)) {
-      case 64: decode<scalar_t, 64 / L>(out, q, k_cache, v_cache, block_tables, context_lens, block_size, scale, window); break;
-      case 128: decode<scalar_t, 128 / L>(out, q, k_cache, v_cache, block_tables, context_lens, block_size, scale, window); break;
-      default: decode<scalar_t, 0>(out, q, k_cache, v_cache, block_tables, context_lens, block_size, scale, window);
+      case 64: decode<scalar_t, 64 / L>(out, q, k_cache, v_cache, block_tables, context_lens, block_size, scale, window, softcap); break;
+      case 128: decode<scalar_t, 128 / L>(out, q, k_cache, v_cache, block_tables, context_lens, block_size, scale, window, softcap); break;
+      default: decode<scalar_t, 0>(out, q, k_cache, v_cache, block_tables, context_lens, block_size, scale, window, softcap);
     }
   });
 }
@@ -238,7 +244,7 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tenso
 
 TORCH_LIBRARY_FRAGMENT(pdserve, m) {
   m.def("paged_decode_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-        "Tensor context_lens, int block_size, float scale, int window) -> ()");
+        "Tensor context_lens, int block_size, float scale, int window, float softcap) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pdserve, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }

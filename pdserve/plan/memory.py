@@ -27,11 +27,12 @@ GB = 1 << 30
 
 
 def num_params(cfg: ModelConfig) -> int:
-    """Parameters of a Llama-family checkpoint with this config."""
+    """Parameters of a Llama-family checkpoint with this config (Gemma's: two more norms a layer)."""
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     attention = cfg.hidden_size * (q + 2 * kv) + q * cfg.hidden_size + ((q + 2 * kv) if cfg.qkv_bias else 0)
     mlp = 3 * cfg.hidden_size * cfg.intermediate_size
-    layer = attention + mlp + 2 * cfg.hidden_size + (2 * cfg.head_dim if cfg.qk_norm else 0)  # the RMSNorms
+    norms = (4 if cfg.gemma_norms else 2) * cfg.hidden_size + (2 * cfg.head_dim if cfg.qk_norm else 0)
+    layer = attention + mlp + norms
     embeddings = cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2)
     return cfg.num_layers * layer + embeddings + cfg.hidden_size  # the final norm
 
