@@ -4,7 +4,8 @@ Per layer: RMSNorm -> fused QKV (+ bias for Qwen2; a per-head q/k RMSNorm for Qw
 paged GQA attention -> O -> residual add + RMSNorm -> SwiGLU MLP -> residual add; then the final
 norm and the LM head (tied to the embedding when the config says so). Gemma adds a norm on each
 sublayer's output before its residual add, a GeGLU MLP, a scaled embedding, its own attention
-scale, layers that slide a window beside full ones, and soft caps (engine/model_config.py). The
+scale, layers that slide a window beside full ones, and soft caps (engine/model_config.py);
+Mixtral and Qwen3-MoE a mixture of experts in place of the MLP (engine/moe.py). The
 residual stream is kept in its own tensor and each "add, then normalize" is one fused step, as in
 vLLM. Numerics follow transformers' modules, so fp32 logits agree with it to 1e-5.
 """
@@ -18,6 +19,7 @@ import torch
 from engine.attention import AttentionMetadata, attention_backends, paged_attention
 from engine.kv_cache import KVCache
 from engine.model_config import ModelConfig
+from engine.moe import moe_mlp
 from engine.ops import Ops, rms_norm
 from engine.rope import cos_sin_table
 from engine.weights import ModelWeights
@@ -88,7 +90,10 @@ class LlamaModel:
             if layer.attn_out_norm is not None:
                 ops.rms_norm_(h, layer.attn_out_norm, eps)
             ops.add_rms_norm_(h, residual, layer.post_norm, eps)
-            h = layer.down(ops.act_mul(layer.gate_up(h), cfg.hidden_act))  # [T, 2 I] -> [T, I] -> [T, H]
+            if layer.moe is not None:
+                h = moe_mlp(h, layer.moe, lambda x: ops.act_mul(x, cfg.hidden_act))
+            else:
+                h = layer.down(ops.act_mul(layer.gate_up(h), cfg.hidden_act))  # [T, 2 I] -> [T, I] -> [T, H]
             if layer.mlp_out_norm is not None:
                 ops.rms_norm_(h, layer.mlp_out_norm, eps)
         ops.add_rms_norm_(h, residual, self.w.final_norm, eps)

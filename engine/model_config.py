@@ -6,7 +6,9 @@ Mistral and Phi-3 may slide a window over every layer. Gemma 2 and 3 change more
 RMSNorm scales by (1 + w), the embedding by sqrt(hidden), each sublayer's output is normalized
 again before the residual add ("sandwich" norms), the MLP is GeGLU, the attention scale is
 query_pre_attn_scalar's, sliding and full layers alternate (Gemma 3's sliding ones with their own
-RoPE base), and Gemma 2 soft-caps the attention scores and the logits (cap * tanh(x / cap))."""
+RoPE base), and Gemma 2 soft-caps the attention scores and the logits (cap * tanh(x / cap)).
+Mixtral and Qwen3-MoE replace the MLP with a mixture of experts (engine/moe.py) on every layer, or
+on those Qwen3-MoE's decoder_sparse_step and mlp_only_layers leave sparse."""
 
 from __future__ import annotations
 
@@ -22,6 +24,8 @@ SUPPORTED_ARCHITECTURES = (
     "Phi3ForCausalLM",
     "Gemma2ForCausalLM",
     "Gemma3ForCausalLM",
+    "MixtralForCausalLM",
+    "Qwen3MoeForCausalLM",
 )
 GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
@@ -58,6 +62,13 @@ class ModelConfig:
     attn_scale: float | None = None  # the scores' scale; None: head_dim ** -0.5
     attn_softcap: float | None = None  # Gemma 2: scores capped to cap * tanh(s / cap) before the mask
     final_softcap: float | None = None  # Gemma 2: the logits capped so
+    # Mixture of experts: the layers whose MLP is sparse, its experts, how many each token takes,
+    # each expert's intermediate size, and whether the top-k weights are renormalized to sum to 1.
+    moe_layers: tuple[int, ...] = ()
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    moe_renormalize: bool = True
 
     @classmethod
     def from_dir(cls, model_dir: Path) -> ModelConfig:
@@ -80,6 +91,7 @@ class ModelConfig:
         act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
         if act not in SUPPORTED_ACTIVATIONS:
             raise ValueError(f"model: activation {act!r} is not supported; supported: {SUPPORTED_ACTIVATIONS}")
+        moe = _moe(arch, cfg)
         eos = _as_tuple(cfg.get("eos_token_id"))
         gen_path = Path(model_dir) / "generation_config.json"
         if gen_path.is_file():  # instruct models often list extra end-of-turn ids here
@@ -97,7 +109,7 @@ class ModelConfig:
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=cfg.get("tie_word_embeddings", gemma),  # Gemma's class default: tied
             qkv_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
-            qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
             rope=rope,
             sliding_window=sliding,
             eos_token_ids=eos,
@@ -111,11 +123,40 @@ class ModelConfig:
             attn_scale=cfg.get("query_pre_attn_scalar", 256) ** -0.5 if gemma else None,
             attn_softcap=cfg.get("attn_logit_softcapping") if gemma else None,
             final_softcap=cfg.get("final_logit_softcapping") if gemma else None,
+            **moe,
         )
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """2 (K and V) x layers x kv_heads x head_dim x dtype bytes."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
+
+def _moe(arch: str, cfg: dict) -> dict:
+    """The mixture-of-experts fields: every layer sparse in Mixtral; in Qwen3-MoE those not in
+    mlp_only_layers whose index + 1 is a multiple of decoder_sparse_step."""
+    if arch not in ("MixtralForCausalLM", "Qwen3MoeForCausalLM"):
+        return {}
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
+    top_k = cfg["num_experts_per_tok"]
+    if not 0 < top_k <= experts:
+        raise ValueError(f"model: num_experts_per_tok {top_k} must be between 1 and num_experts {experts}")
+    layers = range(cfg["num_hidden_layers"])
+    if arch == "MixtralForCausalLM":
+        return dict(
+            moe_layers=tuple(layers),
+            num_experts=experts,
+            num_experts_per_tok=top_k,
+            moe_intermediate_size=cfg["intermediate_size"],
+            moe_renormalize=True,
+        )
+    dense, step = set(cfg.get("mlp_only_layers") or []), cfg.get("decoder_sparse_step", 1)
+    return dict(
+        moe_layers=tuple(i for i in layers if i not in dense and (i + 1) % step == 0),
+        num_experts=experts,
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=cfg["moe_intermediate_size"],
+        moe_renormalize=bool(cfg.get("norm_topk_prob", False)),
+    )
 
 
 def _layer_windows(cfg: dict) -> list[int | None]:

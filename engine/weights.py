@@ -15,6 +15,7 @@ from safetensors import safe_open
 
 from engine.linear import Linear
 from engine.model_config import ModelConfig
+from engine.moe import MoEWeights
 
 
 @dataclass
@@ -25,10 +26,11 @@ class LayerWeights:
     post_norm: torch.Tensor  # [H], before the MLP (Gemma's pre_feedforward_layernorm)
     q_norm: torch.Tensor | None  # [D], Qwen3's and Gemma 3's per-head norms
     k_norm: torch.Tensor | None  # [D]
-    gate_up: Linear  # [2 I, H]
-    down: Linear  # [H, I]
+    gate_up: Linear | None  # [2 I, H]; None where the layer's MLP is a mixture of experts
+    down: Linear | None  # [H, I]
     attn_out_norm: torch.Tensor | None = None  # [H], Gemma's sandwich norms: on the attention's output
     mlp_out_norm: torch.Tensor | None = None  # [H], and on the MLP's, each before the residual add
+    moe: MoEWeights | None = None
 
 
 @dataclass
@@ -75,6 +77,21 @@ def load_weights(
             raise ValueError(f"model: checkpoint in {model_dir} lacks tensor {name!r}")
         return (1.0 + raw.pop(name).float()).to(device=device, dtype=dtype)
 
+    def experts(p: str) -> MoEWeights:
+        """Mixtral's block_sparse_moe.experts.{e}.w1/w3/w2, or Qwen3-MoE's mlp.experts.{e}.gate/up/down_proj."""
+        mixtral = cfg.architecture == "MixtralForCausalLM"
+        block = p + ("block_sparse_moe." if mixtral else "mlp.")
+        gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+        e_names = [f"{block}experts.{e}." for e in range(cfg.num_experts)]
+        return MoEWeights(
+            router=linear(take(block + "gate.weight")),
+            gate_up=[linear(torch.cat([take(e + f"{gate}.weight"), take(e + f"{up}.weight")])) for e in e_names],
+            down=[linear(take(e + f"{down}.weight")) for e in e_names],
+            top_k=cfg.num_experts_per_tok,
+            renormalize=cfg.moe_renormalize,
+        )
+
+    sparse = set(cfg.moe_layers)
     layers = []
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
@@ -93,12 +110,15 @@ def load_weights(
                 ),
                 q_norm=norm(attn + "q_norm.weight") if cfg.qk_norm else None,
                 k_norm=norm(attn + "k_norm.weight") if cfg.qk_norm else None,
-                gate_up=linear(
+                gate_up=None
+                if i in sparse
+                else linear(
                     fused(p + "mlp.gate_up_proj.weight", [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"])
                 ),
-                down=linear(take(p + "mlp.down_proj.weight")),
+                down=None if i in sparse else linear(take(p + "mlp.down_proj.weight")),
                 attn_out_norm=norm(p + "post_attention_layernorm.weight") if sandwich else None,
                 mlp_out_norm=norm(p + "post_feedforward_layernorm.weight") if sandwich else None,
+                moe=experts(p) if i in sparse else None,
             )
         )
     embed = take("model.embed_tokens.weight")

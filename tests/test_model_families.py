@@ -1,8 +1,8 @@
-"""The model families beyond Llama (Qwen3, Phi-3, Gemma 2 and 3) from checkpoints saved as a user's would be,
-built from transformers' own config classes in several shapes: fp32 logits and greedy tokens equal
-to transformers', the same tokens through the P/D split, every engine feature together
-(tests/combinations.py's mixes), deterministic mode's tokens invariant to the batch, and a negative
-control that breaks what the family adds and must fail."""
+"""The model families beyond Llama (Qwen3, Phi-3, Gemma 2 and 3, Mixtral, Qwen3-MoE) from
+checkpoints saved as a user's would be, built from transformers' own config classes in several
+shapes: fp32 logits and greedy tokens equal to transformers', the same tokens through the P/D
+split, every engine feature together (tests/combinations.py's mixes), deterministic mode's tokens
+invariant to the batch, and negative controls that break what a family adds and must fail."""
 
 from __future__ import annotations
 
@@ -29,7 +29,8 @@ from router.client import AsyncClient
 
 # name -> (arch, seed, shape): GQA groups 1-4 and MQA, head sizes unequal to hidden / heads, tied
 # and untied heads, windows shorter than the prompts on every layer or on some (Gemma's patterns,
-# Qwen's max_window_layers); head sizes the C++ decode kernel takes (16, 32) and one it does not (24)
+# Qwen's max_window_layers); head sizes the C++ decode kernel takes (16, 32) and one it does not (24);
+# mixtures of 4 and 8 experts, top-2 and top-3, dense layers among sparse ones, renormalized or not
 SHAPES = {
     "qwen3-gqa2-head32": ("qwen3", 11, dict(head_dim=32)),
     "qwen3-mqa-head24-tied": ("qwen3", 12, dict(num_key_value_heads=1, head_dim=24, tie=True)),
@@ -44,6 +45,14 @@ SHAPES = {
         "gemma3",
         24,
         dict(num_attention_heads=8, num_key_value_heads=2, head_dim=24, sliding_window=3, sliding_window_pattern=2),
+    ),
+    "mixtral-4x2": ("mixtral", 21, {}),
+    "mixtral-8x2-window4-tied": ("mixtral", 22, dict(num_local_experts=8, sliding_window=4, tie=True)),
+    "qwen3moe-8x2-dense-layer1": ("qwen3_moe", 23, dict(num_hidden_layers=3, mlp_only_layers=[1], norm_topk_prob=True)),
+    "qwen3moe-8x3-step2-mqa-head24": (
+        "qwen3_moe",
+        24,
+        dict(decoder_sparse_step=2, num_experts_per_tok=3, num_key_value_heads=1, head_dim=24),
     ),
 }
 ROOT = Path(__file__).resolve().parent.parent
@@ -115,7 +124,17 @@ def test_the_negative_control_fails_without_phi3s_window(models, tmp_path):
 @pytest.mark.parametrize(
     "transport, local_prefill", [("shm", "off"), ("tcp", "off"), ("shm", "always"), ("tcp", "always")]
 )
-@pytest.mark.parametrize("name", ["qwen3-mqa-head24-tied", "phi3-window5", "gemma2-window5-tied", "gemma3-gqa4-head24"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "qwen3-mqa-head24-tied",
+        "phi3-window5",
+        "gemma2-window5-tied",
+        "gemma3-gqa4-head24",
+        "mixtral-8x2-window4-tied",
+        "qwen3moe-8x2-dense-layer1",
+    ],
+)
 def test_the_pd_split_gives_the_engines_tokens(models, name, transport, local_prefill):
     """Remote prefill (the KV over shm or tcp, layer by layer) and local prefill on the decode node."""
     model = models[name]
@@ -136,7 +155,11 @@ def test_the_pd_split_gives_the_engines_tokens(models, name, transport, local_pr
     asyncio.run(scenario())
 
 
-@pytest.mark.parametrize("name", ["qwen3-gqa2-head32", "phi3-window5", "gemma2-mqa-head32", "gemma3-gqa4-head24"])
+MIXED = ["qwen3-gqa2-head32", "phi3-window5", "gemma2-mqa-head32", "gemma3-gqa4-head24"]
+MIXED += ["mixtral-4x2", "qwen3moe-8x2-dense-layer1"]
+
+
+@pytest.mark.parametrize("name", MIXED)
 def test_random_mixes_of_every_feature_equal_each_request_alone(models, name):
     """Batches, chunked prefills, the prefix cache, preemption, speculation, n > 1, beams, stops,
     cancels (fp32), in one engine and through a cluster with a decode node killed."""
@@ -152,7 +175,7 @@ def test_random_mixes_of_every_feature_equal_each_request_alone(models, name):
 
 @pytest.mark.skipif(not cpu_kernels.load(), reason="deterministic mode needs the C++ CPU kernels")
 @pytest.mark.parametrize(
-    "name", ["qwen3-gqa2-head32", "phi3-window5", "gemma2-window5-tied", "gemma3-pattern6-window4-tied"]
+    "name", ["qwen3-gqa2-head32", "phi3-window5", "gemma2-window5-tied", "gemma3-pattern6-window4-tied", "mixtral-4x2"]
 )
 def test_deterministic_mode_is_invariant_to_the_batch_in_bf16(models, name):
     report, reference = Report(), Reference.deterministic("bfloat16")
@@ -226,6 +249,39 @@ def test_the_negative_control_fails_without_gemmas_one_plus_w_norms(models):
     assert not _prefill_logits_match(models["gemma2-mqa-head32"], tamper=plain_norms)
 
 
+def test_the_configs_say_which_layers_route_to_experts(models):
+    expect = {
+        "mixtral-4x2": ((0, 1), 4, 2, True),
+        "qwen3moe-8x2-dense-layer1": ((0, 2), 8, 2, True),
+        "qwen3moe-8x3-step2-mqa-head24": ((1,), 8, 3, False),
+    }
+    for name, fields in expect.items():
+        cfg = ModelConfig.from_dir(models[name])
+        assert (cfg.moe_layers, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_renormalize) == fields, name
+
+
+@pytest.mark.parametrize(
+    "name, changes",
+    [
+        ("qwen3moe-8x2-dense-layer1", dict(norm_topk_prob=False)),
+        ("qwen3moe-8x3-step2-mqa-head24", dict(num_experts_per_tok=2)),
+        ("mixtral-4x2", dict(num_experts_per_tok=1)),
+    ],
+    ids=["renormalize", "top-k", "mixtral-top-k"],
+)
+def test_the_negative_controls_fail_with_another_routing(models, tmp_path, name, changes):
+    model = models[name]
+    assert _prefill_logits_match(model)
+    assert not _prefill_logits_match(model, engine_dir=_tampered_config(model, tmp_path, **changes))
+
+
+def test_a_moe_checkpoint_missing_an_expert_is_refused_naming_the_tensor(models, tmp_path):
+    """A config that puts experts where the checkpoint has a dense MLP (or lacks an expert)."""
+    model = _tampered_config(models["qwen3moe-8x2-dense-layer1"], tmp_path, mlp_only_layers=[])
+    with pytest.raises(ValueError, match=r"lacks tensor 'model.layers.1.mlp.gate.weight'"):
+        make_engine(model)
+
+
 def test_an_unknown_architecture_is_refused_naming_the_supported_ones(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPTNeoXForCausalLM"]}))
     with pytest.raises(ValueError, match=r"'GPTNeoXForCausalLM' is not supported; supported: .*Qwen3ForCausalLM"):
@@ -253,6 +309,15 @@ def test_the_shipped_configs_count_what_transformers_builds_from_them(name, publ
     count = memory(ModelConfig.from_dir(path), "bfloat16")["num_params"]
     assert count == hf.num_parameters()
     assert round(count / 1e8) / 10 == public / 1e9
+
+
+@pytest.mark.parametrize("name, active", [("mixtral-8x7b", 12.9e9), ("qwen3-30b-a3b", 3.3e9), ("qwen3-8b", 8.2e9)])
+def test_plan_memory_counts_a_mixtures_active_parameters(name, active):
+    """The parameters one token's forward reads, within 2% of the model cards' (12.9B of Mixtral
+    8x7B's 46.7B, 3.3B of Qwen3-30B-A3B's 30.5B), and all of a dense model's."""
+    plan = memory(ModelConfig.from_dir(ROOT / "deploy" / "model_configs" / name), "bfloat16")
+    assert abs(plan["num_active_params"] / active - 1) < 0.02
+    assert (plan["num_active_params"] == plan["num_params"]) == (name == "qwen3-8b")
 
 
 def test_a_sharded_checkpoint_loads_as_the_whole_one(models, tmp_path):

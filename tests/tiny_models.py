@@ -48,7 +48,7 @@ def make_tiny_model(
     sliding_window: int | None = None,
     **shape,
 ) -> Path:
-    """arch: llama, qwen2, qwen3, mistral, phi3, gemma2 or gemma3; shape: config fields to override
+    """arch: llama, qwen2, qwen3, mistral, phi3, gemma2, gemma3, mixtral or qwen3_moe; shape: config fields to override
     (hidden_size, num_attention_heads, num_key_value_heads, head_dim, ...)."""
     from transformers import (
         Gemma2Config,
@@ -59,12 +59,16 @@ def make_tiny_model(
         LlamaForCausalLM,
         MistralConfig,
         MistralForCausalLM,
+        MixtralConfig,
+        MixtralForCausalLM,
         Phi3Config,
         Phi3ForCausalLM,
         Qwen2Config,
         Qwen2ForCausalLM,
         Qwen3Config,
         Qwen3ForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
     )
 
     path = Path(path)
@@ -116,6 +120,15 @@ def make_tiny_model(
             }
         cfg = Gemma3TextConfig(**common, sliding_window=sliding_window or 4096, pad_token_id=eos_id)
         model = Gemma3ForCausalLM(cfg)
+    elif arch == "mixtral":
+        common.setdefault("num_local_experts", 4)
+        common.setdefault("num_experts_per_tok", 2)
+        model = MixtralForCausalLM(MixtralConfig(**common, sliding_window=sliding_window))
+    elif arch == "qwen3_moe":
+        common.setdefault("num_experts", 8)
+        common.setdefault("num_experts_per_tok", 2)
+        common.setdefault("moe_intermediate_size", 48)
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**common))
     else:
         raise ValueError(arch)
     with torch.no_grad():  # non-trivial norm weights, so a missing norm would show

@@ -26,15 +26,19 @@ PLAN_DTYPES = tuple(d for d in DTYPES if d in DTYPE_BYTES)  # "auto" depends on 
 GB = 1 << 30
 
 
-def num_params(cfg: ModelConfig) -> int:
-    """Parameters of a Llama-family checkpoint with this config (Gemma's: two more norms a layer)."""
+def num_params(cfg: ModelConfig, active: bool = False) -> int:
+    """Parameters of a Llama-family checkpoint with this config (Gemma's: two more norms a layer).
+    active: those one token's forward uses (a mixture of experts' top-k experts, not all)."""
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     attention = cfg.hidden_size * (q + 2 * kv) + q * cfg.hidden_size + ((q + 2 * kv) if cfg.qkv_bias else 0)
-    mlp = 3 * cfg.hidden_size * cfg.intermediate_size
     norms = (4 if cfg.gemma_norms else 2) * cfg.hidden_size + (2 * cfg.head_dim if cfg.qk_norm else 0)
-    layer = attention + mlp + norms
+    dense_mlp = 3 * cfg.hidden_size * cfg.intermediate_size
+    experts = cfg.num_experts_per_tok if active else cfg.num_experts
+    sparse_mlp = experts * 3 * cfg.hidden_size * cfg.moe_intermediate_size + cfg.num_experts * cfg.hidden_size
+    num_sparse = len(cfg.moe_layers)
+    layers = cfg.num_layers * (attention + norms) + (cfg.num_layers - num_sparse) * dense_mlp + num_sparse * sparse_mlp
     embeddings = cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2)
-    return cfg.num_layers * layer + embeddings + cfg.hidden_size  # the final norm
+    return layers + embeddings + cfg.hidden_size  # the final norm
 
 
 def memory(
@@ -47,6 +51,7 @@ def memory(
     plan = {
         "dtype": dtype,
         "num_params": params,
+        "num_active_params": num_params(cfg, active=True),  # per token: all of them but a MoE's unpicked experts
         "weight_bytes": params * size,
         "kv_bytes_per_token": cfg.kv_bytes_per_token(size),
         "num_layers": cfg.num_layers,
@@ -102,6 +107,8 @@ def main(args) -> int:
         print(json.dumps(plan))
         return 0
     print(f"{plan['num_params'] / 1e9:.2f} B parameters: weights {plan['weight_bytes'] / GB:.2f} GiB in {args.dtype}")
+    if plan["num_active_params"] != plan["num_params"]:
+        print(f"{plan['num_active_params'] / 1e9:.2f} B of them active per token (the routed experts)")
     print(
         f"KV per token: {plan['kv_bytes_per_token']:,} bytes (2 x {plan['num_layers']} layers x "
         f"{plan['num_kv_heads']} kv heads x {plan['head_dim']} x {DTYPE_BYTES[args.dtype]} bytes)"
