@@ -71,7 +71,9 @@ class DecodeNode(EngineServer, nodes_pb2_grpc.DecodeNodeServicer):
         self.server.add(
             nodes_pb2_grpc.add_DecodeNodeServicer_to_server, self, nodes_pb2.DESCRIPTOR.services_by_name["DecodeNode"]
         )
-        self.layout = KVLayout.of(llm.kv_cache, model_fingerprint(llm.model_dir), llm.numerics)
+        self.layout = KVLayout.of(
+            llm.kv_cache, model_fingerprint(llm.model_dir), llm.numerics, llm.model_config.attention
+        )
         self.receiver = KVReceiver(llm.kv_cache, self.layout, config.kv_transport, security, kv_options)
         self.host_id = host_id()
         # Fault injection for chaos tests: a pause before each transfer (PDSERVE_FAULT_DELAY_TRANSFER_S),

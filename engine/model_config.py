@@ -126,6 +126,16 @@ class ModelConfig:
             **moe,
         )
 
+    @property
+    def attention(self) -> str:
+        """What each layer attends ("full", "window W", "window W on layers i,j"): engines whose KV
+        is exchanged must agree (a layer's KV past a window is still kept, but read differently)."""
+        if self.sliding_window:
+            return f"window {self.sliding_window}"
+        if self.local_layers:
+            return f"window {self.local_window} on layers {','.join(map(str, self.local_layers))}"
+        return "full"
+
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """2 (K and V) x layers x kv_heads x head_dim x dtype bytes."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes

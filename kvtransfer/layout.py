@@ -32,12 +32,15 @@ class KVLayout:
     block_size: int
     model_fingerprint: str
     numerics: str = "default"  # or "deterministic (the kernels)": the engine's deterministic mode
+    attention: str = "full"  # which layers slide which window (ModelConfig.attention)
 
     @classmethod
-    def of(cls, kv_cache: KVCache, model_fingerprint: str, numerics: str = "default") -> KVLayout:
+    def of(
+        cls, kv_cache: KVCache, model_fingerprint: str, numerics: str = "default", attention: str = "full"
+    ) -> KVLayout:
         layers, _, _, block_size, kv_heads, head_dim = kv_cache.kv.shape
         dtype = str(kv_cache.kv.dtype).removeprefix("torch.")
-        return cls(layers, kv_heads, head_dim, dtype, block_size, model_fingerprint, numerics)
+        return cls(layers, kv_heads, head_dim, dtype, block_size, model_fingerprint, numerics, attention)
 
     @property
     def itemsize(self) -> int:
@@ -52,6 +55,8 @@ class KVLayout:
         """Raises KVLayoutMismatch naming every field that differs (self is sides[0]). Deterministic
         KV holds only for the block size it was computed with (attention sums a block at a time)."""
         fields = ["model_fingerprint", "num_layers", "num_kv_heads", "head_dim", "dtype", "numerics"]
+        if self.attention and other.attention:
+            fields.insert(4, "attention")
         if same_block_size or "default" not in (self.numerics, other.numerics):
             fields.append("block_size")
         diffs = [
@@ -71,6 +76,7 @@ class KVLayout:
             block_size=self.block_size,
             model_fingerprint=self.model_fingerprint,
             numerics=self.numerics,
+            attention=self.attention,
         )
 
     @classmethod
@@ -83,6 +89,7 @@ class KVLayout:
             m.block_size,
             m.model_fingerprint,
             m.numerics or "default",
+            m.attention,  # "" from an older node: not compared
         )
 
 

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pdserve_api import common_pb2 as pdserve__api_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve_api/nodes.proto\x12\npdserve.v1\x1a\x18pdserve_api/common.proto\"\xb3\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x10\n\x08\x64\x65\x61\x64line\x18\x04 \x01(\x01\x12\x18\n\x10output_token_ids\x18\x05 \x03(\x05\x12\x19\n\x11num_emitted_chars\x18\x06 \x01(\r\"\xf2\x01\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12+\n\x08logprobs\x18\x03 \x01(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12 \n\x02kv\x18\x06 \x01(\x0b\x32\x14.pdserve.v1.KVSource\x12\x15\n\rprefill_start\x18\x07 \x01(\x01\x12\x13\n\x0bprefill_end\x18\x08 \x01(\x01\x12\x15\n\rcached_tokens\x18\t \x01(\r\"\x96\x01\n\x08KVLayout\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x02 \x01(\r\x12\x10\n\x08head_dim\x18\x03 \x01(\r\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x19\n\x11model_fingerprint\x18\x06 \x01(\t\x12\x10\n\x08numerics\x18\x07 \x01(\t\"\xc6\x03\n\x08KVSource\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x12\n\nkv_address\x18\x02 \x01(\t\x12\x0f\n\x07host_id\x18\x03 \x01(\t\x12\x12\n\nshm_region\x18\x04 \x01(\t\x12$\n\x06layout\x18\x05 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\x12\x11\n\tblock_ids\x18\x06 \x03(\r\x12\x12\n\nnum_tokens\x18\x07 \x01(\r\x12\x0e\n\x06\x64igest\x18\x08 \x01(\x04\x12\x11\n\tnum_bytes\x18\t \x01(\x04\x12\x15\n\rlease_expires\x18\n \x01(\x01\x12\x14\n\x0cregion_bytes\x18\x0b \x01(\x04\x12\x13\n\x0btcp_address\x18\x0c \x01(\t\x12\x12\n\naccess_key\x18\r \x01(\t\x12\x19\n\x11\x62lock_generations\x18\x0e \x03(\x03\x12\x11\n\tlayerwise\x18\x0f \x01(\x08\x12\x43\n\x10transport_params\x18\x10 \x03(\x0b\x32).pdserve.v1.KVSource.TransportParamsEntry\x1a\x36\n\x14TransportParamsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x0c:\x02\x38\x01\"\\\n\rPullKVRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12$\n\x06\x65xpect\x18\x02 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\x12\x13\n\x0b\x63hunk_bytes\x18\x03 \x01(\r\"g\n\x08KVHeader\x12$\n\x06layout\x18\x01 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12\x11\n\tnum_bytes\x18\x03 \x01(\x04\x12\x0e\n\x06\x64igest\x18\x04 \x01(\x04\"]\n\x07KVChunk\x12$\n\x06header\x18\x01 \x01(\x0b\x32\x14.pdserve.v1.KVHeader\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x0e\n\x06\x64igest\x18\x04 \x01(\x04\"$\n\x10ReleaseKVRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"%\n\x11ReleaseKVResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\xed\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x18\n\x10output_token_ids\x18\x03 \x03(\x05\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12 \n\x02kv\x18\x05 \x01(\x0b\x32\x14.pdserve.v1.KVSource\x12\x10\n\x08\x64\x65\x61\x64line\x18\x06 \x01(\x01\x12\x19\n\x11num_emitted_chars\x18\x07 \x01(\r\x12\x17\n\x0fprefill_locally\x18\x08 \x01(\x08\"\xc8\x02\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12+\n\x08logprobs\x18\x03 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x16\n\x0etransfer_start\x18\x06 \x01(\x01\x12\x14\n\x0ctransfer_end\x18\x07 \x01(\x01\x12\x17\n\x0f\x64\x65\x63ode_admitted\x18\x08 \x01(\x01\x12\x14\n\x0ckv_transport\x18\t \x01(\t\x12\x10\n\x08kv_bytes\x18\n \x01(\x04\x12\x15\n\rprefill_start\x18\x0b \x01(\x01\x12\x13\n\x0bprefill_end\x18\x0c \x01(\x01\x12\x15\n\rcached_tokens\x18\r \x01(\r\x12\r\n\x05index\x18\x0e \x01(\r2\xa1\x02\n\x0bPrefillNode\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12J\n\rStreamPrefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse0\x01\x12\x38\n\x07GetLoad\x12\x17.pdserve.v1.LoadRequest\x1a\x14.pdserve.v1.NodeLoad\x12H\n\tReleaseKV\x12\x1c.pdserve.v1.ReleaseKVRequest\x1a\x1d.pdserve.v1.ReleaseKVResponse2E\n\x07KVPlane\x12:\n\x06PullKV\x12\x19.pdserve.v1.PullKVRequest\x1a\x13.pdserve.v1.KVChunk0\x01\x32\x89\x01\n\nDecodeNode\x12\x41\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x1a.pdserve.v1.DecodeResponse0\x01\x12\x38\n\x07GetLoad\x12\x17.pdserve.v1.LoadRequest\x1a\x14.pdserve.v1.NodeLoadb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve_api/nodes.proto\x12\npdserve.v1\x1a\x18pdserve_api/common.proto\"\xb3\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x10\n\x08\x64\x65\x61\x64line\x18\x04 \x01(\x01\x12\x18\n\x10output_token_ids\x18\x05 \x03(\x05\x12\x19\n\x11num_emitted_chars\x18\x06 \x01(\r\"\xf2\x01\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12+\n\x08logprobs\x18\x03 \x01(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12 \n\x02kv\x18\x06 \x01(\x0b\x32\x14.pdserve.v1.KVSource\x12\x15\n\rprefill_start\x18\x07 \x01(\x01\x12\x13\n\x0bprefill_end\x18\x08 \x01(\x01\x12\x15\n\rcached_tokens\x18\t \x01(\r\"\xa9\x01\n\x08KVLayout\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x02 \x01(\r\x12\x10\n\x08head_dim\x18\x03 \x01(\r\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x19\n\x11model_fingerprint\x18\x06 \x01(\t\x12\x10\n\x08numerics\x18\x07 \x01(\t\x12\x11\n\tattention\x18\x08 \x01(\t\"\xc6\x03\n\x08KVSource\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x12\n\nkv_address\x18\x02 \x01(\t\x12\x0f\n\x07host_id\x18\x03 \x01(\t\x12\x12\n\nshm_region\x18\x04 \x01(\t\x12$\n\x06layout\x18\x05 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\x12\x11\n\tblock_ids\x18\x06 \x03(\r\x12\x12\n\nnum_tokens\x18\x07 \x01(\r\x12\x0e\n\x06\x64igest\x18\x08 \x01(\x04\x12\x11\n\tnum_bytes\x18\t \x01(\x04\x12\x15\n\rlease_expires\x18\n \x01(\x01\x12\x14\n\x0cregion_bytes\x18\x0b \x01(\x04\x12\x13\n\x0btcp_address\x18\x0c \x01(\t\x12\x12\n\naccess_key\x18\r \x01(\t\x12\x19\n\x11\x62lock_generations\x18\x0e \x03(\x03\x12\x11\n\tlayerwise\x18\x0f \x01(\x08\x12\x43\n\x10transport_params\x18\x10 \x03(\x0b\x32).pdserve.v1.KVSource.TransportParamsEntry\x1a\x36\n\x14TransportParamsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x0c:\x02\x38\x01\"\\\n\rPullKVRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12$\n\x06\x65xpect\x18\x02 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\x12\x13\n\x0b\x63hunk_bytes\x18\x03 \x01(\r\"g\n\x08KVHeader\x12$\n\x06layout\x18\x01 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12\x11\n\tnum_bytes\x18\x03 \x01(\x04\x12\x0e\n\x06\x64igest\x18\x04 \x01(\x04\"]\n\x07KVChunk\x12$\n\x06header\x18\x01 \x01(\x0b\x32\x14.pdserve.v1.KVHeader\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x0e\n\x06\x64igest\x18\x04 \x01(\x04\"$\n\x10ReleaseKVRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"%\n\x11ReleaseKVResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\xed\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x18\n\x10output_token_ids\x18\x03 \x03(\x05\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12 \n\x02kv\x18\x05 \x01(\x0b\x32\x14.pdserve.v1.KVSource\x12\x10\n\x08\x64\x65\x61\x64line\x18\x06 \x01(\x01\x12\x19\n\x11num_emitted_chars\x18\x07 \x01(\r\x12\x17\n\x0fprefill_locally\x18\x08 \x01(\x08\"\xc8\x02\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12+\n\x08logprobs\x18\x03 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x16\n\x0etransfer_start\x18\x06 \x01(\x01\x12\x14\n\x0ctransfer_end\x18\x07 \x01(\x01\x12\x17\n\x0f\x64\x65\x63ode_admitted\x18\x08 \x01(\x01\x12\x14\n\x0ckv_transport\x18\t \x01(\t\x12\x10\n\x08kv_bytes\x18\n \x01(\x04\x12\x15\n\rprefill_start\x18\x0b \x01(\x01\x12\x13\n\x0bprefill_end\x18\x0c \x01(\x01\x12\x15\n\rcached_tokens\x18\r \x01(\r\x12\r\n\x05index\x18\x0e \x01(\r2\xa1\x02\n\x0bPrefillNode\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12J\n\rStreamPrefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse0\x01\x12\x38\n\x07GetLoad\x12\x17.pdserve.v1.LoadRequest\x1a\x14.pdserve.v1.NodeLoad\x12H\n\tReleaseKV\x12\x1c.pdserve.v1.ReleaseKVRequest\x1a\x1d.pdserve.v1.ReleaseKVResponse2E\n\x07KVPlane\x12:\n\x06PullKV\x12\x19.pdserve.v1.PullKVRequest\x1a\x13.pdserve.v1.KVChunk0\x01\x32\x89\x01\n\nDecodeNode\x12\x41\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x1a.pdserve.v1.DecodeResponse0\x01\x12\x38\n\x07GetLoad\x12\x17.pdserve.v1.LoadRequest\x1a\x14.pdserve.v1.NodeLoadb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,29 +39,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PREFILLRESPONSE']._serialized_start=248
   _globals['_PREFILLRESPONSE']._serialized_end=490
   _globals['_KVLAYOUT']._serialized_start=493
-  _globals['_KVLAYOUT']._serialized_end=643
-  _globals['_KVSOURCE']._serialized_start=646
-  _globals['_KVSOURCE']._serialized_end=1100
-  _globals['_KVSOURCE_TRANSPORTPARAMSENTRY']._serialized_start=1046
-  _globals['_KVSOURCE_TRANSPORTPARAMSENTRY']._serialized_end=1100
-  _globals['_PULLKVREQUEST']._serialized_start=1102
-  _globals['_PULLKVREQUEST']._serialized_end=1194
-  _globals['_KVHEADER']._serialized_start=1196
-  _globals['_KVHEADER']._serialized_end=1299
-  _globals['_KVCHUNK']._serialized_start=1301
-  _globals['_KVCHUNK']._serialized_end=1394
-  _globals['_RELEASEKVREQUEST']._serialized_start=1396
-  _globals['_RELEASEKVREQUEST']._serialized_end=1432
-  _globals['_RELEASEKVRESPONSE']._serialized_start=1434
-  _globals['_RELEASEKVRESPONSE']._serialized_end=1471
-  _globals['_DECODEREQUEST']._serialized_start=1474
-  _globals['_DECODEREQUEST']._serialized_end=1711
-  _globals['_DECODERESPONSE']._serialized_start=1714
-  _globals['_DECODERESPONSE']._serialized_end=2042
-  _globals['_PREFILLNODE']._serialized_start=2045
-  _globals['_PREFILLNODE']._serialized_end=2334
-  _globals['_KVPLANE']._serialized_start=2336
-  _globals['_KVPLANE']._serialized_end=2405
-  _globals['_DECODENODE']._serialized_start=2408
-  _globals['_DECODENODE']._serialized_end=2545
+  _globals['_KVLAYOUT']._serialized_end=662
+  _globals['_KVSOURCE']._serialized_start=665
+  _globals['_KVSOURCE']._serialized_end=1119
+  _globals['_KVSOURCE_TRANSPORTPARAMSENTRY']._serialized_start=1065
+  _globals['_KVSOURCE_TRANSPORTPARAMSENTRY']._serialized_end=1119
+  _globals['_PULLKVREQUEST']._serialized_start=1121
+  _globals['_PULLKVREQUEST']._serialized_end=1213
+  _globals['_KVHEADER']._serialized_start=1215
+  _globals['_KVHEADER']._serialized_end=1318
+  _globals['_KVCHUNK']._serialized_start=1320
+  _globals['_KVCHUNK']._serialized_end=1413
+  _globals['_RELEASEKVREQUEST']._serialized_start=1415
+  _globals['_RELEASEKVREQUEST']._serialized_end=1451
+  _globals['_RELEASEKVRESPONSE']._serialized_start=1453
+  _globals['_RELEASEKVRESPONSE']._serialized_end=1490
+  _globals['_DECODEREQUEST']._serialized_start=1493
+  _globals['_DECODEREQUEST']._serialized_end=1730
+  _globals['_DECODERESPONSE']._serialized_start=1733
+  _globals['_DECODERESPONSE']._serialized_end=2061
+  _globals['_PREFILLNODE']._serialized_start=2064
+  _globals['_PREFILLNODE']._serialized_end=2353
+  _globals['_KVPLANE']._serialized_start=2355
+  _globals['_KVPLANE']._serialized_end=2424
+  _globals['_DECODENODE']._serialized_start=2427
+  _globals['_DECODENODE']._serialized_end=2564
 # @@protoc_insertion_point(module_scope)

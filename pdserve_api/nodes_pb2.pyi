@@ -46,7 +46,7 @@ class PrefillResponse(_message.Message):
     def __init__(self, first_token_id: _Optional[int] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., kv: _Optional[_Union[KVSource, _Mapping]] = ..., prefill_start: _Optional[float] = ..., prefill_end: _Optional[float] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class KVLayout(_message.Message):
-    __slots__ = ("num_layers", "num_kv_heads", "head_dim", "dtype", "block_size", "model_fingerprint", "numerics")
+    __slots__ = ("num_layers", "num_kv_heads", "head_dim", "dtype", "block_size", "model_fingerprint", "numerics", "attention")
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
     HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
@@ -54,6 +54,7 @@ class KVLayout(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     NUMERICS_FIELD_NUMBER: _ClassVar[int]
+    ATTENTION_FIELD_NUMBER: _ClassVar[int]
     num_layers: int
     num_kv_heads: int
     head_dim: int
@@ -61,7 +62,8 @@ class KVLayout(_message.Message):
     block_size: int
     model_fingerprint: str
     numerics: str
-    def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., numerics: _Optional[str] = ...) -> None: ...
+    attention: str
+    def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., numerics: _Optional[str] = ..., attention: _Optional[str] = ...) -> None: ...
 
 class KVSource(_message.Message):
     __slots__ = ("lease_id", "kv_address", "host_id", "shm_region", "layout", "block_ids", "num_tokens", "digest", "num_bytes", "lease_expires", "region_bytes", "tcp_address", "access_key", "block_generations", "layerwise", "transport_params")

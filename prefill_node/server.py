@@ -60,7 +60,9 @@ class PrefillNode(EngineServer, nodes_pb2_grpc.PrefillNodeServicer):
         self.server.add(
             nodes_pb2_grpc.add_PrefillNodeServicer_to_server, self, nodes_pb2.DESCRIPTOR.services_by_name["PrefillNode"]
         )
-        self.layout = KVLayout.of(llm.kv_cache, model_fingerprint(llm.model_dir), llm.numerics)
+        self.layout = KVLayout.of(
+            llm.kv_cache, model_fingerprint(llm.model_dir), llm.numerics, llm.model_config.attention
+        )
         self.leases = LeaseTable(config.lease_ttl_s)
         self.senders.attach(
             SenderContext(

@@ -94,6 +94,16 @@ def test_layout_check_names_each_difference():
         a.check(KVLayout(24, 3, 128, "bfloat16", 16, "abc"))
 
 
+def test_layout_check_names_windows_that_differ_and_the_wire_keeps_them():
+    gemma = KVLayout(26, 4, 256, "bfloat16", 16, "abc", attention="window 4096 on layers 0,2,4")
+    gemma.check(KVLayout.from_proto(gemma.to_proto()))
+    with pytest.raises(KVLayoutMismatch, match="attention: decode 'window 4096 on layers 0,2,4', prefill 'full'"):
+        gemma.check(KVLayout(26, 4, 256, "bfloat16", 16, "abc"))
+    older = gemma.to_proto()
+    older.ClearField("attention")  # a node from before the field: not compared
+    gemma.check(KVLayout.from_proto(older))
+
+
 def test_deterministic_kv_moves_only_between_equal_numerics_and_block_sizes():
     det = KVLayout(30, 3, 64, "bfloat16", 16, "abc", "deterministic (amx; ...)")
     det.check(KVLayout(30, 3, 64, "bfloat16", 16, "abc", "deterministic (amx; ...)"))

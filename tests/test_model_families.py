@@ -206,6 +206,10 @@ def test_the_configs_say_which_layers_slide(models):
     for name, (window, layers) in expect.items():
         cfg = ModelConfig.from_dir(models[name])
         assert (cfg.sliding_window, cfg.local_window, cfg.local_layers) == (None, window, layers), name
+    # what the KV layout check compares across the P/D split
+    assert ModelConfig.from_dir(models["gemma2-window5-tied"]).attention == "window 5 on layers 0,2"
+    assert ModelConfig.from_dir(models["phi3-window5"]).attention == "window 5"
+    assert ModelConfig.from_dir(models["qwen3-gqa2-head32"]).attention == "full"
 
 
 def _tampered_config(model: Path, tmp_path: Path, **changes) -> Path:
