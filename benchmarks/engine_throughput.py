@@ -180,7 +180,7 @@ def main() -> int:
     ap.add_argument("--dtype", default="auto", help="auto: what the engine picks on this machine (engine/hardware.py)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--scheduling", default="continuous")
-    ap.add_argument("--only", choices=["pdserve", "transformers", "vllm"])
+    ap.add_argument("--only", help="the systems to run, comma-separated (pdserve, transformers, vllm); default all")
     ap.add_argument("--vllm-venv", default=str(ROOT / ".venv-vllm"))
     ap.add_argument("--repeat", type=int, default=3, help="runs per system, interleaved; medians reported")
     ap.add_argument("--json", help="write the results here")
@@ -217,7 +217,10 @@ def main() -> int:
         f"{lens[0]}/{lens[len(lens) // 2]}/{lens[-1]}, {args.dtype}, torch threads {os.cpu_count()}, "
         f"CPU class {cpu.isa} ({cpu.reason})" + (f", on {gpu}" if gpu else "")
     )
-    systems = [s for s in ["pdserve", "transformers", "vllm"] if not args.only or s == args.only]
+    asked = set(args.only.split(",")) if args.only else {"pdserve", "transformers", "vllm"}
+    if asked - {"pdserve", "transformers", "vllm"}:
+        ap.error(f"--only: unknown systems {sorted(asked - {'pdserve', 'transformers', 'vllm'})}")
+    systems = [s for s in ["pdserve", "transformers", "vllm"] if s in asked]
     runs: dict[str, list[dict]] = {s: [] for s in systems}
     first_ids: dict[str, list[list[int]]] = {}  # each system's greedy tokens in its first run
     for rep in range(args.repeat):  # interleaved, so that a noisy minute hits all systems alike

@@ -39,7 +39,7 @@ def make_twin(config_json: Path, tokenizer_dir: Path, out: Path, device: str = "
             shutil.copy(tokenizer_dir / name, out / name)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(out))
-    shapes = {name: w.shape for name, w in model.state_dict().items()}
+    shapes = hub_names({name: w.shape for name, w in model.state_dict().items()}, config)
     gen = torch.Generator(device=device).manual_seed(seed)
     tensors = {}
     for name, shape in shapes.items():
@@ -53,6 +53,31 @@ def make_twin(config_json: Path, tokenizer_dir: Path, out: Path, device: str = "
     save_file(tensors, out / "model.safetensors")
     for f in out.iterdir():  # owner-only, as the directory
         f.chmod(0o600)
+    return out
+
+
+def hub_names(shapes: dict, config: dict) -> dict:
+    """transformers 5 holds a mixture's experts stacked ([E, 2I, H] gate_up, [E, H, I] down); its
+    checkpoints, and every engine's loader, name each expert's matrices: Mixtral's
+    block_sparse_moe.experts.e.w1/w3/w2, Qwen3-MoE's mlp.experts.e.gate/up/down_proj."""
+    mixtral = config["architectures"][0] == "MixtralForCausalLM"
+    gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+    out = {}
+    for name, shape in shapes.items():
+        block = name.replace(".mlp.", ".block_sparse_moe.") if mixtral else name
+        if name.endswith(".experts.gate_up_proj"):
+            prefix, (experts, rows, cols) = block.removesuffix("gate_up_proj"), shape
+            for e in range(experts):
+                out[f"{prefix}{e}.{gate}.weight"] = (rows // 2, cols)
+                out[f"{prefix}{e}.{up}.weight"] = (rows // 2, cols)
+        elif name.endswith(".experts.down_proj"):
+            prefix, (experts, rows, cols) = block.removesuffix("down_proj"), shape
+            for e in range(experts):
+                out[f"{prefix}{e}.{down}.weight"] = (rows, cols)
+        elif name.endswith(".mlp.gate.weight") and mixtral:
+            out[block] = shape
+        else:
+            out[name] = shape
     return out
 
 

@@ -28,6 +28,9 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3MoeForCausalLM",
 )
 GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+# Multimodal checkpoints whose language model the engine serves alone (text in, text out; the
+# vision tower's weights are not loaded): Gemma 3 4B, 12B and 27B ship so.
+MULTIMODAL_TEXT = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 SUPPORTED_ROPE = ("default", "linear", "llama3", "yarn")
 
@@ -73,9 +76,12 @@ class ModelConfig:
     @classmethod
     def from_dir(cls, model_dir: Path) -> ModelConfig:
         cfg = json.loads((Path(model_dir) / "config.json").read_text())
+        if (cfg.get("architectures") or ["?"])[0] in MULTIMODAL_TEXT:
+            cfg = _text_config(cfg)
         arch = (cfg.get("architectures") or ["?"])[0]
         if arch not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(f"model: architecture {arch!r} is not supported; supported: {SUPPORTED_ARCHITECTURES}")
+            supported = SUPPORTED_ARCHITECTURES + tuple(MULTIMODAL_TEXT)
+            raise ValueError(f"model: architecture {arch!r} is not supported; supported: {supported}")
         heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
         if arch == "Gemma3ForCausalLM":
@@ -139,6 +145,20 @@ class ModelConfig:
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """2 (K and V) x layers x kv_heads x head_dim x dtype bytes."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
+
+def _text_config(cfg: dict) -> dict:
+    """The language model's config of a multimodal checkpoint: its text_config with the defaults
+    of transformers' text config class filled in (hub configs write only what differs from them),
+    and the top level's end-of-sequence ids and tying."""
+    from transformers import Gemma3TextConfig
+
+    text = Gemma3TextConfig(**cfg.get("text_config", {})).to_dict()
+    text["architectures"] = [MULTIMODAL_TEXT[cfg["architectures"][0]]]
+    text["tie_word_embeddings"] = cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", True))
+    if cfg.get("eos_token_id") is not None:
+        text["eos_token_id"] = cfg["eos_token_id"]
+    return text
 
 
 def _moe(arch: str, cfg: dict) -> dict:

@@ -41,6 +41,12 @@ class ModelWeights:
     lm_head: Linear  # [V, H]; packed from the embedding when tied (embed keeps its own layout)
 
 
+# A multimodal checkpoint's language model, under the names of a text-only one: transformers 5
+# saves model.language_model.*, older versions language_model.model.* and language_model.lm_head.*.
+LANGUAGE_MODEL_PREFIXES = {"model.language_model.": "model.", "language_model.model.": "model.", "language_model.": ""}
+OTHER_MODALITIES = ("model.vision_tower.", "vision_tower.", "model.multi_modal_projector.", "multi_modal_projector.")
+
+
 def _read_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
@@ -49,7 +55,11 @@ def _read_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
     for path in files:
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
-                tensors[name] = f.get_tensor(name)
+                if name.startswith(OTHER_MODALITIES):
+                    continue
+                prefix = next((p for p in LANGUAGE_MODEL_PREFIXES if name.startswith(p)), None)
+                key = name if prefix is None else LANGUAGE_MODEL_PREFIXES[prefix] + name.removeprefix(prefix)
+                tensors[key] = f.get_tensor(name)
     return tensors
 
 

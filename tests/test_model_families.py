@@ -334,3 +334,61 @@ def test_a_sharded_checkpoint_loads_as_the_whole_one(models, tmp_path):
     assert len(list(tmp_path.glob("model-*-of-*.safetensors"))) > 1
     assert (tmp_path / "model.safetensors.index.json").is_file()
     assert _prefill_logits_match(model, engine_dir=tmp_path)
+
+
+@pytest.mark.parametrize("name", ["mixtral-4x2", "qwen3moe-8x2-dense-layer1", "gemma3-gqa4-head24"])
+def test_a_random_twin_names_its_tensors_as_the_checkpoint_does(models, tmp_path, name):
+    """benchmarks/random_twin.py writes what transformers' save_pretrained writes (a mixture's
+    experts one by one, not stacked as transformers 5 holds them), so every loader reads it."""
+    import importlib.util
+
+    from safetensors import safe_open
+
+    spec = importlib.util.spec_from_file_location("random_twin", ROOT / "benchmarks" / "random_twin.py")
+    twin_module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(twin_module)
+    model = models[name]
+    twin = twin_module.make_twin(model / "config.json", model, tmp_path / "twin")
+
+    def shapes(path: Path) -> dict:
+        with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+            return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+
+    assert shapes(twin) == shapes(model)
+    make_engine(twin)  # and the engine loads it
+
+
+@pytest.fixture(scope="module")
+def gemma3_multimodal(tmp_path_factory) -> Path:
+    """Gemma 3 4B-27B's kind of checkpoint: a vision tower, a projector and the language model."""
+    path = tmp_path_factory.mktemp("gemma3-multimodal")
+    return make_tiny_model(
+        path, "gemma3_multimodal", seed=25, num_hidden_layers=3, sliding_window=4, tie=True, sliding_window_pattern=2
+    )
+
+
+@pytest.mark.parametrize("cpu_kernels", [True, False], ids=["cpu-kernels", "plain-torch"])
+def test_a_multimodal_gemma3s_language_model_serves_text_as_transformers_does(gemma3_multimodal, cpu_kernels):
+    """Text in, text out: the engine loads the language model alone (the vision tower's weights
+    are not read) and its fp32 logits equal Gemma3ForConditionalGeneration's on text."""
+    cfg = ModelConfig.from_dir(gemma3_multimodal)
+    assert (cfg.architecture, cfg.num_layers, cfg.local_layers) == ("Gemma3ForCausalLM", 3, (0, 2))
+    check_prefill_then_decode(gemma3_multimodal, cpu_kernels=cpu_kernels)
+
+
+def test_the_multimodal_gemma3_configs_count_the_language_models_parameters(gemma3_multimodal):
+    """plan memory counts what the engine loads: the language model (its head tied), not the
+    vision tower; the shipped Gemma 3 12B config (its text_config written as a diff against
+    transformers' defaults, as on the hub) gives transformers' count of 11.77 B."""
+    from transformers import AutoConfig
+
+    hf = AutoModelForCausalLM.from_pretrained(gemma3_multimodal)
+    assert memory(ModelConfig.from_dir(gemma3_multimodal), "float32")["num_params"] == (
+        hf.model.language_model.num_parameters()
+    )
+    path = ROOT / "deploy" / "model_configs" / "gemma-3-12b"
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+    count = memory(ModelConfig.from_dir(path), "bfloat16")["num_params"]
+    assert count == hf.model.language_model.num_parameters()
+    assert round(count / 1e8) / 10 == 11.8

@@ -48,8 +48,8 @@ def make_tiny_model(
     sliding_window: int | None = None,
     **shape,
 ) -> Path:
-    """arch: llama, qwen2, qwen3, mistral, phi3, gemma2, gemma3, mixtral or qwen3_moe; shape: config fields to override
-    (hidden_size, num_attention_heads, num_key_value_heads, head_dim, ...)."""
+    """arch: llama, qwen2, qwen3, mistral, phi3, gemma2, gemma3, gemma3_multimodal, mixtral or
+    qwen3_moe; shape: config fields to override (hidden_size, num_attention_heads, head_dim, ...)."""
     from transformers import (
         Gemma2Config,
         Gemma2ForCausalLM,
@@ -120,6 +120,25 @@ def make_tiny_model(
             }
         cfg = Gemma3TextConfig(**common, sliding_window=sliding_window or 4096, pad_token_id=eos_id)
         model = Gemma3ForCausalLM(cfg)
+    elif arch == "gemma3_multimodal":  # Gemma 3 4B-27B's checkpoint kind: a vision tower beside the language model
+        from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+        common.setdefault("head_dim", 16)
+        common.setdefault("query_pre_attn_scalar", 24)
+        tie = common.pop("tie_word_embeddings")
+        text = dict(common, sliding_window=sliding_window or 4096, pad_token_id=eos_id)
+        vision = dict(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            image_size=28,
+            patch_size=14,
+        )
+        cfg = Gemma3Config(
+            text_config=text, vision_config=vision, mm_tokens_per_image=4, tie_word_embeddings=tie, eos_token_id=eos_id
+        )
+        model = Gemma3ForConditionalGeneration(cfg)
     elif arch == "mixtral":
         common.setdefault("num_local_experts", 4)
         common.setdefault("num_experts_per_tok", 2)
