@@ -7,8 +7,9 @@ RMSNorm scales by (1 + w), the embedding by sqrt(hidden), each sublayer's output
 again before the residual add ("sandwich" norms), the MLP is GeGLU, the attention scale is
 query_pre_attn_scalar's, sliding and full layers alternate (Gemma 3's sliding ones with their own
 RoPE base), and Gemma 2 soft-caps the attention scores and the logits (cap * tanh(x / cap)).
-Mixtral and Qwen3-MoE replace the MLP with a mixture of experts (engine/moe.py) on every layer, or
-on those Qwen3-MoE's decoder_sparse_step and mlp_only_layers leave sparse."""
+Mixtral, Qwen2-MoE and Qwen3-MoE replace the MLP with a mixture of experts (engine/moe.py) on every
+layer, or on those Qwen's decoder_sparse_step and mlp_only_layers leave sparse; Qwen2-MoE adds a
+shared expert that every token takes, its output gated by a sigmoid."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ SUPPORTED_ARCHITECTURES = (
     "Gemma2ForCausalLM",
     "Gemma3ForCausalLM",
     "MixtralForCausalLM",
+    "Qwen2MoeForCausalLM",
     "Qwen3MoeForCausalLM",
 )
 GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
@@ -72,6 +74,7 @@ class ModelConfig:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     moe_renormalize: bool = True
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE: the shared expert's width (0: none)
 
     @classmethod
     def from_dir(cls, model_dir: Path) -> ModelConfig:
@@ -114,7 +117,9 @@ class ModelConfig:
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=cfg.get("tie_word_embeddings", gemma),  # Gemma's class default: tied
-            qkv_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
+            qkv_bias=arch == "Qwen2ForCausalLM"
+            or bool(cfg.get("attention_bias", False))
+            or (arch == "Qwen2MoeForCausalLM" and cfg.get("qkv_bias", True)),
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
             rope=rope,
             sliding_window=sliding,
@@ -162,9 +167,9 @@ def _text_config(cfg: dict) -> dict:
 
 
 def _moe(arch: str, cfg: dict) -> dict:
-    """The mixture-of-experts fields: every layer sparse in Mixtral; in Qwen3-MoE those not in
+    """The mixture-of-experts fields: every layer sparse in Mixtral; in Qwen's those not in
     mlp_only_layers whose index + 1 is a multiple of decoder_sparse_step."""
-    if arch not in ("MixtralForCausalLM", "Qwen3MoeForCausalLM"):
+    if arch not in ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
         return {}
     experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
     top_k = cfg["num_experts_per_tok"]
@@ -186,6 +191,9 @@ def _moe(arch: str, cfg: dict) -> dict:
         num_experts_per_tok=top_k,
         moe_intermediate_size=cfg["moe_intermediate_size"],
         moe_renormalize=bool(cfg.get("norm_topk_prob", False)),
+        shared_expert_intermediate_size=cfg.get("shared_expert_intermediate_size", 0)
+        if arch == "Qwen2MoeForCausalLM"
+        else 0,
     )
 
 

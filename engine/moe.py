@@ -1,6 +1,7 @@
-"""A sparse mixture-of-experts MLP (Mixtral, Qwen3-MoE): a router picks each token's top-k experts,
-each expert is a gated MLP, and a token's output is the sum of its experts' outputs weighted by the
-router's probabilities.
+"""A sparse mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE): a router picks each token's
+top-k experts, each expert is a gated MLP, and a token's output is the sum of its experts' outputs
+weighted by the router's probabilities (plus, in Qwen2-MoE, a shared expert's output gated by
+sigmoid(shared_expert_gate(h))).
 
 Routing as transformers computes it: softmax over the router logits in fp32, top-k, the k weights
 renormalized to sum to 1 (always in Mixtral; Qwen3-MoE where norm_topk_prob says so). Tokens are
@@ -27,6 +28,9 @@ class MoEWeights:
     down: list[Linear]  # per expert [H, I]
     top_k: int
     renormalize: bool
+    shared_gate_up: Linear | None = None  # [2 Is, H], the shared expert
+    shared_down: Linear | None = None  # [H, Is]
+    shared_gate: Linear | None = None  # [1, H]
 
 
 def moe_mlp(h: torch.Tensor, w: MoEWeights, act_mul: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
@@ -48,4 +52,7 @@ def moe_mlp(h: torch.Tensor, w: MoEWeights, act_mul: Callable[[torch.Tensor], to
         y = w.down[e](act_mul(w.gate_up[e](h.index_select(0, rows))))
         out.index_add_(0, rows, (y * weights.view(-1)[pairs, None]).to(out.dtype))
         first += n
+    if w.shared_gate_up is not None:
+        shared = w.shared_down(act_mul(w.shared_gate_up(h)))
+        out = out + torch.sigmoid(w.shared_gate(h)) * shared
     return out

@@ -88,7 +88,7 @@ def load_weights(
         return (1.0 + raw.pop(name).float()).to(device=device, dtype=dtype)
 
     def experts(p: str) -> MoEWeights:
-        """Mixtral's block_sparse_moe.experts.{e}.w1/w3/w2, or Qwen3-MoE's mlp.experts.{e}.gate/up/down_proj."""
+        """Mixtral's block_sparse_moe.experts.{e}.w1/w3/w2, or Qwen-MoE's mlp.experts.{e}.gate/up/down_proj."""
         mixtral = cfg.architecture == "MixtralForCausalLM"
         block = p + ("block_sparse_moe." if mixtral else "mlp.")
         gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
@@ -99,6 +99,16 @@ def load_weights(
             down=[linear(take(e + f"{down}.weight")) for e in e_names],
             top_k=cfg.num_experts_per_tok,
             renormalize=cfg.moe_renormalize,
+            **(shared_expert(block) if cfg.shared_expert_intermediate_size else {}),
+        )
+
+    def shared_expert(block: str) -> dict:
+        """Qwen2-MoE's mlp.shared_expert.gate/up/down_proj and mlp.shared_expert_gate."""
+        e = block + "shared_expert."
+        return dict(
+            shared_gate_up=linear(torch.cat([take(e + "gate_proj.weight"), take(e + "up_proj.weight")])),
+            shared_down=linear(take(e + "down_proj.weight")),
+            shared_gate=linear(take(block + "shared_expert_gate.weight")),
         )
 
     sparse = set(cfg.moe_layers)

@@ -1,4 +1,4 @@
-"""The model families beyond Llama (Qwen3, Phi-3, Gemma 2 and 3, Mixtral, Qwen3-MoE) from
+"""The model families beyond Llama (Qwen3, Phi-3, Gemma 2 and 3, Mixtral, Qwen2/3-MoE) from
 checkpoints saved as a user's would be, built from transformers' own config classes in several
 shapes: fp32 logits and greedy tokens equal to transformers', the same tokens through the P/D
 split, every engine feature together (tests/combinations.py's mixes), deterministic mode's tokens
@@ -49,6 +49,7 @@ SHAPES = {
     "mixtral-4x2": ("mixtral", 21, {}),
     "mixtral-8x2-window4-tied": ("mixtral", 22, dict(num_local_experts=8, sliding_window=4, tie=True)),
     "qwen3moe-8x2-dense-layer1": ("qwen3_moe", 23, dict(num_hidden_layers=3, mlp_only_layers=[1], norm_topk_prob=True)),
+    "qwen2moe-8x2-shared": ("qwen2_moe", 26, dict(mlp_only_layers=[0])),
     "qwen3moe-8x3-step2-mqa-head24": (
         "qwen3_moe",
         24,
@@ -133,6 +134,7 @@ def test_the_negative_control_fails_without_phi3s_window(models, tmp_path):
         "gemma3-gqa4-head24",
         "mixtral-8x2-window4-tied",
         "qwen3moe-8x2-dense-layer1",
+        "qwen2moe-8x2-shared",
     ],
 )
 def test_the_pd_split_gives_the_engines_tokens(models, name, transport, local_prefill):
@@ -156,7 +158,7 @@ def test_the_pd_split_gives_the_engines_tokens(models, name, transport, local_pr
 
 
 MIXED = ["qwen3-gqa2-head32", "phi3-window5", "gemma2-mqa-head32", "gemma3-gqa4-head24"]
-MIXED += ["mixtral-4x2", "qwen3moe-8x2-dense-layer1"]
+MIXED += ["mixtral-4x2", "qwen3moe-8x2-dense-layer1", "qwen2moe-8x2-shared"]
 
 
 @pytest.mark.parametrize("name", MIXED)
@@ -258,6 +260,7 @@ def test_the_configs_say_which_layers_route_to_experts(models):
         "mixtral-4x2": ((0, 1), 4, 2, True),
         "qwen3moe-8x2-dense-layer1": ((0, 2), 8, 2, True),
         "qwen3moe-8x3-step2-mqa-head24": ((1,), 8, 3, False),
+        "qwen2moe-8x2-shared": ((1,), 8, 2, False),
     }
     for name, fields in expect.items():
         cfg = ModelConfig.from_dir(models[name])
@@ -270,8 +273,9 @@ def test_the_configs_say_which_layers_route_to_experts(models):
         ("qwen3moe-8x2-dense-layer1", dict(norm_topk_prob=False)),
         ("qwen3moe-8x3-step2-mqa-head24", dict(num_experts_per_tok=2)),
         ("mixtral-4x2", dict(num_experts_per_tok=1)),
+        ("qwen2moe-8x2-shared", dict(qkv_bias=False)),
     ],
-    ids=["renormalize", "top-k", "mixtral-top-k"],
+    ids=["renormalize", "top-k", "mixtral-top-k", "qwen2moe-bias"],
 )
 def test_the_negative_controls_fail_with_another_routing(models, tmp_path, name, changes):
     model = models[name]
@@ -392,3 +396,12 @@ def test_the_multimodal_gemma3_configs_count_the_language_models_parameters(gemm
     count = memory(ModelConfig.from_dir(path), "bfloat16")["num_params"]
     assert count == hf.model.language_model.num_parameters()
     assert round(count / 1e8) / 10 == 11.8
+
+
+def test_the_negative_control_fails_without_qwen2_moes_shared_expert(models):
+    def no_shared_expert(m):
+        for layer in m.w.layers:
+            if layer.moe is not None:
+                layer.moe.shared_gate_up = None
+
+    assert not _prefill_logits_match(models["qwen2moe-8x2-shared"], tamper=no_shared_expert)

@@ -48,8 +48,8 @@ def make_tiny_model(
     sliding_window: int | None = None,
     **shape,
 ) -> Path:
-    """arch: llama, qwen2, qwen3, mistral, phi3, gemma2, gemma3, gemma3_multimodal, mixtral or
-    qwen3_moe; shape: config fields to override (hidden_size, num_attention_heads, head_dim, ...)."""
+    """arch: llama, qwen2, qwen3, mistral, phi3, gemma2, gemma3, gemma3_multimodal, mixtral,
+    qwen2_moe or qwen3_moe; shape: config fields to override (hidden_size, num_attention_heads, head_dim, ...)."""
     from transformers import (
         Gemma2Config,
         Gemma2ForCausalLM,
@@ -65,6 +65,8 @@ def make_tiny_model(
         Phi3ForCausalLM,
         Qwen2Config,
         Qwen2ForCausalLM,
+        Qwen2MoeConfig,
+        Qwen2MoeForCausalLM,
         Qwen3Config,
         Qwen3ForCausalLM,
         Qwen3MoeConfig,
@@ -143,6 +145,16 @@ def make_tiny_model(
         common.setdefault("num_local_experts", 4)
         common.setdefault("num_experts_per_tok", 2)
         model = MixtralForCausalLM(MixtralConfig(**common, sliding_window=sliding_window))
+    elif arch == "qwen2_moe":  # a shared expert beside the routed ones; qkv bias
+        common.setdefault("num_experts", 8)
+        common.setdefault("num_experts_per_tok", 2)
+        common.setdefault("moe_intermediate_size", 48)
+        common.setdefault("shared_expert_intermediate_size", 80)
+        model = Qwen2MoeForCausalLM(Qwen2MoeConfig(**common))
+        with torch.no_grad():  # (as for qwen2: biases that matter)
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.5)
     elif arch == "qwen3_moe":
         common.setdefault("num_experts", 8)
         common.setdefault("num_experts_per_tok", 2)

@@ -35,6 +35,8 @@ def num_params(cfg: ModelConfig, active: bool = False) -> int:
     dense_mlp = 3 * cfg.hidden_size * cfg.intermediate_size
     experts = cfg.num_experts_per_tok if active else cfg.num_experts
     sparse_mlp = experts * 3 * cfg.hidden_size * cfg.moe_intermediate_size + cfg.num_experts * cfg.hidden_size
+    if cfg.shared_expert_intermediate_size:  # Qwen2-MoE: every token's shared expert and its gate
+        sparse_mlp += 3 * cfg.hidden_size * cfg.shared_expert_intermediate_size + cfg.hidden_size
     num_sparse = len(cfg.moe_layers)
     layers = cfg.num_layers * (attention + norms) + (cfg.num_layers - num_sparse) * dense_mlp + num_sparse * sparse_mlp
     embeddings = cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2)
