@@ -43,15 +43,15 @@ def moe_mlp(h: torch.Tensor, w: MoEWeights, act_mul: Callable[[torch.Tensor], to
     order = torch.argsort(flat, stable=True)  # routed pairs grouped by expert, tokens ascending within
     tokens = order // w.top_k
     counts = torch.bincount(flat, minlength=len(w.down)).tolist()
-    out = torch.zeros_like(h)
+    x = h.index_select(0, tokens)  # [P, H]: each pair's token, expert by expert
+    y = torch.empty_like(x)
     first = 0
     for e, n in enumerate(counts):
-        if n == 0:
-            continue
-        rows, pairs = tokens[first : first + n], order[first : first + n]
-        y = w.down[e](act_mul(w.gate_up[e](h.index_select(0, rows))))
-        out.index_add_(0, rows, (y * weights.view(-1)[pairs, None]).to(out.dtype))
-        first += n
+        if n:
+            y[first : first + n] = w.down[e](act_mul(w.gate_up[e](x[first : first + n])))
+            first += n
+    # One add of every pair, in the pairs' order: each token's experts summed in ascending order.
+    out = torch.zeros_like(h).index_add_(0, tokens, (y * weights.view(-1)[order, None]).to(h.dtype))
     if w.shared_gate_up is not None:
         shared = w.shared_down(act_mul(w.shared_gate_up(h)))
         out = out + torch.sigmoid(w.shared_gate(h)) * shared
