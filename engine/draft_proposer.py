@@ -45,7 +45,7 @@ class DraftModelProposer:
         ordered_linears: bool,
     ):
         model_dir = resolve_model(config.draft_model)
-        cfg = ModelConfig.from_dir(model_dir)
+        cfg = ModelConfig.from_dir(model_dir).for_context(max_model_len)
         if cfg.vocab_size != target.vocab_size:
             raise ValueError(
                 f"speculative.draft_model: its vocabulary ({cfg.vocab_size} tokens) must be the "

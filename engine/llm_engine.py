@@ -59,6 +59,7 @@ class LLMEngine:
                 f"max_model_len must be <= the model's max_position_embeddings "
                 f"({cfg.max_position_embeddings}), got {max_model_len}"
             )
+        self.model_config = cfg = cfg.for_context(max_model_len)
         self.runner = ModelRunner(cfg, self.model_dir, config, self.dtype, self.device, max_model_len, kv_allocator)
         self.kv_cache = self.runner.kv_cache
         if self.device.type == "cpu":  # after the weights' load: its temporaries go back to the kernel

@@ -14,7 +14,7 @@ shared expert that every token takes, its output gated by a sigmoid."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 SUPPORTED_ARCHITECTURES = (
@@ -34,7 +34,7 @@ GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 # vision tower's weights are not loaded): Gemma 3 4B, 12B and 27B ship so.
 MULTIMODAL_TEXT = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
-SUPPORTED_ROPE = ("default", "linear", "llama3", "yarn")
+SUPPORTED_ROPE = ("default", "linear", "llama3", "yarn", "longrope")
 
 
 @dataclass(frozen=True)
@@ -141,11 +141,24 @@ class ModelConfig:
     def attention(self) -> str:
         """What each layer attends ("full", "window W", "window W on layers i,j"): engines whose KV
         is exchanged must agree (a layer's KV past a window is still kept, but read differently)."""
+        attention = "full"
         if self.sliding_window:
-            return f"window {self.sliding_window}"
-        if self.local_layers:
-            return f"window {self.local_window} on layers {','.join(map(str, self.local_layers))}"
-        return "full"
+            attention = f"window {self.sliding_window}"
+        elif self.local_layers:
+            attention = f"window {self.local_window} on layers {','.join(map(str, self.local_layers))}"
+        if self.rope["rope_type"] == "longrope":  # the keys' rotation differs with the factors
+            attention += f"; LongRoPE {'long' if self.rope.get('long_factors') else 'short'} factors"
+        return attention
+
+    def for_context(self, max_model_len: int) -> ModelConfig:
+        """The config an engine of this context length runs. LongRoPE's long factors where that
+        length exceeds the pretraining one, short ones otherwise: chosen once per engine, as vLLM
+        does, so that no sequence's KV mixes keys rotated both ways (transformers switches when a
+        sequence grows past the length, leaving its earlier keys rotated by the short factors)."""
+        if self.rope["rope_type"] != "longrope":
+            return self
+        long = max_model_len > self.rope["original_max_position_embeddings"]
+        return replace(self, rope={**self.rope, "long_factors": long})
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """2 (K and V) x layers x kv_heads x head_dim x dtype bytes."""
@@ -220,11 +233,30 @@ def _rope(params: dict | None, cfg: dict, default_theta: float) -> dict:
     rope = dict(params or {})
     rope.setdefault("rope_type", rope.pop("type", "default"))
     rope.setdefault("rope_theta", cfg.get("rope_theta", default_theta))
+    if rope["rope_type"] == "su":  # Phi-3's first name for LongRoPE
+        rope["rope_type"] = "longrope"
     if rope["rope_type"] not in SUPPORTED_ROPE:
         raise ValueError(f"model: rope_type {rope['rope_type']!r} is not supported; supported: {SUPPORTED_ROPE}")
-    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+    if rope.pop("partial_rotary_factor", 1.0) != 1.0:
         raise ValueError("model: partial_rotary_factor other than 1.0 is not supported")
+    if rope["rope_type"] == "longrope":
+        _longrope(rope, cfg)
     return rope
+
+
+def _longrope(rope: dict, cfg: dict) -> None:
+    """LongRoPE (Phi-3 128k, Phi-3.5): per-frequency factors, short ones for contexts up to the
+    pretraining length, long ones beyond, and cos/sin scaled by an attention factor. Fills in the
+    pretraining length and the factor from config.json as transformers does."""
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    for name in ("short_factor", "long_factor"):
+        factors = rope.get(name)
+        if not isinstance(factors, list) or len(factors) != head_dim // 2:
+            raise ValueError(f"model: rope_scaling.{name} must list head_dim / 2 = {head_dim // 2} numbers")
+    original = rope.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings")
+    rope["original_max_position_embeddings"] = original = original or cfg.get("max_position_embeddings", 2048)
+    if rope.get("factor") is None:
+        rope["factor"] = cfg.get("max_position_embeddings", original) / original
 
 
 def _gemma3_ropes(cfg: dict) -> tuple[dict, dict]:

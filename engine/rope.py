@@ -1,7 +1,7 @@
 """Rotary position embeddings: inverse frequencies for each rope_type, and a cos/sin table.
 
 The formulas follow the papers as transformers implements them (default, linear position
-interpolation, Llama 3.1's smoothed band scaling, YaRN), so that logits match it exactly.
+interpolation, Llama 3.1's smoothed band scaling, YaRN, Phi-3's LongRoPE), so that logits match it exactly.
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ def inv_frequencies(rope: dict, head_dim: int) -> tuple[torch.Tensor, float]:
         return _llama3(inv_freq, rope), 1.0
     if kind == "yarn":
         return _yarn(base, head_dim, rope)
+    if kind == "longrope":
+        return _longrope(base, head_dim, rope)
     raise ValueError(f"rope_type {kind!r} is not supported")
 
 
@@ -67,6 +69,18 @@ def _yarn(base: float, dim: int, rope: dict) -> tuple[torch.Tensor, float]:
     pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)
     extrapolation = 1 - ramp  # 1 where the dimension keeps its original frequency
     inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv_freq, float(attention_factor)
+
+
+def _longrope(base: float, dim: int, rope: dict) -> tuple[torch.Tensor, float]:
+    """Each frequency divided by its own factor (the long list or the short one: ModelConfig.for_context
+    picks), cos and sin scaled by sqrt(1 + ln(factor) / ln(pretraining length)) unless the config names it."""
+    factor, original = rope["factor"], rope["original_max_position_embeddings"]
+    attention_factor = rope.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+    ext = torch.tensor(rope["long_factor" if rope.get("long_factors") else "short_factor"], dtype=torch.float32)
+    inv_freq = 1.0 / (ext * base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     return inv_freq, float(attention_factor)
 
 

@@ -125,13 +125,12 @@ def random_workload(rng: random.Random, num_requests: int) -> list[Req]:
 
 def random_engine(rng: random.Random) -> dict:
     """Engine settings for a mix: a small pool (preemption, eviction), small steps (chunked
-    prefill), speculation or not, prefix caching mostly on, prompts beside decodes in small chunks
-    or not."""
+    prefill), prefix caching mostly on, prompts beside decodes in small chunks or not (speculation:
+    engine_mix)."""
     return {
         "num_kv_blocks": rng.choice([32, 48, 64]),
         "max_num_batched_tokens": rng.choice([16, 32, 512]),
         "max_num_seqs": rng.choice([4, 8, 64]),
-        "speculative": rng.choice([None, NGRAM]),
         "enable_prefix_caching": rng.random() < 0.85,
         "prefill_tokens_with_decodes": rng.choice([0, 0, 5]),  # prompts beside decodes: a share of the step
     }
@@ -241,6 +240,11 @@ def engine_mix(model, seed: int, num_requests: int, report: Report, reference: R
     """One mix through one engine; every finished request checked against its run alone."""
     rng = random.Random(seed)
     reqs, settings = random_workload(rng, num_requests), random_engine(rng)
+    # Speculation by the seed, a third of the mixes each: none, n-gram drafts (accepted where a
+    # random model happens to repeat what the prompt repeats), the model drafting for itself (its
+    # greedy drafts accepted whatever the model; deterministic mode refuses a draft model: n-gram)
+    drafts = {"method": "draft_model", "draft_model": str(model), "num_speculative_tokens": 3}
+    settings["speculative"] = [None, NGRAM, NGRAM if reference.numerics else drafts][seed % 3]
     references(model, reqs, reference)
     engine = make_engine(model, **settings, **reference.numerics)
     outs, done_at, added, aborted, refused, step = {}, {}, {}, set(), set(), 0

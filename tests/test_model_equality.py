@@ -35,15 +35,17 @@ def hf_last_logits(hf, ids: list[int]) -> torch.Tensor:
         return hf(torch.tensor([ids])).logits[0, -1].float()
 
 
-def check_prefill_then_decode(model_dir, steps: int = 6, cpu_kernels: bool = True, linear_kernel: str = "auto"):
+def check_prefill_then_decode(
+    model_dir, steps: int = 6, cpu_kernels: bool = True, linear_kernel: str = "auto", prompts=PROMPTS, **engine
+):
     """A prefill of mixed-length prompts in one forward, then decode steps of the mixed batch, with
     a new prompt joining mid-way so one step mixes decode and prefill."""
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    engine = make_engine(model_dir, cpu_kernels=cpu_kernels, linear_kernel=linear_kernel)
+    engine = make_engine(model_dir, cpu_kernels=cpu_kernels, linear_kernel=linear_kernel, **engine)
     assert engine.runner.use_cpu_kernels == cpu_kernels
     runner, bm = engine.runner, engine.block_manager
-    seqs = [Sequence(f"r{i}", list(p), SamplingParams(temperature=0)) for i, p in enumerate(PROMPTS[:3])]
-    late = Sequence("late", list(PROMPTS[2][:9]), SamplingParams(temperature=0))
+    seqs = [Sequence(f"r{i}", list(p), SamplingParams(temperature=0)) for i, p in enumerate(prompts[:3])]
+    late = Sequence("late", list(prompts[2][:-4]), SamplingParams(temperature=0))
     for step in range(steps):
         if step == 2:
             seqs.append(late)

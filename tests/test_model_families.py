@@ -24,6 +24,7 @@ from engine.model_config import ModelConfig
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
+from kvtransfer.layout import KVLayout, KVLayoutMismatch
 from pdserve.plan.memory import memory
 from router.client import AsyncClient
 
@@ -61,12 +62,32 @@ LAYER_KINDS = ("full_attention", "sliding_attention")
 GREEDY = dict(max_tokens=12, temperature=0, ignore_eos=True)
 
 
+# Phi-3 128k's RoPE in miniature: a pretraining length of 32 extended to 256, a factor per frequency
+LONGROPE = dict(
+    rope_type="longrope",
+    rope_theta=10000.0,
+    short_factor=[1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.0, 4.0],
+    long_factor=[1.0, 1.5, 2.5, 4.0, 6.0, 9.0, 14.0, 20.0],
+)
+LONG_PROMPTS = [[(7 * i + j) % 300 + 1 for i in range(n)] for j, n in enumerate((40, 33, 61))]
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict:
-    return {
+    """SHAPES, and "phi3-longrope" (not in SHAPES: an engine of its full context uses the long
+    factors, transformers the short ones on prompts as short as PROMPTS; its own tests below)."""
+    built = {
         name: make_tiny_model(tmp_path_factory.mktemp(name), arch, seed=seed, **shape)
         for name, (arch, seed, shape) in SHAPES.items()
     }
+    longrope = dict(rope_parameters=LONGROPE, max_position_embeddings=256, original_max_position_embeddings=32)
+    built["phi3-longrope"] = make_tiny_model(tmp_path_factory.mktemp("phi3-longrope"), "phi3", seed=27, **longrope)
+    return built
+
+
+@pytest.fixture(scope="module")
+def longrope(models) -> Path:
+    return models["phi3-longrope"]
 
 
 @pytest.mark.parametrize("cpu_kernels", [True, False], ids=["cpu-kernels", "plain-torch"])
@@ -90,17 +111,17 @@ def test_greedy_tokens_equal_transformers_generate(models, name):
         assert out[0, len(prompt) :].tolist() == tokens, name
 
 
-def _prefill_logits_match(hf_dir, engine_dir=None, tamper=None) -> bool:
+def _prefill_logits_match(hf_dir, engine_dir=None, tamper=None, prompt=PROMPTS[2]) -> bool:
     """The last prompt position's fp32 logits, the engine's (on engine_dir, tampered with) against
     transformers' (on hf_dir)."""
     hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     engine = make_engine(engine_dir or hf_dir)
     if tamper:
         tamper(engine.runner.model)
-    seq = Sequence("r", list(PROMPTS[2]), SamplingParams(temperature=0))
+    seq = Sequence("r", list(prompt), SamplingParams(temperature=0))
     engine.block_manager.allocate(seq, seq.num_tokens)
     _, _, logits = engine.runner.forward(ScheduledBatch([seq], [seq.num_tokens]))
-    return torch.allclose(logits[0], hf_last_logits(hf, PROMPTS[2]), atol=ATOL, rtol=0)
+    return torch.allclose(logits[0], hf_last_logits(hf, prompt), atol=ATOL, rtol=0)
 
 
 def test_the_negative_control_fails_without_qwen3s_head_norms(models):
@@ -130,6 +151,7 @@ def test_the_negative_control_fails_without_phi3s_window(models, tmp_path):
     [
         "qwen3-mqa-head24-tied",
         "phi3-window5",
+        "phi3-longrope",
         "gemma2-window5-tied",
         "gemma3-gqa4-head24",
         "mixtral-8x2-window4-tied",
@@ -157,7 +179,55 @@ def test_the_pd_split_gives_the_engines_tokens(models, name, transport, local_pr
     asyncio.run(scenario())
 
 
-MIXED = ["qwen3-gqa2-head32", "phi3-window5", "gemma2-mqa-head32", "gemma3-gqa4-head24"]
+def test_longrope_short_factors_match_transformers_within_the_pretraining_length(longrope):
+    """An engine whose context fits the pretraining length rotates by the short factors, as
+    transformers does for every sequence no longer than that (these reach 19 tokens)."""
+    check_prefill_then_decode(longrope, max_model_len=32)
+
+
+def test_longrope_long_factors_match_transformers_past_the_pretraining_length(longrope):
+    """An engine of the extended context rotates by the long factors, as transformers does for a
+    sequence past the pretraining length (the prompts here hold 33 to 61 tokens)."""
+    check_prefill_then_decode(longrope, prompts=LONG_PROMPTS)
+    hf = AutoModelForCausalLM.from_pretrained(longrope, dtype=torch.float32).eval()
+    for prompt, tokens in zip(LONG_PROMPTS, engine_alone(longrope, LONG_PROMPTS, **GREEDY)):
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=320, pad_token_id=0)
+        assert out[0, len(prompt) :].tolist() == tokens
+
+
+def test_longrope_reads_phi3s_own_config_and_fails_with_the_factors_swapped(longrope, tmp_path):
+    """Phi-3's config.json writes rope_scaling {"type": "su" or "longrope", ...} beside a top-level
+    original_max_position_embeddings: read the same; the factors swapped: the logits part."""
+    cfg = json.loads((longrope / "config.json").read_text())
+    legacy = dict(
+        rope_scaling={"type": "su", "short_factor": LONGROPE["short_factor"], "long_factor": LONGROPE["long_factor"]},
+        rope_theta=10000.0,
+        rope_parameters=None,
+    )
+    assert cfg["original_max_position_embeddings"] == 32
+    ours = ModelConfig.from_dir(longrope)
+    assert ModelConfig.from_dir(_tampered_config(longrope, tmp_path / "legacy", **legacy)).rope == ours.rope
+    assert ours.rope["factor"] == 8.0 and ours.for_context(33).rope["long_factors"]
+    assert (ours.for_context(32).attention, ours.for_context(256).attention) == (
+        "full; LongRoPE short factors",
+        "full; LongRoPE long factors",
+    )
+    swapped = dict(LONGROPE, short_factor=LONGROPE["long_factor"], long_factor=LONGROPE["short_factor"])
+    assert _prefill_logits_match(longrope, prompt=LONG_PROMPTS[2])
+    tampered = _tampered_config(longrope, tmp_path / "swapped", rope_parameters=swapped)
+    assert not _prefill_logits_match(longrope, engine_dir=tampered, prompt=LONG_PROMPTS[2])
+
+
+def test_longrope_prefill_and_decode_nodes_of_other_contexts_refuse_each_others_kv(longrope):
+    """A prefill node that rotates keys by the short factors cannot hand them to a decode node
+    that reads them by the long ones: the layout check names the difference."""
+    short, long = (make_engine(longrope, max_model_len=n) for n in (32, 256))
+    layouts = [KVLayout.of(e.kv_cache, "m", e.numerics, e.model_config.attention) for e in (long, short)]
+    with pytest.raises(KVLayoutMismatch, match="attention: decode 'full; LongRoPE long factors', prefill 'full; Lo"):
+        layouts[0].check(layouts[1])
+
+
+MIXED = ["qwen3-gqa2-head32", "phi3-window5", "phi3-longrope", "gemma2-mqa-head32", "gemma3-gqa4-head24"]
 MIXED += ["mixtral-4x2", "qwen3moe-8x2-dense-layer1", "qwen2moe-8x2-shared"]
 
 
@@ -216,6 +286,7 @@ def test_the_configs_say_which_layers_slide(models):
 
 def _tampered_config(model: Path, tmp_path: Path, **changes) -> Path:
     """A copy of the checkpoint with config.json's fields changed."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
     for f in model.iterdir():
         (tmp_path / f.name).write_bytes(f.read_bytes())
     cfg = json.loads((tmp_path / "config.json").read_text())
