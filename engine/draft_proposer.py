@@ -73,6 +73,9 @@ class DraftModelProposer:
             if seq.num_tokens - seq.num_computed_tokens != 1 or seq.keep_kv:
                 continue
             state = seq.draft_state or _new_state(seq)
+            # Drafts the scheduler dropped (they did not fit the step's tokens or blocks) were never
+            # verified: the draft KV holds only the positions before the last token.
+            state.draft_computed = min(state.draft_computed, seq.num_tokens - 1)
             k = draft_length(self.config, state, seq, self.max_model_len)
             # the drafts' positions: blocks now (the draft model writes there first), if spare
             if k < 1 or not bm.can_allocate(seq, seq.num_tokens + k - 1, reserve=self.reserve):

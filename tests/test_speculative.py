@@ -296,6 +296,24 @@ def test_a_draft_model_gives_the_same_tokens(tiny_llama, tiny_draft, params):
         assert_no_blocks_used(engine)
 
 
+def test_drafts_the_step_has_no_room_for_are_dropped_and_drafted_again(tiny_llama):
+    """A token budget too small for every sequence's drafts: the scheduler verifies some and drops
+    the rest, whose draft KV must then catch up from the last token again (it once ran a span of
+    negative length)."""
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    prompts = PROMPTS | {rid + "-again": prompt + " again" for rid, prompt in PROMPTS.items()}
+    base = generate(make_engine(tiny_llama), prompts, params)
+    engine = make_engine(
+        tiny_llama,
+        max_num_batched_tokens=6,  # one verification of 3 drafts, and 2 more tokens
+        speculative={"method": "draft_model", "draft_model": str(tiny_llama), "num_speculative_tokens": 3},
+    )
+    spec = generate(engine, prompts, params)
+    assert {r: o.token_ids for r, o in spec.items()} == {r: o.token_ids for r, o in base.items()}
+    assert 0 < engine.num_draft_tokens and engine.num_verifications < engine.num_generated_tokens
+    assert_no_blocks_used(engine)
+
+
 def test_draft_model_settings_are_checked(tiny_llama, tmp_path):
     from tiny_models import make_tiny_model
 
