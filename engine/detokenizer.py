@@ -11,7 +11,7 @@ PROMPT_CONTEXT_TOKENS = 5
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, prompt_token_ids: list[int], stop: tuple[str, ...]):
+    def __init__(self, tokenizer, prompt_token_ids: list[int], stop: tuple[str, ...], min_tokens: int = 0):
         self.tokenizer = tokenizer
         self.ids = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
         self.prefix_offset = 0
@@ -21,6 +21,7 @@ class IncrementalDetokenizer:
         self.hold_back = max((len(s) for s in stop), default=1) - 1
         self.text = ""  # all output text so far, cut before a stop string
         self.num_emitted = 0  # characters of `text` already returned to the caller
+        self.num_tokens, self.min_tokens = 0, min_tokens  # stop strings end the output only past min_tokens
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -29,6 +30,7 @@ class IncrementalDetokenizer:
         """Adds one generated token. Returns (text to stream now, whether a stop string ended the
         output). `final` says no token follows, so nothing is held back."""
         self.ids.append(token_id)
+        self.num_tokens += 1
         prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
         full = self._decode(self.ids[self.prefix_offset :])
         stopped = False
@@ -41,7 +43,7 @@ class IncrementalDetokenizer:
         return delta, stopped
 
     def _append(self, delta: str) -> bool:
-        if self.stop:
+        if self.stop and self.num_tokens > self.min_tokens:
             # A stop string may straddle earlier text and this delta.
             start = max(0, len(self.text) - self.hold_back)
             window = self.text[start:] + delta

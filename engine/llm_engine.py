@@ -154,6 +154,7 @@ class LLMEngine:
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         if (request_id, 0) in self.requests or request_id in self.kv_leases or request_id in self.beams:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        params.check_token_ids(self.model_config.vocab_size)
         ids = self.tokenize(prompt)
         prior = self.tokenize(list(output_token_ids)) if output_token_ids else []
         self._check_length(len(ids) + len(prior))
@@ -177,7 +178,7 @@ class LLMEngine:
     def _track(self, seq: Sequence, num_emitted_chars: int | None = None) -> None:
         detok = None
         if self.tokenizer is not None:
-            detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, seq.params.stop)
+            detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, seq.params.stop, seq.params.min_tokens)
             for token_id in seq.output_token_ids:  # sampled elsewhere, and streamed there up to
                 detok.add(token_id)  # num_emitted_chars characters
             emitted = len(detok.text) if num_emitted_chars is None else min(num_emitted_chars, len(detok.text))

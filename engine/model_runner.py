@@ -77,7 +77,7 @@ class ModelRunner:
         self.kv_cache = KVCache(
             cfg.num_layers, num_blocks, config.block_size, cfg.num_kv_heads, cfg.head_dim, dtype, device, buffer
         )
-        self.sampler = Sampler(config.seed, device)
+        self.sampler = Sampler(config.seed, device, cfg.eos_token_ids)
 
     def _cuda_kernel_runs(self, device: torch.device, dtype: torch.dtype, config: EngineConfig) -> bool:
         why = cuda_kernels.why_not(
@@ -214,7 +214,17 @@ class ModelRunner:
             seq = batch.seqs[i]
             params.extend([seq.params] * count)
             steps.extend(range(len(seq.output_token_ids), len(seq.output_token_ids) + count))
-        out = self.sampler(logits, params, steps)
+
+        def histories() -> tuple[list, list]:
+            """Per row, its prompt and the output before its token (a verification's drafts too)."""
+            prompts, pasts = [], []
+            for i, count in zip(rows, counts):
+                seq = batch.seqs[i]
+                prompts += [seq.prompt_token_ids] * count
+                pasts += [seq.output_token_ids + seq.draft_token_ids[:j] for j in range(count)]
+            return prompts, pasts
+
+        out = self.sampler(logits, params, steps, histories)
         r = 0
         for i, count in zip(rows, counts):
             emitted = first_rejected(batch.seqs[i].draft_token_ids, out.token_ids[r : r + count]) + 1

@@ -1,4 +1,5 @@
-"""Turns a step's logits into tokens: greedy, or temperature -> top-k -> top-p -> random draw.
+"""Turns a step's logits into tokens: penalties (engine/penalties.py), then greedy, or
+temperature -> min-p -> top-k -> top-p -> random draw.
 
 The draw is an exponential race (argmax of probs / Exp(1) noise), which samples exactly from
 `probs`. A request with a seed draws the noise for its i-th output token from a generator seeded
@@ -8,10 +9,12 @@ preemption, and not on which node (prefill or decode) samples which token.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from engine.penalties import apply_penalties
 from engine.sampling_params import SamplingParams
 
 
@@ -38,13 +41,26 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
 
 
 class Sampler:
-    def __init__(self, seed: int, device: torch.device):
+    def __init__(self, seed: int, device: torch.device, eos_token_ids: tuple[int, ...] = ()):
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.scratch = torch.Generator(device=device)  # reseeded per (request seed, step)
+        self.eos_token_ids = eos_token_ids  # what min_tokens holds back, with each request's stop ids
 
-    def __call__(self, logits: torch.Tensor, params: list[SamplingParams], steps: list[int]) -> SamplerOutput:
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        steps: list[int],
+        histories: Callable[[], tuple[list, list]] | None = None,
+    ) -> SamplerOutput:
         """logits: [N, V] fp32, one row per sequence that samples this step; steps[i]: how many
-        tokens row i has generated before this one."""
+        tokens row i has generated before this one; histories() -> (each row's prompt ids, its
+        output before the row's token), asked for where a row's params penalize. Logprobs are the
+        model's own distribution's (vLLM's raw logprobs), before penalties and masks."""
+        raw = logits
+        if any(p.penalized for p in params):
+            prompts, pasts = histories()
+            logits = apply_penalties(logits.clone(), params, prompts, pasts, self.eos_token_ids)
         greedy = all(p.greedy for p in params)
         if greedy:
             token_ids = logits.max(dim=-1).indices  # first maximum, as argmax; 2-3x faster on CPU
@@ -54,12 +70,16 @@ class Sampler:
         token_list = token_ids.tolist()
         if not any(want):
             return SamplerOutput(token_list, [None] * len(params))
-        return SamplerOutput(token_list, self._logprobs(logits, token_ids, params, want))
+        return SamplerOutput(token_list, self._logprobs(raw, token_ids, params, want))
 
     def _sample(self, logits, params, steps) -> torch.Tensor:
         device = logits.device
         temperature = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=device)
         scaled = logits / temperature[:, None]
+        if any(p.min_p for p in params):  # after the temperature, before top-k and top-p (as vLLM)
+            min_p = torch.tensor([p.min_p for p in params], device=device, dtype=logits.dtype)[:, None]
+            probs = scaled.softmax(dim=-1)
+            scaled = scaled.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), float("-inf"))
         if any(p.top_k > 0 or p.top_p < 1 for p in params):
             top_k = torch.tensor([p.top_k for p in params], device=device)
             top_p = torch.tensor([p.top_p for p in params], device=device, dtype=logits.dtype)

@@ -9,6 +9,7 @@ MAX_SAMPLES = 16  # n and best_of
 MAX_BEAM_WIDTH = MAX_LOGPROBS // 2  # each beam step asks for the top 2 x width logprobs
 MAX_STOP_STRINGS, MAX_STOP_LEN = 16, 256
 MAX_CACHE_SALT = 1024
+MAX_LOGIT_BIAS, MAX_BAD_WORDS, MAX_REPETITION_PENALTY = 1024, 256, 10.0
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,19 @@ class SamplingParams:
     # Prefix caching: only requests with the same salt share cached blocks (vLLM's cache_salt); a
     # router with API keys prefixes each key's own (engine/block_manager.py, README)
     cache_salt: str = ""
+    # Before the draw (engine/penalties.py, vLLM's semantics): each token's logit minus
+    # presence_penalty once it is in the output and frequency_penalty per time it is; divided by
+    # repetition_penalty (multiplied where negative) once it is in the prompt or the output;
+    # logit_bias added ({token id: bias}); min_p drops tokens less likely than min_p x the top one;
+    # EOS and stop_token_ids banned until min_tokens; bad words' last tokens banned where the
+    # output ends with the rest of the word (ids: the router tokenizes `bad_words` strings).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_p: float = 0.0
+    min_tokens: int = 0
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self):
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
@@ -73,6 +87,53 @@ class SamplingParams:
                 raise ValueError("best_of does not apply to beam search (beam_width sets the hypotheses kept)")
             if stop:
                 raise ValueError("stop strings are not supported with beam search (stop_token_ids are)")
+        self._check_penalties()
+
+    def _check_penalties(self):
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -2 <= value <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
+        if not _is_number(self.repetition_penalty) or not 0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            limit = MAX_REPETITION_PENALTY
+            raise ValueError(f"repetition_penalty must be in (0, {limit}], got {self.repetition_penalty!r}")
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias or ()
+        try:
+            bias = tuple(sorted((int(t), b) for t, b in bias))  # OpenAI's JSON keys are strings
+        except (TypeError, ValueError):
+            raise ValueError(f"logit_bias must map token ids to numbers, got {self.logit_bias!r}") from None
+        if len(bias) > MAX_LOGIT_BIAS or any(t < 0 or not _is_number(b) or not -100 <= b <= 100 for t, b in bias):
+            raise ValueError(f"logit_bias: at most {MAX_LOGIT_BIAS} token ids >= 0, each biased by [-100, 100]")
+        object.__setattr__(self, "logit_bias", tuple((t, float(b)) for t, b in bias))
+        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens {self.max_tokens}], got {self.min_tokens!r}")
+        words = tuple(tuple(w) for w in self.bad_words_token_ids or ())
+        if len(words) > MAX_BAD_WORDS or any(not w or any(not _is_int(t) or t < 0 for t in w) for w in words):
+            raise ValueError(f"bad_words: at most {MAX_BAD_WORDS} words, each of one or more token ids >= 0")
+        object.__setattr__(self, "bad_words_token_ids", words)
+        if self.beam_width > 1 and (self.penalized or self.min_p):
+            raise ValueError("beam search takes no penalties, logit_bias, min_p, min_tokens or bad_words")
+
+    def check_token_ids(self, vocab_size: int) -> None:
+        """Raises ValueError naming logit_bias or bad_words where an id is outside the vocabulary."""
+        if any(t >= vocab_size for t, _ in self.logit_bias):
+            raise ValueError(f"logit_bias: token ids must be below the vocabulary size {vocab_size}")
+        if any(t >= vocab_size for word in self.bad_words_token_ids for t in word):
+            raise ValueError(f"bad_words: token ids must be below the vocabulary size {vocab_size}")
+
+    @property
+    def penalized(self) -> bool:
+        """Whether anything changes the logits before the draw (engine/penalties.py)."""
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1
+            or self.logit_bias
+            or self.min_tokens
+            or self.bad_words_token_ids
+        )
 
     @property
     def greedy(self) -> bool:

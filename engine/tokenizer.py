@@ -52,3 +52,19 @@ def check_prompt_length(num_tokens: int, max_model_len: int) -> None:
             f"prompt has {num_tokens} tokens; it must be shorter than max_model_len "
             f"({max_model_len}) to leave room for one generated token"
         )
+
+
+def bad_words_token_ids(tokenizer, words: list[str]) -> tuple[tuple[int, ...], ...]:
+    """Each bad word's token ids as it starts the text and, where that tokenizes otherwise, as it
+    follows a space (vLLM's two spellings of a word)."""
+    if tokenizer is None:
+        raise ValueError("bad_words: this engine has no tokenizer (send bad_words_token_ids)")
+    out: list[tuple[int, ...]] = []
+    for word in words:
+        if not isinstance(word, str) or not word.strip():
+            raise ValueError(f"bad_words must be non-empty strings, got {word!r}")
+        for text in (word.lstrip(), " " + word.lstrip()):
+            ids = tuple(tokenizer.encode(text, add_special_tokens=False))
+            if ids and ids not in out:
+                out.append(ids)
+    return tuple(out)

@@ -14,7 +14,13 @@ import grpc
 
 from engine.model_config import ModelConfig
 from engine.model_source import resolve_model
-from engine.tokenizer import apply_chat_template, check_prompt_length, load_tokenizer, prompt_token_ids
+from engine.tokenizer import (
+    apply_chat_template,
+    bad_words_token_ids,
+    check_prompt_length,
+    load_tokenizer,
+    prompt_token_ids,
+)
 from pdserve_api import common_pb2, generate_pb2, generate_pb2_grpc
 from router.config import RouterConfig
 from serving.metrics import Metrics
@@ -164,7 +170,12 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
                 grpc.StatusCode.NOT_FOUND, f"model {request.model!r} is not served here (serving {self.model_id!r})"
             )
         try:
+            if request.sampling.bad_words:  # the nodes take them tokenized
+                words = bad_words_token_ids(self.tokenizer, list(request.sampling.bad_words))
+                request.sampling.ClearField("bad_words")
+                request.sampling.bad_words_token_ids.extend(common_pb2.TokenIds(ids=list(w)) for w in words)
             params = sampling_from_proto(request.sampling)
+            params.check_token_ids(self.model_config.vocab_size)
             ids = self._prompt_ids(request)
             check_prompt_length(len(ids), self.max_model_len)
         except ValueError as e:

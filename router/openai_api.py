@@ -53,11 +53,8 @@ ERROR_TYPE = {
 }
 # OpenAI parameters with no pdserve meaning: accepted at their neutral value, refused otherwise.
 NEUTRAL = {
-    "presence_penalty": 0,
-    "frequency_penalty": 0,
     "echo": False,
     "suffix": None,
-    "logit_bias": None,
     "tools": None,
     "tool_choice": None,
     "response_format": None,
@@ -86,6 +83,13 @@ PARAMS = {
     "use_beam_search",
     "length_penalty",
     "beam_width",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logit_bias",
+    "min_p",
+    "min_tokens",
+    "bad_words",
     *NEUTRAL,
 }
 
@@ -219,9 +223,15 @@ class OpenAIAPI:
             ("best_of", best_of, int),
             ("beam_width", beam_width, int),
             ("length_penalty", body.get("length_penalty"), float),
+            ("presence_penalty", body.get("presence_penalty"), float),
+            ("frequency_penalty", body.get("frequency_penalty"), float),
+            ("repetition_penalty", body.get("repetition_penalty"), float),
+            ("min_p", body.get("min_p"), float),
+            ("min_tokens", body.get("min_tokens"), int),
         ):
             if value is not None:
                 setattr(sampling, name, _typed(name, value, kind))
+        _penalties(sampling, body)
         sampling.top_k = _typed("top_k", body.get("top_k", 0) or 0, int)
         stop = body.get("stop") or []
         stop = [stop] if isinstance(stop, str) else stop
@@ -442,6 +452,25 @@ def _messages(messages) -> list[generate_pb2.ChatMessage]:
             raise APIError(400, f"messages[{i}].role must be a string, got {role!r}", f"messages[{i}].role")
         out.append(generate_pb2.ChatMessage(role=role, content=_content(m.get("content"), f"messages[{i}].content")))
     return out
+
+
+def _penalties(sampling: common_pb2.SamplingParams, body: dict) -> None:
+    """logit_bias ({"token id": bias}, OpenAI's JSON) and bad_words (vLLM's strings, tokenized by the frontend)."""
+    bias = body.get("logit_bias") or {}
+    if not isinstance(bias, dict):
+        raise APIError(400, 'logit_bias must be an object of {"token id": bias}', "logit_bias")
+    for token, value in bias.items():
+        try:
+            token_id = int(token)
+        except (TypeError, ValueError):
+            raise APIError(400, f"logit_bias: {token!r} is not a token id", "logit_bias") from None
+        if not 0 <= token_id < 2**31:
+            raise APIError(400, f"logit_bias: token id {token_id} is out of range", "logit_bias")
+        sampling.logit_bias[token_id] = _typed("logit_bias", value, float)
+    words = body.get("bad_words") or []
+    if not isinstance(words, list) or not all(isinstance(w, str) for w in words):
+        raise APIError(400, "bad_words must be a list of strings", "bad_words")
+    sampling.bad_words.extend(words)
 
 
 def _typed(name: str, value, kind):

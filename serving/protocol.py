@@ -20,15 +20,24 @@ def sampling_from_proto(m: common_pb2.SamplingParams) -> SamplingParams:
         "best_of",
         "beam_width",
         "length_penalty",
+        "repetition_penalty",
     ):
         if m.HasField(name):
             kwargs[name] = getattr(m, name)
+    if m.bad_words:
+        raise ValueError("bad_words: strings are tokenized by the router; a node takes bad_words_token_ids")
     return SamplingParams(
         top_k=m.top_k,
         stop=tuple(m.stop),
         stop_token_ids=tuple(m.stop_token_ids),
         ignore_eos=m.ignore_eos,
         cache_salt=m.cache_salt,
+        presence_penalty=m.presence_penalty,
+        frequency_penalty=m.frequency_penalty,
+        logit_bias=dict(m.logit_bias),
+        min_p=m.min_p,
+        min_tokens=m.min_tokens,
+        bad_words_token_ids=tuple(tuple(w.ids) for w in m.bad_words_token_ids),
         **kwargs,
     )
 
@@ -54,6 +63,16 @@ def sampling_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
         m.best_of = p.best_of
     if p.beam_width != 1:
         m.beam_width, m.length_penalty = p.beam_width, p.length_penalty
+    if p.repetition_penalty != 1:
+        m.repetition_penalty = p.repetition_penalty
+    m.presence_penalty, m.frequency_penalty, m.min_p, m.min_tokens = (
+        p.presence_penalty,
+        p.frequency_penalty,
+        p.min_p,
+        p.min_tokens,
+    )
+    m.logit_bias.update(dict(p.logit_bias))
+    m.bad_words_token_ids.extend(common_pb2.TokenIds(ids=list(w)) for w in p.bad_words_token_ids)
     return m
 
 

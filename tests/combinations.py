@@ -57,6 +57,7 @@ class Req:
                 ("stop", p.stop),
                 ("stop_ids", p.stop_token_ids),
                 ("logprobs", p.logprobs),
+                ("penalized", p.penalized or p.min_p),
                 ("follow-up", self.parent),
                 ("cancel", self.cancel_after is not None),
             )
@@ -79,6 +80,16 @@ def random_params(rng: random.Random) -> SamplingParams:
     if kind == "beam":
         width = rng.randint(2, 3)
         return SamplingParams(beam_width=width, n=rng.randint(1, width), temperature=0, **common)
+    if rng.random() < 0.3:  # penalties, biases, min_p, min_tokens, bad words (engine/penalties.py)
+        common |= rng.choice(
+            [
+                {"presence_penalty": 1.5},
+                {"frequency_penalty": 0.75, "repetition_penalty": 1.25},
+                {"logit_bias": {rng.choice(VOCAB): 5.0, rng.choice(VOCAB): -100.0}},
+                {"min_tokens": min(3, max_tokens), "min_p": 0.25},
+                {"bad_words_token_ids": ((rng.choice(VOCAB),), tuple(rng.sample(VOCAB, 2)))},
+            ]
+        )
     sampling = (
         {"temperature": 0}
         if kind == "greedy"
@@ -134,6 +145,14 @@ def random_engine(rng: random.Random) -> dict:
         "enable_prefix_caching": rng.random() < 0.85,
         "prefill_tokens_with_decodes": rng.choice([0, 0, 5]),  # prompts beside decodes: a share of the step
     }
+
+
+def speculation(model, seed: int, reference: Reference) -> dict | None:
+    """By the seed, a third of the mixes each: none, n-gram drafts (accepted where a random model
+    happens to repeat what the prompt repeats), the model drafting for itself (its greedy drafts
+    accepted whatever the model; deterministic mode refuses a draft model: n-gram there)."""
+    drafts = {"method": "draft_model", "draft_model": str(model), "num_speculative_tokens": 3}
+    return [None, NGRAM, NGRAM if reference.numerics else drafts][seed % 3]
 
 
 def make_engine(model, **kwargs) -> LLMEngine:
@@ -240,11 +259,9 @@ def engine_mix(model, seed: int, num_requests: int, report: Report, reference: R
     """One mix through one engine; every finished request checked against its run alone."""
     rng = random.Random(seed)
     reqs, settings = random_workload(rng, num_requests), random_engine(rng)
-    # Speculation by the seed, a third of the mixes each: none, n-gram drafts (accepted where a
-    # random model happens to repeat what the prompt repeats), the model drafting for itself (its
-    # greedy drafts accepted whatever the model; deterministic mode refuses a draft model: n-gram)
-    drafts = {"method": "draft_model", "draft_model": str(model), "num_speculative_tokens": 3}
-    settings["speculative"] = [None, NGRAM, NGRAM if reference.numerics else drafts][seed % 3]
+    settings["speculative"] = speculation(model, seed, reference)
+    if seed % 3 == 0:  # a third of the mixes under pressure whatever else was drawn: preemptions, evictions
+        settings |= {"num_kv_blocks": 32, "max_num_seqs": 64, "max_num_batched_tokens": 512}
     references(model, reqs, reference)
     engine = make_engine(model, **settings, **reference.numerics)
     outs, done_at, added, aborted, refused, step = {}, {}, {}, set(), set(), 0
@@ -320,14 +337,13 @@ def count_work(report: Report, engine: LLMEngine) -> None:
 
 
 def random_cluster(rng: random.Random) -> dict:
-    """Cluster settings for a mix: the KV's way across (shm, tcp), where prefills run, speculation
-    on the decode nodes, a small decode pool, their local prefills' chunks beside decodes, a TPOT
-    bound on local prefills (a tiny model's tokens come a few ms apart: some start, some do not),
-    and whether a decode node is killed mid-run."""
+    """Cluster settings for a mix: the KV's way across (shm, tcp), where prefills run, a small
+    decode pool, their local prefills' chunks beside decodes, a TPOT bound on local prefills (a
+    tiny model's tokens come a few ms apart: some start, some do not), and whether a decode node
+    is killed mid-run (speculation on the decode nodes: cluster_mix)."""
     return {
         "kv_transport": rng.choice(["shm", "tcp"]),
         "local_prefill": rng.choice(["off", "auto"]),
-        "speculative": rng.choice([None, NGRAM]),
         "num_kv_blocks": rng.choice([32, 48]),
         "kill": rng.random() < 0.5,
         "prefill_tokens_with_decodes": rng.choice([None, 5]),  # the decode node's default, or small chunks
@@ -382,6 +398,7 @@ async def cluster_mix(model, seed: int, num_requests: int, report: Report, refer
 
     rng = random.Random(seed)
     reqs, settings = random_workload(rng, num_requests), random_cluster(rng)
+    settings["speculative"] = speculation(model, seed, reference)  # on the decode nodes
     references(model, reqs, reference)
     decode_engine = {k: settings[k] for k in ("num_kv_blocks", "speculative", "prefill_tokens_with_decodes")}
     decode_engine |= reference.numerics

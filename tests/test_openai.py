@@ -97,6 +97,48 @@ def test_completions_equal_the_grpc_path(up, client):
     assert chunks[-1].usage.completion_tokens == 12
 
 
+def test_penalties_bias_and_bad_words_equal_the_grpc_path(up, client):
+    """OpenAI's presence/frequency penalties and logit_bias (string keys), vLLM's
+    repetition_penalty, min_p, min_tokens and bad_words (strings the router tokenizes)."""
+    _, grpc_addr, model, _ = up
+    plain = client.completions.create(model=model, prompt=PROMPT_IDS, max_tokens=12, temperature=0)
+    word = plain.choices[0].text.split()[0]
+    sampling = dict(presence_penalty=1.5, frequency_penalty=0.5, repetition_penalty=1.25, min_p=0.25, min_tokens=3)
+    expected = Client(grpc_addr, api_key=KEY).generate(
+        PROMPT_IDS, max_tokens=12, temperature=0, ignore_eos=True, logit_bias={7: 2.0}, bad_words=[word], **sampling
+    )
+    result = client.completions.create(
+        model=model,
+        prompt=PROMPT_IDS,
+        max_tokens=12,
+        temperature=0,
+        presence_penalty=1.5,
+        frequency_penalty=0.5,
+        logit_bias={"7": 2.0},
+        extra_body={"ignore_eos": True, "bad_words": [word], **{k: sampling[k] for k in sampling if "ence" not in k}},
+    )
+    assert result.choices[0].text == expected.text != plain.choices[0].text
+    assert word not in result.choices[0].text.split()
+
+
+@pytest.mark.parametrize(
+    "extra, param, words",
+    [
+        (dict(presence_penalty=3), "presence_penalty", "presence_penalty must be in [-2, 2], got 3.0"),
+        (dict(logit_bias={"x": 1}), "logit_bias", "'x' is not a token id"),
+        (dict(logit_bias={"7": 500}), "logit_bias", "each biased by [-100, 100]"),
+        (dict(logit_bias={"99999": 1}), "logit_bias", "below the vocabulary size 320"),
+        (dict(bad_words="no"), "bad_words", "bad_words must be a list of strings"),
+        (dict(min_tokens=20, max_tokens=5), "min_tokens", "min_tokens must be in [0, max_tokens 5], got 20"),
+    ],
+)
+def test_bad_penalties_are_400_naming_the_field(up, client, extra, param, words):
+    with pytest.raises(openai.APIStatusError) as err:
+        client.completions.create(model=up[2], prompt="hi", max_tokens=3, extra_body=extra)
+    body = err.value.response.json()["error"]
+    assert err.value.status_code == 400 and words in body["message"] and body["param"] == param
+
+
 def test_chat_equals_the_grpc_path(up, client):
     _, grpc_addr, model, _ = up
     messages = [{"role": "user", "content": "Hello world"}]
