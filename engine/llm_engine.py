@@ -30,6 +30,7 @@ from engine.scheduler import Scheduler
 from engine.sequence import FinishReason, Sequence
 from engine.speculative import NgramProposer, SpeculativeConfig
 from engine.step_log import StepLog
+from engine.structured_output import GrammarCompiler, StructuredOutput
 from engine.tokenizer import check_prompt_length, load_tokenizer, prompt_token_ids
 
 
@@ -121,6 +122,18 @@ class LLMEngine:
         them, its text after the num_emitted_chars characters already streamed."""
         self._add(request_id, prompt, params, output_token_ids, num_emitted_chars)
 
+    def _check_grammar(self, so: StructuredOutput, prior: list[int]) -> None:
+        """Compiles the grammar (cached) and checks that the tokens generated elsewhere (a
+        migration, a prefill node's first token) are in it. Raises ValueError naming structured_output."""
+        if self.runner.grammars is None:
+            if self.tokenizer is None:
+                raise ValueError("structured_output: this engine has no tokenizer")
+            cfg = self.model_config
+            self.runner.grammars = GrammarCompiler(self.tokenizer, cfg.vocab_size, cfg.eos_token_ids)
+        matcher = self.runner.grammars.matcher(so)
+        if prior and not matcher.consume_tokens(prior):
+            raise ValueError("structured_output: output_token_ids are not in the grammar")
+
     def add_prefill(
         self,
         request_id: str,
@@ -157,6 +170,8 @@ class LLMEngine:
         params.check_token_ids(self.model_config.vocab_size)
         ids = self.tokenize(prompt)
         prior = self.tokenize(list(output_token_ids)) if output_token_ids else []
+        if params.structured_output is not None:
+            self._check_grammar(params.structured_output, prior)
         self._check_length(len(ids) + len(prior))
         if len(prior) >= params.max_tokens:
             raise ValueError(f"output_token_ids: {len(prior)} tokens already reach max_tokens ({params.max_tokens})")
@@ -475,6 +490,8 @@ class LLMEngine:
                 raise ValueError("beam search needs enable_prefix_caching: each step reuses the beams' cached KV")
             self.tokenize(seq.prompt_token_ids + seq.output_token_ids)
             self._check_length(seq.num_computed_tokens)
+            if params.structured_output is not None:  # the prefill node's token(s) in the grammar
+                self._check_grammar(params.structured_output, seq.output_token_ids)
             if self.block_manager.blocks_for(seq.num_computed_tokens) > len(block_table):
                 raise ValueError(
                     f"block_table has {len(block_table)} blocks, too few for {seq.num_computed_tokens} tokens"

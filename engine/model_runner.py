@@ -20,6 +20,7 @@ from engine.ops import Ops
 from engine.sampler import Sampler, SamplerOutput
 from engine.scheduler import ScheduledBatch
 from engine.speculative import first_rejected
+from engine.structured_output import GrammarCompiler, apply_masks, fill_masks
 from engine.weights import load_weights
 
 log = logging.getLogger(__name__)
@@ -78,6 +79,7 @@ class ModelRunner:
             cfg.num_layers, num_blocks, config.block_size, cfg.num_kv_heads, cfg.head_dim, dtype, device, buffer
         )
         self.sampler = Sampler(config.seed, device, cfg.eos_token_ids)
+        self.grammars: GrammarCompiler | None = None  # made with the first structured request (LLMEngine)
 
     def _cuda_kernel_runs(self, device: torch.device, dtype: torch.dtype, config: EngineConfig) -> bool:
         why = cuda_kernels.why_not(
@@ -187,6 +189,19 @@ class ModelRunner:
             return [], [], hidden.new_empty(0, self.cfg.vocab_size, dtype=torch.float32)
         return rows, counts, self.model.compute_logits(hidden[torch.tensor(hidden_rows, device=self.device)])
 
+    def _mask(self, batch: ScheduledBatch, rows: list[int], counts: list[int], logits: torch.Tensor) -> None:
+        """Structured output: each constrained row's logits outside its grammar's next tokens to
+        -inf (a verification's rows: the grammar after the drafts before them)."""
+        constrained, grammar_rows, r = [], [], 0
+        for i, count in zip(rows, counts):
+            seq = batch.seqs[i]
+            if seq.params.structured_output is not None:
+                constrained += range(r, r + count)
+                grammar_rows += [(seq, seq.draft_token_ids[:j]) for j in range(count)]
+            r += count
+        if constrained:
+            apply_masks(logits, constrained, fill_masks(self.grammars, grammar_rows))
+
     def _publisher(self, streamed: list) -> Callable[[int], None]:
         cuda = self.device.type == "cuda"
 
@@ -209,6 +224,8 @@ class ModelRunner:
         result = SamplerOutput([[] for _ in batch.seqs], [[] for _ in batch.seqs])
         if not rows:
             return result
+        if self.grammars is not None:
+            self._mask(batch, rows, counts, logits)
         params, steps = [], []
         for i, count in zip(rows, counts):
             seq = batch.seqs[i]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from engine.structured_output import StructuredOutput
+
 MAX_LOGPROBS = 20
 MAX_SAMPLES = 16  # n and best_of
 MAX_BEAM_WIDTH = MAX_LOGPROBS // 2  # each beam step asks for the top 2 x width logprobs
@@ -43,6 +45,9 @@ class SamplingParams:
     min_p: float = 0.0
     min_tokens: int = 0
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+    # The output held to a JSON schema, any JSON object, a regex, a choice or a grammar
+    # (engine/structured_output.py); it ends where the grammar may end and the model says EOS.
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self):
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
@@ -115,6 +120,15 @@ class SamplingParams:
         object.__setattr__(self, "bad_words_token_ids", words)
         if self.beam_width > 1 and (self.penalized or self.min_p):
             raise ValueError("beam search takes no penalties, logit_bias, min_p, min_tokens or bad_words")
+        so = self.structured_output
+        if so is not None:
+            if not isinstance(so, StructuredOutput):
+                raise ValueError(f"structured_output must be a StructuredOutput, got {type(so).__name__}")
+            if self.beam_width > 1:
+                raise ValueError("structured_output is not supported with beam search")
+            if self.ignore_eos or self.min_tokens or self.bad_words_token_ids:
+                # each could leave a row no token the grammar allows (its end is EOS)
+                raise ValueError("structured_output takes no ignore_eos, min_tokens or bad_words")
 
     def check_token_ids(self, vocab_size: int) -> None:
         """Raises ValueError naming logit_bias or bad_words where an id is outside the vocabulary."""

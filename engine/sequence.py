@@ -67,6 +67,7 @@ class Sequence:
     # verified in the same forward, and the proposer's state.
     draft_token_ids: list[int] = field(default_factory=list)
     draft_state: DraftState | None = None
+    grammar: object = None  # structured output: its matcher (engine/structured_output.SequenceGrammar), made lazily
     # Parallel sampling (engine/parallel_sampling.py): which of the request's samples this is, and
     # the log-probability of its tokens so far (when asked for: best_of).
     index: int = 0

@@ -14,6 +14,7 @@ import grpc
 
 from engine.model_config import ModelConfig
 from engine.model_source import resolve_model
+from engine.structured_output import GrammarCompiler
 from engine.tokenizer import (
     apply_chat_template,
     bad_words_token_ids,
@@ -92,6 +93,7 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
         model_dir = resolve_model(model)
         self.model_id = model
         self.model_config = ModelConfig.from_dir(model_dir)
+        self.grammars: GrammarCompiler | None = None  # made with the first structured request
         self.max_model_len = max_model_len or self.model_config.max_position_embeddings
         self.tokenizer = load_tokenizer(model_dir)
         self.metrics = metrics or Metrics()
@@ -176,6 +178,11 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
                 request.sampling.bad_words_token_ids.extend(common_pb2.TokenIds(ids=list(w)) for w in words)
             params = sampling_from_proto(request.sampling)
             params.check_token_ids(self.model_config.vocab_size)
+            if params.structured_output is not None:  # compiled here once: a bad one is refused before any node
+                if self.grammars is None:
+                    cfg = self.model_config
+                    self.grammars = GrammarCompiler(self.tokenizer, cfg.vocab_size, cfg.eos_token_ids)
+                self.grammars.compile(params.structured_output)
             ids = self._prompt_ids(request)
             check_prompt_length(len(ids), self.max_model_len)
         except ValueError as e:

@@ -57,7 +57,6 @@ NEUTRAL = {
     "suffix": None,
     "tools": None,
     "tool_choice": None,
-    "response_format": None,
 }
 # The request fields an error's `param` may name: pdserve's error messages start with the field at
 # fault ("max_tokens must be ...", "messages[2].content ..."), or with anything else when none is.
@@ -90,8 +89,17 @@ PARAMS = {
     "min_p",
     "min_tokens",
     "bad_words",
+    "response_format",
+    "structured_outputs",
+    "structured_output",  # the frontend's and the engine's name of whichever of these a request used
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
     *NEUTRAL,
 }
+# vLLM's structured_outputs keys (and its older guided_* fields) -> StructuredOutput kinds
+STRUCTURED_KEYS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}
 
 
 class APIError(Exception):
@@ -232,6 +240,7 @@ class OpenAIAPI:
             if value is not None:
                 setattr(sampling, name, _typed(name, value, kind))
         _penalties(sampling, body)
+        _structured_output(sampling, body)
         sampling.top_k = _typed("top_k", body.get("top_k", 0) or 0, int)
         stop = body.get("stop") or []
         stop = [stop] if isinstance(stop, str) else stop
@@ -471,6 +480,46 @@ def _penalties(sampling: common_pb2.SamplingParams, body: dict) -> None:
     if not isinstance(words, list) or not all(isinstance(w, str) for w in words):
         raise APIError(400, "bad_words must be a list of strings", "bad_words")
     sampling.bad_words.extend(words)
+
+
+def _structured_output(sampling: common_pb2.SamplingParams, body: dict) -> None:
+    """OpenAI's response_format (json_object, json_schema), vLLM's structured_outputs {json, regex,
+    choice, grammar, json_object} and guided_json/regex/choice/grammar: at most one of them."""
+    asked = []
+    fmt = body.get("response_format")
+    if fmt is not None:
+        if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema"):
+            raise APIError(400, "response_format.type must be text, json_object or json_schema", "response_format")
+        if fmt["type"] == "json_object":
+            asked.append(("response_format", "json_object", ""))
+        elif fmt["type"] == "json_schema":
+            spec = fmt.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+                raise APIError(
+                    400, "response_format.json_schema.schema must be a JSON schema object", "response_format"
+                )
+            asked.append(("response_format", "json_schema", json.dumps(spec["schema"])))
+    extension = body.get("structured_outputs")
+    if extension is not None:
+        if not isinstance(extension, dict):
+            raise APIError(400, "structured_outputs must be an object", "structured_outputs")
+        if extension.get("json_object"):
+            asked.append(("structured_outputs", "json_object", ""))
+        asked += [("structured_outputs", STRUCTURED_KEYS[k], v) for k, v in extension.items() if k in STRUCTURED_KEYS]
+    asked += [
+        (f"guided_{k}", STRUCTURED_KEYS[k], body[f"guided_{k}"]) for k in STRUCTURED_KEYS if f"guided_{k}" in body
+    ]
+    asked = [(field, kind, spec) for field, kind, spec in asked if spec is not None]
+    if not asked:
+        return
+    if len(asked) > 1:
+        raise APIError(400, f"{asked[1][0]}: only one structured output per request", asked[1][0])
+    field, kind, spec = asked[0]
+    if kind in ("json_schema", "choice") and not isinstance(spec, str):
+        spec = json.dumps(spec)
+    if not isinstance(spec, str):
+        raise APIError(400, f"{field}: the {kind} must be a string", field)
+    sampling.structured_output.kind, sampling.structured_output.spec = kind, spec
 
 
 def _typed(name: str, value, kind):

@@ -4,6 +4,7 @@ router and the nodes."""
 from __future__ import annotations
 
 from engine.sampling_params import SamplingParams
+from engine.structured_output import StructuredOutput
 from pdserve_api import common_pb2
 
 
@@ -26,6 +27,8 @@ def sampling_from_proto(m: common_pb2.SamplingParams) -> SamplingParams:
             kwargs[name] = getattr(m, name)
     if m.bad_words:
         raise ValueError("bad_words: strings are tokenized by the router; a node takes bad_words_token_ids")
+    if m.HasField("structured_output"):
+        kwargs["structured_output"] = StructuredOutput(m.structured_output.kind, m.structured_output.spec)
     return SamplingParams(
         top_k=m.top_k,
         stop=tuple(m.stop),
@@ -73,6 +76,8 @@ def sampling_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
     )
     m.logit_bias.update(dict(p.logit_bias))
     m.bad_words_token_ids.extend(common_pb2.TokenIds(ids=list(w)) for w in p.bad_words_token_ids)
+    if p.structured_output is not None:
+        m.structured_output.kind, m.structured_output.spec = p.structured_output.kind, p.structured_output.spec
     return m
 
 

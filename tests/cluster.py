@@ -107,3 +107,22 @@ async def wait_for_no_blocks(nodes, timeout=5.0) -> None:
             return
         await asyncio.sleep(0.02)
     raise AssertionError({n.address: (used_blocks(n), getattr(n, "num_active", 0)) for n in nodes})
+
+
+def split_results(model, requests: list[tuple[list[int], object]], **cluster) -> list:
+    """Each (prompt, SamplingParams) through a local cluster's router, one after another, after
+    which no node holds a block; returns the Completions."""
+    from router.client import AsyncClient
+    from serving.protocol import sampling_to_proto
+
+    async def scenario():
+        async with local_cluster(model, **cluster) as (router, prefills, decodes):
+            async with AsyncClient(router.address) as client:
+                results = []
+                for prompt, params in requests:
+                    wire = {f.name: v for f, v in sampling_to_proto(params).ListFields()}
+                    results.append(await client.generate(prompt, **wire))
+            await wait_for_no_blocks(prefills + decodes)
+            return results
+
+    return asyncio.run(scenario())

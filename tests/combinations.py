@@ -29,8 +29,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from cluster import engine_config  # noqa: E402
 
 from engine import LLMEngine, SamplingParams  # noqa: E402
+from engine.structured_output import StructuredOutput  # noqa: E402
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3}
+STRUCTURED = [
+    StructuredOutput("json_schema", json.dumps({"type": "object", "properties": {"a": {"enum": ["x", "yz"]}}})),
+    StructuredOutput("regex", "[a-z]{2,8}( [a-z]{2,8})*"),
+    StructuredOutput("choice", '["yes", "no", "not sure"]'),
+]
 VOCAB = range(10, 250)
 HANG_S = float(
     os.environ.get("PDSERVE_HANG_S", 600)
@@ -58,6 +64,7 @@ class Req:
                 ("stop_ids", p.stop_token_ids),
                 ("logprobs", p.logprobs),
                 ("penalized", p.penalized or p.min_p),
+                ("structured", p.structured_output),
                 ("follow-up", self.parent),
                 ("cancel", self.cancel_after is not None),
             )
@@ -80,7 +87,9 @@ def random_params(rng: random.Random) -> SamplingParams:
     if kind == "beam":
         width = rng.randint(2, 3)
         return SamplingParams(beam_width=width, n=rng.randint(1, width), temperature=0, **common)
-    if rng.random() < 0.3:  # penalties, biases, min_p, min_tokens, bad words (engine/penalties.py)
+    if rng.random() < 0.15:  # structured output (takes no ignore_eos, min_tokens or bad words)
+        common |= {"ignore_eos": False, "structured_output": rng.choice(STRUCTURED)}
+    elif rng.random() < 0.3:  # penalties, biases, min_p, min_tokens, bad words (engine/penalties.py)
         common |= rng.choice(
             [
                 {"presence_penalty": 1.5},
@@ -337,15 +346,12 @@ def count_work(report: Report, engine: LLMEngine) -> None:
 
 
 def random_cluster(rng: random.Random) -> dict:
-    """Cluster settings for a mix: the KV's way across (shm, tcp), where prefills run, a small
-    decode pool, their local prefills' chunks beside decodes, a TPOT bound on local prefills (a
-    tiny model's tokens come a few ms apart: some start, some do not), and whether a decode node
-    is killed mid-run (speculation on the decode nodes: cluster_mix)."""
+    """Cluster settings for a mix: a small decode pool, their local prefills' chunks beside
+    decodes, a TPOT bound on local prefills (a tiny model's tokens come a few ms apart: some
+    start, some do not). The KV's way across, where prefills run, speculation and whether a
+    decode node is killed mid-run: by the seed (cluster_mix)."""
     return {
-        "kv_transport": rng.choice(["shm", "tcp"]),
-        "local_prefill": rng.choice(["off", "auto"]),
         "num_kv_blocks": rng.choice([32, 48]),
-        "kill": rng.random() < 0.5,
         "prefill_tokens_with_decodes": rng.choice([None, 5]),  # the decode node's default, or small chunks
         "max_local_prefill_tpot": rng.choice([None, 0.005]),
     }
@@ -399,6 +405,9 @@ async def cluster_mix(model, seed: int, num_requests: int, report: Report, refer
     rng = random.Random(seed)
     reqs, settings = random_workload(rng, num_requests), random_cluster(rng)
     settings["speculative"] = speculation(model, seed, reference)  # on the decode nodes
+    # by the seed too, so that any 4 consecutive seeds cover every way and kill in two of them
+    way = [("shm", "off"), ("tcp", "off"), ("shm", "auto"), ("tcp", "auto")][seed % 4]
+    settings |= {"kv_transport": way[0], "local_prefill": way[1], "kill": seed % 2 == 0}
     references(model, reqs, reference)
     decode_engine = {k: settings[k] for k in ("num_kv_blocks", "speculative", "prefill_tokens_with_decodes")}
     decode_engine |= reference.numerics

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import subprocess
 import sys
 import threading
@@ -137,6 +138,66 @@ def test_bad_penalties_are_400_naming_the_field(up, client, extra, param, words)
         client.completions.create(model=up[2], prompt="hi", max_tokens=3, extra_body=extra)
     body = err.value.response.json()["error"]
     assert err.value.status_code == 400 and words in body["message"] and body["param"] == param
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"ok": {"type": "boolean"}, "size": {"enum": ["small", "large"]}},
+    "required": ["ok", "size"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("temperature", [0, 1.0])
+def test_response_format_json_schema_validates(up, client, stream, temperature):
+    """OpenAI's response_format through chat, greedy and sampled, streamed and not: the answer
+    (ended by the model, not by max_tokens) validates against its schema."""
+    import jsonschema
+
+    fmt = {"type": "json_schema", "json_schema": {"name": "t", "schema": SCHEMA, "strict": True}}
+    kwargs = dict(model=up[2], messages=[{"role": "user", "content": "Hi"}], max_tokens=60, seed=4)
+    reply = client.chat.completions.create(**kwargs, temperature=temperature, response_format=fmt, stream=stream)
+    if stream:
+        chunks = list(reply)
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason][-1]
+    else:
+        text, finish = reply.choices[0].message.content, reply.choices[0].finish_reason
+    assert finish == "stop"
+    jsonschema.validate(json.loads(text), SCHEMA)
+
+
+def test_vllms_structured_outputs_and_guided_fields(up, client):
+    kwargs = dict(model=up[2], prompt=PROMPT_IDS, max_tokens=30, temperature=0)
+    choice = client.completions.create(**kwargs, extra_body={"structured_outputs": {"choice": ["yes", "no way"]}})
+    assert choice.choices[0].text in ("yes", "no way")
+    regex = client.completions.create(**kwargs, extra_body={"guided_regex": "[a-z]{3}-[0-9]{2}"})
+    assert re.fullmatch("[a-z]{3}-[0-9]{2}", regex.choices[0].text)
+    obj = client.completions.create(**kwargs, extra_body={"response_format": {"type": "json_object"}})
+    assert obj.choices[0].finish_reason == "length" or isinstance(json.loads(obj.choices[0].text), dict)
+
+
+@pytest.mark.parametrize(
+    "extra, param, words",
+    [
+        (dict(response_format={"type": "xml"}), "response_format", "response_format.type must be text, json_object"),
+        (
+            dict(response_format={"type": "json_schema", "json_schema": {"schema": {"type": "objectx"}}}),
+            "structured_output",
+            "the json_schema is invalid: Invalid type: objectx",
+        ),
+        (dict(guided_regex="(x"), "structured_output", "the regex is invalid"),
+        (dict(guided_regex="a", guided_choice=["a"]), "guided_choice", "only one structured output per request"),
+        (dict(structured_outputs={"grammar": "start: foo"}), "structured_output", 'unknown name: "foo"'),
+    ],
+)
+def test_bad_structured_outputs_are_400_naming_the_field(up, client, extra, param, words):
+    with pytest.raises(openai.APIStatusError) as err:
+        client.completions.create(model=up[2], prompt="hi", max_tokens=3, extra_body=extra)
+    body = err.value.response.json()["error"]
+    assert err.value.status_code == 400 and words in body["message"], body
+    assert body["param"] == param
 
 
 def test_chat_equals_the_grpc_path(up, client):

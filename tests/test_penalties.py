@@ -5,18 +5,15 @@ each request in a batch, under speculation, and through the P/D split equals its
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 import torch
-from cluster import local_cluster, wait_for_no_blocks
+from cluster import split_results
 from conftest import engine_alone, make_engine
 from test_model_equality import PROMPTS
 from transformers import AutoModelForCausalLM
 
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
-from router.client import AsyncClient
 
 # Values exact in float32 (the wire's width), so the engine alone and a cluster see the same numbers.
 PENALTIES = {
@@ -147,34 +144,15 @@ def test_each_request_of_a_batch_equals_itself_alone(tiny_llama, speculative):
 def test_the_pd_split_gives_the_engines_tokens(tiny_llama, transport, local_prefill):
     """The first token sampled on the prefill node (its output empty), the rest on the decode
     node (the first one counted): the same tokens as one engine alone, n > 1 included."""
-    cases = [(p, PROMPTS[i % len(PROMPTS)]) for i, p in enumerate(MIXED)]
-    reference = [_alone(tiny_llama, prompt, params) for params, prompt in cases]
+    cases = [(PROMPTS[i % len(PROMPTS)], p) for i, p in enumerate(MIXED)]
     forked = SamplingParams(max_tokens=10, temperature=1.0, seed=5, n=3, presence_penalty=2.0)
-
-    async def scenario():
-        async with local_cluster(tiny_llama, kv_transport=transport, local_prefill=local_prefill) as (
-            router,
-            prefills,
-            decodes,
-        ):
-            async with AsyncClient(router.address) as client:
-                for (params, prompt), ref in zip(cases, reference):
-                    result = await client.generate(prompt, **_wire(params))
-                    assert result.token_ids == ref, params
-                many = await client.generate(PROMPTS[0], **_wire(forked))
-                assert len(many.samples) == 3
-                for sample in many.samples:
-                    assert len(set(sample.token_ids)) == len(sample.token_ids)  # presence 2.0: no repeats here
-            await wait_for_no_blocks(prefills + decodes)
-
-    asyncio.run(scenario())
-
-
-def _wire(p: SamplingParams) -> dict:
-    from serving.protocol import sampling_to_proto
-
-    m = sampling_to_proto(p)
-    return {f.name: v for f, v in m.ListFields()}
+    *results, many = split_results(
+        tiny_llama, cases + [(PROMPTS[0], forked)], kv_transport=transport, local_prefill=local_prefill
+    )
+    assert [r.token_ids for r in results] == [_alone(tiny_llama, prompt, params) for prompt, params in cases]
+    assert len(many.samples) == 3
+    for sample in many.samples:
+        assert len(set(sample.token_ids)) == len(sample.token_ids)  # presence 2.0: no repeats here
 
 
 @pytest.mark.parametrize(
