@@ -47,7 +47,8 @@ class IncrementalDetokenizer:
             # A stop string may straddle earlier text and this delta.
             start = max(0, len(self.text) - self.hold_back)
             window = self.text[start:] + delta
-            hits = [window.find(s) for s in self.stop if s in window]
+            # only matches that reach into the delta (earlier text was checked, or under min_tokens not stoppable)
+            hits = [i for s in self.stop if (i := window.find(s, max(0, len(window) - len(delta) - len(s) + 1))) >= 0]
             if hits:
                 self.text = self.text[:start] + window[: min(hits)]
                 return True

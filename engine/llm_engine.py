@@ -62,6 +62,7 @@ class LLMEngine:
             )
         self.model_config = cfg = cfg.for_context(max_model_len)
         self.runner = ModelRunner(cfg, self.model_dir, config, self.dtype, self.device, max_model_len, kv_allocator)
+        self.runner.grammars = GrammarCompiler(self.tokenizer, cfg.vocab_size, cfg.eos_token_ids)
         self.kv_cache = self.runner.kv_cache
         if self.device.type == "cpu":  # after the weights' load: its temporaries go back to the kernel
             keep_freed_buffers()
@@ -125,11 +126,6 @@ class LLMEngine:
     def _check_grammar(self, so: StructuredOutput, prior: list[int]) -> None:
         """Compiles the grammar (cached) and checks that the tokens generated elsewhere (a
         migration, a prefill node's first token) are in it. Raises ValueError naming structured_output."""
-        if self.runner.grammars is None:
-            if self.tokenizer is None:
-                raise ValueError("structured_output: this engine has no tokenizer")
-            cfg = self.model_config
-            self.runner.grammars = GrammarCompiler(self.tokenizer, cfg.vocab_size, cfg.eos_token_ids)
         matcher = self.runner.grammars.matcher(so)
         if prior and not matcher.consume_tokens(prior):
             raise ValueError("structured_output: output_token_ids are not in the grammar")
@@ -488,6 +484,7 @@ class LLMEngine:
                 )
             if params.beam_width > 1 and not self.config.enable_prefix_caching:
                 raise ValueError("beam search needs enable_prefix_caching: each step reuses the beams' cached KV")
+            params.check_token_ids(self.model_config.vocab_size)
             self.tokenize(seq.prompt_token_ids + seq.output_token_ids)
             self._check_length(seq.num_computed_tokens)
             if params.structured_output is not None:  # the prefill node's token(s) in the grammar

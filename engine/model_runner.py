@@ -79,7 +79,7 @@ class ModelRunner:
             cfg.num_layers, num_blocks, config.block_size, cfg.num_kv_heads, cfg.head_dim, dtype, device, buffer
         )
         self.sampler = Sampler(config.seed, device, cfg.eos_token_ids)
-        self.grammars: GrammarCompiler | None = None  # made with the first structured request (LLMEngine)
+        self.grammars: GrammarCompiler | None = None  # structured output's (the engine sets it: it has the tokenizer)
 
     def _cuda_kernel_runs(self, device: torch.device, dtype: torch.dtype, config: EngineConfig) -> bool:
         why = cuda_kernels.why_not(
@@ -224,7 +224,7 @@ class ModelRunner:
         result = SamplerOutput([[] for _ in batch.seqs], [[] for _ in batch.seqs])
         if not rows:
             return result
-        if self.grammars is not None:
+        if any(batch.seqs[i].params.structured_output is not None for i in rows):
             self._mask(batch, rows, counts, logits)
         params, steps = [], []
         for i, count in zip(rows, counts):

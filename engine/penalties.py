@@ -35,7 +35,7 @@ def apply_penalties(
                 banned_rows.append(i)
                 banned_ids.append(word[-1])
         if len(past) < p.min_tokens:
-            ends = [t for t in (*eos_token_ids, *p.stop_token_ids) if t < vocab]
+            ends = [t for t in ((() if p.ignore_eos else eos_token_ids) + p.stop_token_ids) if t < vocab]
             banned_rows += [i] * len(ends)
             banned_ids += ends
     if banned_rows:

@@ -55,8 +55,8 @@ class Sampler:
     ) -> SamplerOutput:
         """logits: [N, V] fp32, one row per sequence that samples this step; steps[i]: how many
         tokens row i has generated before this one; histories() -> (each row's prompt ids, its
-        output before the row's token), asked for where a row's params penalize. Logprobs are the
-        model's own distribution's (vLLM's raw logprobs), before penalties and masks."""
+        output before the row's token), asked for where a row's params penalize. Logprobs are those
+        of the logits given (a structured output's mask applied), before penalties: vLLM's raw logprobs."""
         raw = logits
         if any(p.penalized for p in params):
             prompts, pasts = histories()
@@ -102,7 +102,9 @@ class Sampler:
     @staticmethod
     def _logprobs(logits, token_ids, params, want) -> list[dict[int, float] | None]:
         rows = [i for i, w in enumerate(want) if w]
-        logprobs = torch.log_softmax(logits[rows], dim=-1)  # raw model distribution
+        # the distribution sampled from before penalties (a grammar's mask included, as vLLM's); a
+        # masked token's -inf clamped as vLLM does, for JSON
+        logprobs = torch.log_softmax(logits[rows], dim=-1).clamp(min=-9999.0)
         n = max(params[i].logprobs or 0 for i in rows)
         top = _top(logprobs, max(n, 1))
         chosen = logprobs.gather(1, token_ids[rows][:, None]).squeeze(1).tolist()

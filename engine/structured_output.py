@@ -14,11 +14,13 @@ millisecond to make.
 from __future__ import annotations
 
 import json
+import logging
 from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
 
+log = logging.getLogger(__name__)
 KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
 MAX_SPEC_CHARS = 1 << 20
 CACHED_GRAMMARS = 256
@@ -66,19 +68,30 @@ class StructuredOutput:
 
 
 class GrammarCompiler:
-    """The model's tokenizer as llguidance sees it, and each grammar checked once against it."""
+    """The model's tokenizer as llguidance sees it, and each grammar checked once against it. Made
+    when the engine or router starts (about half a second for a 50k vocabulary), not on a request's
+    path; a tokenizer llguidance cannot take (not a fast one) leaves structured output refused, naming why."""
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...]):
         import llguidance.hf
 
-        self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=list(eos_token_ids))
-        self.vocab_size = vocab_size
+        self.tokenizer, self.error = None, "this engine has no tokenizer"
+        if tokenizer is not None:
+            try:
+                self.tokenizer = llguidance.hf.from_tokenizer(
+                    tokenizer, n_vocab=vocab_size, eos_token=list(eos_token_ids)
+                )
+            except Exception as e:  # noqa: BLE001 (whatever llguidance raises, the model is served)
+                self.error = f"the tokenizer is not supported by llguidance ({e})"
+        self.vocab_size, self.eos_token_ids = vocab_size, eos_token_ids
         self._cache: OrderedDict[StructuredOutput, str] = OrderedDict()
 
     def compile(self, so: StructuredOutput) -> str:
         """The grammar, validated; raises ValueError naming what is wrong (a 400 before any work)."""
         import llguidance
 
+        if self.tokenizer is None:
+            raise ValueError(f"structured_output: not available: {self.error}")
         grammar = self._cache.get(so)
         if grammar is None:
             grammar = so.grammar()
@@ -103,11 +116,12 @@ class SequenceGrammar:
     def __init__(self, matcher):
         self.matcher, self.num_consumed = matcher, 0
 
-    def catch_up(self, output_token_ids: list[int]) -> None:
+    def catch_up(self, output_token_ids: list[int]) -> bool:
+        """Consumes the tokens since the last call; False where the matcher refused one (llguidance
+        in an error state, e.g. out of its parser's fuel): never raised, so other requests go on."""
         new = output_token_ids[self.num_consumed :]
-        if new and not self.matcher.consume_tokens(new):
-            raise ValueError(f"structured_output: the output left the grammar ({self.matcher.get_error()})")
         self.num_consumed = len(output_token_ids)
+        return not new or self.matcher.consume_tokens(new)
 
 
 def fill_masks(compiler: GrammarCompiler, rows: list[tuple[object, list[int]]]) -> torch.Tensor:
@@ -121,7 +135,12 @@ def fill_masks(compiler: GrammarCompiler, rows: list[tuple[object, list[int]]]) 
         if seq.grammar is None:
             seq.grammar = SequenceGrammar(compiler.matcher(so))
         state = seq.grammar
-        state.catch_up(seq.output_token_ids)
+        if not state.catch_up(seq.output_token_ids):  # nothing valid follows: EOS ends it
+            log.error("structured_output: request %s: %s; ended", seq.request_id, state.matcher.get_error())
+            masks[r] = 0
+            for t in compiler.eos_token_ids:
+                masks[r, t // 32] |= 1 << (t % 32)
+            continue
         tried = state.matcher.try_consume_tokens(list(drafts)) if drafts else 0
         if tried == len(drafts):  # else a draft before this row left the grammar: the row is never kept
             state.matcher.unsafe_compute_mask_ptr(masks[r].data_ptr(), masks.shape[1] * 4)

@@ -93,9 +93,10 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
         model_dir = resolve_model(model)
         self.model_id = model
         self.model_config = ModelConfig.from_dir(model_dir)
-        self.grammars: GrammarCompiler | None = None  # made with the first structured request
         self.max_model_len = max_model_len or self.model_config.max_position_embeddings
         self.tokenizer = load_tokenizer(model_dir)
+        cfg = self.model_config
+        self.grammars = GrammarCompiler(self.tokenizer, cfg.vocab_size, cfg.eos_token_ids)  # structured output
         self.metrics = metrics or Metrics()
 
     async def _serve(self, request, deadline: float) -> AsyncIterator[generate_pb2.GenerateResponse]:
@@ -179,9 +180,6 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
             params = sampling_from_proto(request.sampling)
             params.check_token_ids(self.model_config.vocab_size)
             if params.structured_output is not None:  # compiled here once: a bad one is refused before any node
-                if self.grammars is None:
-                    cfg = self.model_config
-                    self.grammars = GrammarCompiler(self.tokenizer, cfg.vocab_size, cfg.eos_token_ids)
                 self.grammars.compile(params.structured_output)
             ids = self._prompt_ids(request)
             check_prompt_length(len(ids), self.max_model_len)

@@ -503,6 +503,11 @@ def _structured_output(sampling: common_pb2.SamplingParams, body: dict) -> None:
     if extension is not None:
         if not isinstance(extension, dict):
             raise APIError(400, "structured_outputs must be an object", "structured_outputs")
+        unknown = sorted(set(extension) - set(STRUCTURED_KEYS) - {"json_object"})
+        if unknown:
+            known = sorted((*STRUCTURED_KEYS, "json_object"))
+            message = f"structured_outputs: {unknown} not supported; supported: {known}"
+            raise APIError(400, message, "structured_outputs")
         if extension.get("json_object"):
             asked.append(("structured_outputs", "json_object", ""))
         asked += [("structured_outputs", STRUCTURED_KEYS[k], v) for k, v in extension.items() if k in STRUCTURED_KEYS]

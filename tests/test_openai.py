@@ -190,6 +190,7 @@ def test_vllms_structured_outputs_and_guided_fields(up, client):
         (dict(guided_regex="(x"), "structured_output", "the regex is invalid"),
         (dict(guided_regex="a", guided_choice=["a"]), "guided_choice", "only one structured output per request"),
         (dict(structured_outputs={"grammar": "start: foo"}), "structured_output", 'unknown name: "foo"'),
+        (dict(structured_outputs={"structural_tag": "x"}), "structured_outputs", "['structural_tag'] not supported"),
     ],
 )
 def test_bad_structured_outputs_are_400_naming_the_field(up, client, extra, param, words):

@@ -183,3 +183,19 @@ def test_ids_outside_the_vocabulary_are_refused_before_any_work(tiny_llama):
         with pytest.raises(ValueError, match=rf"{field}: token ids must be below the vocabulary size 320"):
             engine.add_request("r", PROMPTS[0], params)
     assert not engine.has_unfinished()
+
+
+def test_under_min_tokens_a_stop_string_in_earlier_text_never_cuts_it_later():
+    """Only stop strings reaching into the newest text end the output: one written while
+    min_tokens held stops back is not found again afterwards (as vLLM)."""
+    from engine.detokenizer import IncrementalDetokenizer
+
+    class Chars:  # token i is the character chars[i]
+        chars = "a\nbc"
+
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join(self.chars[i] for i in ids)
+
+    detok = IncrementalDetokenizer(Chars(), [], ("\n", "STOPSTOP"), min_tokens=3)
+    stopped = [detok.add(i)[1] for i in range(4)]
+    assert stopped == [False, False, False, False] and detok.text == "a\nbc"

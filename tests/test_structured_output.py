@@ -181,3 +181,11 @@ def test_a_migrated_request_must_bring_tokens_in_its_grammar(tiny_llama):
     engine.add_request("good", PROMPTS[0], params, output_token_ids=tok.encode("ab", add_special_tokens=False))
     good = run(engine, {})["good"]
     assert good.text.startswith("ab") and (good.finish_reason == "length" or valid("regex", good.text))
+
+
+def test_logprobs_under_a_grammar_are_finite(tiny_llama):
+    """Tokens the grammar masks have logprob -inf; clamped (as vLLM) so that JSON can carry them."""
+    params = SamplingParams(max_tokens=24, temperature=0, logprobs=5, structured_output=KINDS["choice"])
+    out = run(make_engine(tiny_llama), {"r": (PROMPTS[0], params)})["r"]
+    values = [v for entry in out.logprobs for v in entry.values()]
+    assert values and all(v >= -9999.0 for v in values) and out.text in CHOICES
