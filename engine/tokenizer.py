@@ -17,8 +17,12 @@ def load_tokenizer(model_dir: Path):
     return AutoTokenizer.from_pretrained(model_dir)
 
 
-def apply_chat_template(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> str:
-    """Renders chat messages ({"role", "content"}) with the model's own template."""
+def apply_chat_template(
+    tokenizer, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
+) -> str:
+    """Renders chat messages ({"role", "content"}, an assistant's "tool_calls", a tool message's
+    "tool_call_id") and the tools (OpenAI's {"type": "function", "function": {...}}) with the
+    model's own template."""
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise ValueError("messages: this model has no chat template; send a plain prompt instead")
     if not isinstance(messages, list) or not messages:
@@ -26,7 +30,9 @@ def apply_chat_template(tokenizer, messages: list[dict], add_generation_prompt: 
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
             raise ValueError(f"messages[{i}] must have a role in {ROLES} and a string content, got {m!r}")
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    return tokenizer.apply_chat_template(
+        messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt
+    )
 
 
 def prompt_token_ids(tokenizer, prompt: str | list[int], vocab_size: int) -> list[int]:

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pdserve_api import common_pb2 as pdserve__api_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1apdserve_api/generate.proto\x12\npdserve.v1\x1a\x18pdserve_api/common.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\"\xdd\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x10\n\x06prompt\x18\x03 \x01(\tH\x00\x12\x30\n\x10prompt_token_ids\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12,\n\x08messages\x18\x05 \x01(\x0b\x32\x18.pdserve.v1.ChatMessagesH\x00\x12,\n\x08sampling\x18\x06 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParamsB\x07\n\x05input\"\x99\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12+\n\x08logprobs\x18\x04 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x10\n\x08\x66inished\x18\x05 \x01(\x08\x12\x15\n\rfinish_reason\x18\x06 \x01(\t\x12 \n\x05usage\x18\x07 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12$\n\x07timings\x18\x08 \x01(\x0b\x32\x13.pdserve.v1.Timings\x12\r\n\x05index\x18\t \x01(\r\x12#\n\x07samples\x18\n \x03(\x0b\x32\x12.pdserve.v1.Sample\"|\n\x06Sample\x12\r\n\x05index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12+\n\x08logprobs\x18\x04 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\"i\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12,\n\x08messages\x18\x03 \x01(\x0b\x32\x18.pdserve.v1.ChatMessagesH\x00\x42\x07\n\x05input\"<\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\"\x13\n\x11ListModelsRequest\"=\n\tModelCard\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\r\n\x05\x64type\x18\x03 \x01(\t\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.pdserve.v1.ModelCard2\xb5\x02\n\nGeneration\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12J\n\rGenerateUnary\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse\x12\x45\n\x08Tokenize\x12\x1b.pdserve.v1.TokenizeRequest\x1a\x1c.pdserve.v1.TokenizeResponse\x12K\n\nListModels\x12\x1d.pdserve.v1.ListModelsRequest\x1a\x1e.pdserve.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1apdserve_api/generate.proto\x12\npdserve.v1\x1a\x18pdserve_api/common.proto\"z\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12(\n\ntool_calls\x18\x03 \x03(\x0b\x32\x14.pdserve.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12\x0c\n\x04name\x18\x05 \x01(\t\"=\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\t\"F\n\x08ToolCall\x12\r\n\x05index\x18\x01 \x01(\r\x12\n\n\x02id\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x11\n\targuments\x18\x04 \x01(\t\"\xdf\x01\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\x12\x1f\n\x05tools\x18\x02 \x03(\x0b\x32\x10.pdserve.v1.Tool\x12\x1a\n\x10tool_choice_mode\x18\x03 \x01(\tH\x00\x12\x1e\n\x14tool_choice_function\x18\x04 \x01(\tH\x00\x12 \n\x13parallel_tool_calls\x18\x05 \x01(\x08H\x01\x88\x01\x01\x42\r\n\x0btool_choiceB\x16\n\x14_parallel_tool_calls\"\xdd\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x10\n\x06prompt\x18\x03 \x01(\tH\x00\x12\x30\n\x10prompt_token_ids\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12,\n\x08messages\x18\x05 \x01(\x0b\x32\x18.pdserve.v1.ChatMessagesH\x00\x12,\n\x08sampling\x18\x06 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParamsB\x07\n\x05input\"\xc3\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12+\n\x08logprobs\x18\x04 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x10\n\x08\x66inished\x18\x05 \x01(\x08\x12\x15\n\rfinish_reason\x18\x06 \x01(\t\x12 \n\x05usage\x18\x07 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12$\n\x07timings\x18\x08 \x01(\x0b\x32\x13.pdserve.v1.Timings\x12\r\n\x05index\x18\t \x01(\r\x12#\n\x07samples\x18\n \x03(\x0b\x32\x12.pdserve.v1.Sample\x12(\n\ntool_calls\x18\x0b \x03(\x0b\x32\x14.pdserve.v1.ToolCall\"\xa6\x01\n\x06Sample\x12\r\n\x05index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12+\n\x08logprobs\x18\x04 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12(\n\ntool_calls\x18\x06 \x03(\x0b\x32\x14.pdserve.v1.ToolCall\"i\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12,\n\x08messages\x18\x03 \x01(\x0b\x32\x18.pdserve.v1.ChatMessagesH\x00\x42\x07\n\x05input\"<\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\"\x13\n\x11ListModelsRequest\"=\n\tModelCard\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\r\n\x05\x64type\x18\x03 \x01(\t\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.pdserve.v1.ModelCard2\xb5\x02\n\nGeneration\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12J\n\rGenerateUnary\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse\x12\x45\n\x08Tokenize\x12\x1b.pdserve.v1.TokenizeRequest\x1a\x1c.pdserve.v1.TokenizeResponse\x12K\n\nListModels\x12\x1d.pdserve.v1.ListModelsRequest\x1a\x1e.pdserve.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,25 +33,29 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve_api.generate_pb2', 
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_CHATMESSAGE']._serialized_start=68
-  _globals['_CHATMESSAGE']._serialized_end=112
-  _globals['_CHATMESSAGES']._serialized_start=114
-  _globals['_CHATMESSAGES']._serialized_end=171
-  _globals['_GENERATEREQUEST']._serialized_start=174
-  _globals['_GENERATEREQUEST']._serialized_end=395
-  _globals['_GENERATERESPONSE']._serialized_start=398
-  _globals['_GENERATERESPONSE']._serialized_end=679
-  _globals['_SAMPLE']._serialized_start=681
-  _globals['_SAMPLE']._serialized_end=805
-  _globals['_TOKENIZEREQUEST']._serialized_start=807
-  _globals['_TOKENIZEREQUEST']._serialized_end=912
-  _globals['_TOKENIZERESPONSE']._serialized_start=914
-  _globals['_TOKENIZERESPONSE']._serialized_end=974
-  _globals['_LISTMODELSREQUEST']._serialized_start=976
-  _globals['_LISTMODELSREQUEST']._serialized_end=995
-  _globals['_MODELCARD']._serialized_start=997
-  _globals['_MODELCARD']._serialized_end=1058
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1060
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1119
-  _globals['_GENERATION']._serialized_start=1122
-  _globals['_GENERATION']._serialized_end=1431
+  _globals['_CHATMESSAGE']._serialized_end=190
+  _globals['_TOOL']._serialized_start=192
+  _globals['_TOOL']._serialized_end=253
+  _globals['_TOOLCALL']._serialized_start=255
+  _globals['_TOOLCALL']._serialized_end=325
+  _globals['_CHATMESSAGES']._serialized_start=328
+  _globals['_CHATMESSAGES']._serialized_end=551
+  _globals['_GENERATEREQUEST']._serialized_start=554
+  _globals['_GENERATEREQUEST']._serialized_end=775
+  _globals['_GENERATERESPONSE']._serialized_start=778
+  _globals['_GENERATERESPONSE']._serialized_end=1101
+  _globals['_SAMPLE']._serialized_start=1104
+  _globals['_SAMPLE']._serialized_end=1270
+  _globals['_TOKENIZEREQUEST']._serialized_start=1272
+  _globals['_TOKENIZEREQUEST']._serialized_end=1377
+  _globals['_TOKENIZERESPONSE']._serialized_start=1379
+  _globals['_TOKENIZERESPONSE']._serialized_end=1439
+  _globals['_LISTMODELSREQUEST']._serialized_start=1441
+  _globals['_LISTMODELSREQUEST']._serialized_end=1460
+  _globals['_MODELCARD']._serialized_start=1462
+  _globals['_MODELCARD']._serialized_end=1523
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1525
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1584
+  _globals['_GENERATION']._serialized_start=1587
+  _globals['_GENERATION']._serialized_end=1896
 # @@protoc_insertion_point(module_scope)

@@ -9,6 +9,7 @@ from engine.config import option
 from kvtransfer.security import Security
 from router.placement import MAX_LOCAL_TOKENS, MODES, Placement
 from router.pool import AFFINITY_TOKENS
+from serving.tool_calls import TOOL_CALL_PARSERS
 
 KV_LAYERWISE = ("auto", "on", "off")
 
@@ -64,6 +65,15 @@ class RouterConfig:
         "arrival and queues (by default the router holds it and places it again when a prefill ends, so a "
         "prefill node that frees first takes it)",
     )
+    chat_template: str | None = option(
+        None, "a Jinja chat template file to render chat requests with instead of the model's own"
+    )
+    tool_call_parser: str = option(
+        "auto",
+        "the format tool calls are parsed in under tool_choice auto; auto: the one the chat template's "
+        "markers name (hermes for <tool_call>, mistral for [TOOL_CALLS], llama3_json for <|python_tag|>)",
+        choices=TOOL_CALL_PARSERS,
+    )
     max_outstanding: int = option(1024, "requests in flight at the router before RESOURCE_EXHAUSTED")
     rate_limit: float | None = option(None, "requests/s per client at the router (default: no limit)")
     api_key_file: str | None = option(
@@ -84,6 +94,8 @@ class RouterConfig:
         )
         if self.cache_affinity_tokens < 0:
             raise ValueError(f"cache_affinity_tokens must be >= 0, got {self.cache_affinity_tokens}")
+        if self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {TOOL_CALL_PARSERS}, got {self.tool_call_parser!r}")
         if self.max_outstanding < 1:
             raise ValueError(f"max_outstanding must be >= 1, got {self.max_outstanding}")
         if self.rate_limit is not None and self.rate_limit <= 0:

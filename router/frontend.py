@@ -9,12 +9,13 @@ import hashlib
 import logging
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import grpc
 
 from engine.model_config import ModelConfig
 from engine.model_source import resolve_model
-from engine.structured_output import GrammarCompiler
+from engine.structured_output import GrammarCompiler, StructuredOutput
 from engine.tokenizer import (
     apply_chat_template,
     bad_words_token_ids,
@@ -26,6 +27,7 @@ from pdserve_api import common_pb2, generate_pb2, generate_pb2_grpc
 from router.config import RouterConfig
 from serving.metrics import Metrics
 from serving.protocol import sampling_from_proto
+from serving.tool_calls import constrained_output, template_messages, template_tools, tool_calls_for
 
 log = logging.getLogger(__name__)
 SLOW_FIRST_TOKEN_S = 5.0  # a first token later than this is logged with its timeline (where it waited)
@@ -84,9 +86,13 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
         max_outstanding: int = RouterConfig.max_outstanding,
         rate_limit: float | None = None,
         rate_burst: float | None = None,
+        chat_template: str | None = None,
+        tool_call_parser: str = RouterConfig.tool_call_parser,
     ):
         """max_outstanding: requests in flight before new ones get RESOURCE_EXHAUSTED at once;
-        rate_limit: requests/s per client (`x-client-id` metadata, else the peer address)."""
+        rate_limit: requests/s per client (`x-client-id` metadata, else the peer address);
+        chat_template: a Jinja template file used instead of the model's; tool_call_parser: the
+        format tool calls are parsed in under tool_choice auto (auto: the template's)."""
         self.max_outstanding = max_outstanding
         self.num_outstanding = 0
         self.rate_limiter = RateLimiter(rate_limit, rate_burst) if rate_limit else None
@@ -95,6 +101,14 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
         self.model_config = ModelConfig.from_dir(model_dir)
         self.max_model_len = max_model_len or self.model_config.max_position_embeddings
         self.tokenizer = load_tokenizer(model_dir)
+        if chat_template:
+            if self.tokenizer is None:
+                raise ValueError("chat_template: this model has no tokenizer to render a template with")
+            try:
+                self.tokenizer.chat_template = Path(chat_template).read_text()
+            except OSError as e:
+                raise ValueError(f"chat_template: cannot read {chat_template}: {e.strerror}") from None
+        self.tool_call_parser = tool_call_parser
         cfg = self.model_config
         self.grammars = GrammarCompiler(self.tokenizer, cfg.vocab_size, cfg.eos_token_ids)  # structured output
         self.metrics = metrics or Metrics()
@@ -133,7 +147,10 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
         outcome, last = "error", None
         self.num_outstanding += 1
         try:
+            tools = self._tool_calls(request)
             async for msg in self._serve(request, deadline):
+                if tools is not None:
+                    tools.rewrite(msg)
                 last = msg
                 yield msg
             outcome = "ok"
@@ -167,6 +184,30 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
         m.inc("pdserve_prompt_tokens_total", usage.prompt_tokens)
         m.inc("pdserve_generation_tokens_total", usage.completion_tokens)
 
+    def _tool_calls(self, request: generate_pb2.GenerateRequest):
+        """A chat request's tools: checked, a required or named call held to its schema (a
+        structured output the nodes apply), and what parses its calls out of the output."""
+        if request.WhichOneof("input") != "messages":
+            return None
+        chat = request.messages
+        try:
+            tools = tool_calls_for(chat, self.tool_call_parser, getattr(self.tokenizer, "chat_template", None))
+            constraint = constrained_output(chat) if tools is not None else None
+            if constraint is not None:  # compiled (and cached) here: a tool's bad schema is refused naming tools
+                try:
+                    self.grammars.compile(StructuredOutput(constraint.kind, constraint.spec))
+                except ValueError as e:
+                    raise ValueError(f"tools: a function's parameters schema cannot be held to: {e}") from None
+            if tools is not None and request.sampling.HasField("structured_output"):
+                raise ValueError(
+                    "tool_choice: tool calls and a structured output cannot be combined (tool_choice none can)"
+                )
+        except ValueError as e:
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+        if constraint is not None:
+            request.sampling.structured_output.CopyFrom(constraint)
+        return tools
+
     def _check(self, request: generate_pb2.GenerateRequest) -> tuple[list[int], object]:
         if request.model and request.model != self.model_id:
             raise RequestError(
@@ -192,12 +233,13 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
         if kind == "prompt_token_ids":
             prompt = list(request.prompt_token_ids.ids)
         elif kind == "messages":
-            prompt = apply_chat_template(
-                self.tokenizer, [{"role": m.role, "content": m.content} for m in request.messages.messages]
-            )
+            prompt = self._render(request.messages)
         else:
             prompt = request.prompt
         return prompt_token_ids(self.tokenizer, prompt, self.model_config.vocab_size)
+
+    def _render(self, chat: generate_pb2.ChatMessages) -> str:
+        return apply_chat_template(self.tokenizer, template_messages(chat), tools=template_tools(chat))
 
     # ---- Generation service (grpc.aio) ------------------------------------------------------
     async def Generate(self, request, context):
@@ -237,6 +279,10 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
             sample.text += msg.text
             sample.logprobs.extend(msg.logprobs)
             sample.finish_reason = msg.finish_reason or sample.finish_reason
+            for part in msg.tool_calls:  # fragments joined into whole calls
+                if part.index == len(sample.tool_calls):
+                    sample.tool_calls.add(index=part.index, id=part.id, name=part.name)
+                sample.tool_calls[part.index].arguments += part.arguments
             if msg.finished:
                 whole.finished = True
                 whole.usage.CopyFrom(msg.usage)
@@ -245,6 +291,7 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
         whole.token_ids.extend(first.token_ids)
         whole.text, whole.finish_reason = first.text, first.finish_reason
         whole.logprobs.extend(first.logprobs)
+        whole.tool_calls.extend(first.tool_calls)
         if len(samples) > 1:
             whole.samples.extend(samples[i] for i in sorted(samples))
         return whole
@@ -252,9 +299,7 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
     def tokenize(self, request) -> generate_pb2.TokenizeResponse:
         try:
             if request.WhichOneof("input") == "messages":
-                text = apply_chat_template(
-                    self.tokenizer, [{"role": m.role, "content": m.content} for m in request.messages.messages]
-                )
+                text = self._render(request.messages)
             else:
                 text = request.prompt
             ids = prompt_token_ids(self.tokenizer, text, self.model_config.vocab_size)

@@ -55,8 +55,6 @@ ERROR_TYPE = {
 NEUTRAL = {
     "echo": False,
     "suffix": None,
-    "tools": None,
-    "tool_choice": None,
 }
 # The request fields an error's `param` may name: pdserve's error messages start with the field at
 # fault ("max_tokens must be ...", "messages[2].content ..."), or with anything else when none is.
@@ -91,15 +89,19 @@ PARAMS = {
     "bad_words",
     "response_format",
     "structured_outputs",
-    "structured_output",  # the frontend's and the engine's name of whichever of these a request used
     "guided_json",
     "guided_regex",
     "guided_choice",
     "guided_grammar",
+    "structured_output",  # the frontend's name of whichever of these a request used (see _api_error)
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
     *NEUTRAL,
 }
 # vLLM's structured_outputs keys (and its older guided_* fields) -> StructuredOutput kinds
 STRUCTURED_KEYS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}
+STRUCTURED_FIELDS = ("response_format", "structured_outputs", *(f"guided_{k}" for k in STRUCTURED_KEYS))
 
 
 class APIError(Exception):
@@ -157,6 +159,7 @@ class OpenAIAPI:
 
     # ---- one request ------------------------------------------------------------------------
     async def _handle(self, request: Request, chat: bool):
+        body = {}
         try:
             self._authorize(request)
             body = await _json(request)
@@ -178,7 +181,7 @@ class OpenAIAPI:
         except APIError as e:
             return JSONResponse(e.body(), status_code=e.status)
         except RequestError as e:
-            error = _api_error(e)
+            error = _api_error(e, body)
             return JSONResponse(error.body(), status_code=error.status)
 
     def _authorize(self, request: Request) -> None:
@@ -202,10 +205,14 @@ class OpenAIAPI:
         req = generate_pb2.GenerateRequest(model=_model(body))
         if chat:
             req.messages.CopyFrom(generate_pb2.ChatMessages(messages=_messages(body.get("messages"))))
+            _tools(req.messages, body)
             logprobs = body.get("top_logprobs", 0) if body.get("logprobs") else None
             max_tokens = body.get("max_completion_tokens")
             max_tokens = body.get("max_tokens") if max_tokens is None else max_tokens
         else:
+            for name in ("tools", "tool_choice", "parallel_tool_calls"):
+                if body.get(name) is not None:
+                    raise APIError(400, f"{name}: only /v1/chat/completions calls tools", name)
             prompt = body.get("prompt")
             if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
                 prompt = prompt[0]  # a batch of one
@@ -282,7 +289,7 @@ class OpenAIAPI:
                 "logprobs": self._logprobs(sample, chat) if logprobs is not None else None,
             }
             if chat:
-                choice["message"] = {"role": "assistant", "content": sample.text}
+                choice["message"] = _message(sample.text, sample.tool_calls)
             else:
                 choice["text"] = sample.text
             choices.append(choice)
@@ -331,6 +338,8 @@ class OpenAIAPI:
                     pass
                 elif chat:
                     delta = {"content": msg.text} if msg.text else {}
+                    if msg.tool_calls:
+                        delta["tool_calls"] = [_tool_call(c) for c in msg.tool_calls]
                     yield event(
                         [{"index": msg.index, "delta": delta, "logprobs": lp, "finish_reason": reason}],
                         usage if continuous else None,
@@ -342,7 +351,7 @@ class OpenAIAPI:
                     )
                 msg = await anext(parts, None)
         except RequestError as e:
-            yield f"data: {json.dumps(_api_error(e).body())}\n\n"
+            yield f"data: {json.dumps(_api_error(e, body).body())}\n\n"
         if include_usage and usage is not None:
             yield event([], usage)
         yield "data: [DONE]\n\n"
@@ -459,8 +468,90 @@ def _messages(messages) -> list[generate_pb2.ChatMessage]:
         role = m.get("role")
         if not isinstance(role, str):
             raise APIError(400, f"messages[{i}].role must be a string, got {role!r}", f"messages[{i}].role")
-        out.append(generate_pb2.ChatMessage(role=role, content=_content(m.get("content"), f"messages[{i}].content")))
+        calls = _message_tool_calls(m.get("tool_calls"), f"messages[{i}].tool_calls")
+        content = m.get("content")
+        content = "" if content is None and calls else _content(content, f"messages[{i}].content")
+        message = generate_pb2.ChatMessage(role=role, content=content, tool_calls=calls)
+        for name in ("tool_call_id", "name"):
+            value = m.get(name)
+            if value is not None and not isinstance(value, str):
+                raise APIError(400, f"messages[{i}].{name} must be a string", f"messages[{i}].{name}")
+            setattr(message, name, value or "")
+        if role == "tool" and not message.tool_call_id:
+            raise APIError(
+                400, f"messages[{i}].tool_call_id: a tool message names the call it answers", f"messages[{i}]"
+            )
+        out.append(message)
     return out
+
+
+def _message_tool_calls(calls, param: str) -> list[generate_pb2.ToolCall]:
+    """An assistant message's tool_calls as OpenAI sends them back: [{"id", "type": "function",
+    "function": {"name", "arguments": JSON text}}]."""
+    if calls is None:
+        return []
+    if not isinstance(calls, list):
+        raise APIError(400, f"{param} must be a list", param)
+    out = []
+    for j, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise APIError(
+                400, f'{param}[{j}] must be {{"id", "type": "function", "function": {{"name", "arguments"}}}}', param
+            )
+        arguments = function.get("arguments", "{}")
+        if not isinstance(arguments, str):
+            raise APIError(400, f"{param}[{j}].function.arguments must be a JSON string", param)
+        out.append(
+            generate_pb2.ToolCall(index=j, id=str(call.get("id") or ""), name=function["name"], arguments=arguments)
+        )
+    return out
+
+
+def _tools(chat: generate_pb2.ChatMessages, body: dict) -> None:
+    """OpenAI's tools ([{"type": "function", "function": {"name", "description", "parameters"}}])
+    and tool_choice ("none", "auto", "required" or {"type": "function", "function": {"name"}})."""
+    tools = body.get("tools")
+    if tools is not None:
+        if not isinstance(tools, list):
+            raise APIError(400, "tools must be a list of functions", "tools")
+        for i, tool in enumerate(tools):
+            function = tool.get("function") if isinstance(tool, dict) else None
+            if (
+                not isinstance(tool, dict)
+                or tool.get("type", "function") != "function"
+                or not isinstance(function, dict)
+            ):
+                raise APIError(400, f'tools[{i}] must be {{"type": "function", "function": {{"name", ...}}}}', "tools")
+            name, description = function.get("name"), function.get("description") or ""
+            parameters = function.get("parameters")
+            if not isinstance(name, str) or not isinstance(description, str):
+                raise APIError(400, f"tools[{i}].function: name and description must be strings", "tools")
+            if parameters is not None and not isinstance(parameters, dict):
+                raise APIError(400, f"tools[{i}].function.parameters must be a JSON schema object", "tools")
+            chat.tools.add(name=name, description=description, parameters=json.dumps(parameters) if parameters else "")
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None:
+        if not isinstance(parallel, bool):
+            raise APIError(400, "parallel_tool_calls must be a boolean", "parallel_tool_calls")
+        chat.parallel_tool_calls = parallel
+    choice = body.get("tool_choice")
+    if choice is None:
+        return
+    if isinstance(choice, str):
+        chat.tool_choice_mode = choice  # checked beside the tools, for both APIs
+    elif (
+        isinstance(choice, dict)
+        and isinstance(choice.get("function"), dict)
+        and isinstance(choice["function"].get("name"), str)
+    ):
+        chat.tool_choice_function = choice["function"]["name"]
+    else:
+        raise APIError(
+            400,
+            'tool_choice must be "none", "auto", "required" or {"type": "function", "function": {"name"}}',
+            "tool_choice",
+        )
 
 
 def _penalties(sampling: common_pb2.SamplingParams, body: dict) -> None:
@@ -527,6 +618,24 @@ def _structured_output(sampling: common_pb2.SamplingParams, body: dict) -> None:
     sampling.structured_output.kind, sampling.structured_output.spec = kind, spec
 
 
+def _message(text: str, calls) -> dict:
+    """A chat choice's message: with tool calls, content is null unless the model also wrote some."""
+    if not calls:
+        return {"role": "assistant", "content": text}
+    return {
+        "role": "assistant",
+        "content": text if text.strip() else None,
+        "tool_calls": [_tool_call(c) for c in calls],
+    }
+
+
+def _tool_call(c: generate_pb2.ToolCall) -> dict:
+    """A call, or in a stream a call's fragment: id, type and name on its first, arguments after."""
+    if not c.id:
+        return {"index": c.index, "function": {"arguments": c.arguments}}
+    return {"index": c.index, "id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+
+
 def _typed(name: str, value, kind):
     if (
         isinstance(value, bool)
@@ -555,16 +664,24 @@ def _content(content, param: str) -> str:
     )
 
 
-def _api_error(e: RequestError) -> APIError:
+def _api_error(e: RequestError, body: dict) -> APIError:
+    """The frontend's error in OpenAI's shape; `param` names the field as the client sent it (the
+    frontend's structured_output is whichever of response_format, structured_outputs, guided_* it was)."""
     status = HTTP_STATUS.get(e.code, 500)
     code = "model_not_found" if e.code == grpc.StatusCode.NOT_FOUND else None
-    return APIError(status, e.details, _param_of(e.details), code)
+    param = _param_of(e.details)
+    if param == "structured_output":
+        asked = [f for f in STRUCTURED_FIELDS if body.get(f) not in (None, {"type": "text"})]
+        param = asked[0] if asked else param
+    return APIError(status, e.details, param, code)
 
 
 def _param_of(message: str) -> str | None:
     """The field an error message names first (see PARAMS), else None."""
     head = message.split(" ", 1)[0].rstrip(":")
-    return head if head in PARAMS or re.fullmatch(r"messages\[\d+\](\.\w+)?", head) else None
+    if head in PARAMS or re.fullmatch(r"messages\[\d+\](\.\w+)?", head):
+        return head
+    return "tools" if re.fullmatch(r"tools\[\d+\](\.\w+)*", head) else None
 
 
 def _stream_options(body: dict, stream: bool) -> tuple[bool, bool]:

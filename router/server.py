@@ -64,7 +64,15 @@ class Router(Frontend):
         """config: the router's options (router/config.py). public_security: the public port's
         TLS and API keys or token (default: config's files); API keys guard both public APIs,
         gRPC metadata and the HTTP header `authorization: Bearer <key>`."""
-        super().__init__(model, config.max_model_len, metrics, config.max_outstanding, config.rate_limit)
+        super().__init__(
+            model,
+            config.max_model_len,
+            metrics,
+            config.max_outstanding,
+            config.rate_limit,
+            chat_template=config.chat_template,
+            tool_call_parser=config.tool_call_parser,
+        )
         public = public_security or config.public_security()
         self.config = config
         self.placement = Placement(

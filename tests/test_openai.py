@@ -184,12 +184,12 @@ def test_vllms_structured_outputs_and_guided_fields(up, client):
         (dict(response_format={"type": "xml"}), "response_format", "response_format.type must be text, json_object"),
         (
             dict(response_format={"type": "json_schema", "json_schema": {"schema": {"type": "objectx"}}}),
-            "structured_output",
+            "response_format",
             "the json_schema is invalid: Invalid type: objectx",
         ),
-        (dict(guided_regex="(x"), "structured_output", "the regex is invalid"),
+        (dict(guided_regex="(x"), "guided_regex", "the regex is invalid"),
         (dict(guided_regex="a", guided_choice=["a"]), "guided_choice", "only one structured output per request"),
-        (dict(structured_outputs={"grammar": "start: foo"}), "structured_output", 'unknown name: "foo"'),
+        (dict(structured_outputs={"grammar": "start: foo"}), "structured_outputs", 'unknown name: "foo"'),
         (dict(structured_outputs={"structural_tag": "x"}), "structured_outputs", "['structural_tag'] not supported"),
     ],
 )
