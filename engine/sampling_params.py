@@ -115,8 +115,11 @@ class SamplingParams:
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be in [0, max_tokens {self.max_tokens}], got {self.min_tokens!r}")
         words = tuple(tuple(w) for w in self.bad_words_token_ids or ())
-        if len(words) > MAX_BAD_WORDS or any(not w or any(not _is_int(t) or t < 0 for t in w) for w in words):
-            raise ValueError(f"bad_words: at most {MAX_BAD_WORDS} words, each of one or more token ids >= 0")
+        if len(words) > 2 * MAX_BAD_WORDS or any(not w or any(not _is_int(t) or t < 0 for t in w) for w in words):
+            raise ValueError(
+                f"bad_words: at most {2 * MAX_BAD_WORDS} token sequences ({MAX_BAD_WORDS} words, two spellings "
+                "each), each of one or more token ids >= 0"
+            )
         object.__setattr__(self, "bad_words_token_ids", words)
         if self.beam_width > 1 and (self.penalized or self.min_p):
             raise ValueError("beam search takes no penalties, logit_bias, min_p, min_tokens or bad_words")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -85,6 +86,7 @@ class GrammarCompiler:
                 self.error = f"the tokenizer is not supported by llguidance ({e})"
         self.vocab_size, self.eos_token_ids = vocab_size, eos_token_ids
         self._cache: OrderedDict[StructuredOutput, str] = OrderedDict()
+        self._lock = threading.Lock()  # a router compiles on worker threads
 
     def compile(self, so: StructuredOutput) -> str:
         """The grammar, validated; raises ValueError naming what is wrong (a 400 before any work)."""
@@ -92,16 +94,18 @@ class GrammarCompiler:
 
         if self.tokenizer is None:
             raise ValueError(f"structured_output: not available: {self.error}")
-        grammar = self._cache.get(so)
+        with self._lock:
+            grammar = self._cache.get(so)
         if grammar is None:
             grammar = so.grammar()
             error = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer)
             if error:
                 raise ValueError(f"structured_output: the {so.kind} is invalid: {' '.join(error.split())[:500]}")
+        with self._lock:
             self._cache[so] = grammar
+            self._cache.move_to_end(so)
             while len(self._cache) > CACHED_GRAMMARS:
                 self._cache.popitem(last=False)
-        self._cache.move_to_end(so)
         return grammar
 
     def matcher(self, so: StructuredOutput):

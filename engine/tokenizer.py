@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from engine.sampling_params import MAX_BAD_WORDS
+
 ROLES = ("system", "user", "assistant", "tool")
 
 
@@ -65,6 +67,8 @@ def bad_words_token_ids(tokenizer, words: list[str]) -> tuple[tuple[int, ...], .
     follows a space (vLLM's two spellings of a word)."""
     if tokenizer is None:
         raise ValueError("bad_words: this engine has no tokenizer (send bad_words_token_ids)")
+    if len(words) > MAX_BAD_WORDS:
+        raise ValueError(f"bad_words: at most {MAX_BAD_WORDS} words, got {len(words)}")
     out: list[tuple[int, ...]] = []
     for word in words:
         if not isinstance(word, str) or not word.strip():

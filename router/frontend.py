@@ -148,6 +148,7 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
         self.num_outstanding += 1
         try:
             tools = self._tool_calls(request)
+            await self._compile(request, tools is not None)
             async for msg in self._serve(request, deadline):
                 if tools is not None:
                     tools.rewrite(msg)
@@ -193,11 +194,6 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
         try:
             tools = tool_calls_for(chat, self.tool_call_parser, getattr(self.tokenizer, "chat_template", None))
             constraint = constrained_output(chat) if tools is not None else None
-            if constraint is not None:  # compiled (and cached) here: a tool's bad schema is refused naming tools
-                try:
-                    self.grammars.compile(StructuredOutput(constraint.kind, constraint.spec))
-                except ValueError as e:
-                    raise ValueError(f"tools: a function's parameters schema cannot be held to: {e}") from None
             if tools is not None and request.sampling.HasField("structured_output"):
                 raise ValueError(
                     "tool_choice: tool calls and a structured output cannot be combined (tool_choice none can)"
@@ -207,6 +203,19 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
         if constraint is not None:
             request.sampling.structured_output.CopyFrom(constraint)
         return tools
+
+    async def _compile(self, request: generate_pb2.GenerateRequest, from_tools: bool) -> None:
+        """A structured output's grammar, compiled and cached on a worker thread (a large schema
+        takes a while; the event loop serves the other requests meanwhile); refused naming the
+        field, tools where it holds a tool call, before any node works on it."""
+        if not request.sampling.HasField("structured_output"):
+            return
+        so = request.sampling.structured_output
+        try:
+            await asyncio.to_thread(self.grammars.compile, StructuredOutput(so.kind, so.spec))
+        except ValueError as e:
+            why = f"tools: a function's parameters schema cannot be held to: {e}" if from_tools else str(e)
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, why) from None
 
     def _check(self, request: generate_pb2.GenerateRequest) -> tuple[list[int], object]:
         if request.model and request.model != self.model_id:

@@ -73,9 +73,8 @@ def template_tools(chat: generate_pb2.ChatMessages) -> list[dict] | None:
                 raise ValueError(f"{where}.parameters is not valid JSON ({e})") from None
             if not isinstance(parameters, dict):
                 raise ValueError(f"{where}.parameters must be a JSON schema object")
-        function = {"name": tool.name, "parameters": parameters}
-        if tool.description:
-            function["description"] = tool.description
+        function = {"name": tool.name, "description": tool.description} if tool.description else {"name": tool.name}
+        function["parameters"] = parameters  # OpenAI's order, as templates print it
         out.append({"type": "function", "function": function})
     mode = chat.tool_choice_mode
     if chat.WhichOneof("tool_choice") == "tool_choice_mode" and mode not in TOOL_CHOICES:

@@ -130,6 +130,7 @@ def test_penalties_bias_and_bad_words_equal_the_grpc_path(up, client):
         (dict(logit_bias={"7": 500}), "logit_bias", "each biased by [-100, 100]"),
         (dict(logit_bias={"99999": 1}), "logit_bias", "below the vocabulary size 320"),
         (dict(bad_words="no"), "bad_words", "bad_words must be a list of strings"),
+        (dict(bad_words=[f"w{i}" for i in range(257)]), "bad_words", "bad_words: at most 256 words, got 257"),
         (dict(min_tokens=20, max_tokens=5), "min_tokens", "min_tokens must be in [0, max_tokens 5], got 20"),
     ],
 )

@@ -165,7 +165,10 @@ def test_the_pd_split_gives_the_engines_tokens(tiny_llama, transport, local_pref
         (dict(logit_bias={"a": 1}), r"logit_bias must map token ids to numbers"),
         (dict(min_p=1.5), r"min_p must be in \[0, 1\]"),
         (dict(min_tokens=20, max_tokens=10), r"min_tokens must be in \[0, max_tokens 10\], got 20"),
-        (dict(bad_words_token_ids=((),)), r"bad_words: at most 256 words, each of one or more token ids"),
+        (
+            dict(bad_words_token_ids=((),)),
+            r"bad_words: at most 512 token sequences \(256 words, two spellings each\), each of one or more token ids",
+        ),
         (dict(beam_width=2, presence_penalty=1.0), r"beam search takes no penalties"),
     ],
 )

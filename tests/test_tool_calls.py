@@ -273,6 +273,33 @@ def test_a_named_call_validates_and_streams_as_it_answers(up, temperature):
     jsonschema.validate(json.loads(calls[0][1]), WEATHER)
 
 
+def test_a_named_call_is_the_engines_own_tokens(up):
+    """fp32, greedy, speculation on and the P/D split: a named call's arguments are what one
+    engine alone writes for the rendered prompt under the function's schema."""
+    from conftest import engine_alone
+
+    from engine.structured_output import StructuredOutput
+    from engine.tokenizer import apply_chat_template, load_tokenizer
+
+    client, model = up
+    tokenizer = load_tokenizer(Path(model))
+    tokenizer.chat_template = HERMES_TEMPLATE.read_text()
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    prompt = tokenizer.encode(apply_chat_template(tokenizer, messages, tools=TOOLS), add_special_tokens=False)
+    so = StructuredOutput("json_schema", json.dumps(WEATHER))
+    (want,) = engine_alone(Path(model), [prompt], structured_output=so, temperature=0, max_tokens=80)
+    reply = client.chat.completions.create(
+        model=model,
+        messages=messages,
+        tools=TOOLS,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        temperature=0,
+        max_tokens=80,
+    )
+    assert reply.usage.prompt_tokens == len(prompt) and reply.usage.completion_tokens == len(want)
+    assert reply.choices[0].message.tool_calls[0].function.arguments == tokenizer.decode(want, skip_special_tokens=True)
+
+
 @pytest.mark.parametrize("parallel", [False, True])
 def test_a_required_call_is_one_or_more_valid_calls(up, parallel):
     """Sampled: parallel_tool_calls false gives exactly one valid call; true a list of valid calls,
