@@ -32,9 +32,14 @@ def apply_chat_template(
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
             raise ValueError(f"messages[{i}] must have a role in {ROLES} and a string content, got {m!r}")
-    return tokenizer.apply_chat_template(
-        messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt
-    )
+    from jinja2 import TemplateError
+
+    try:
+        return tokenizer.apply_chat_template(
+            messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+    except TemplateError as e:  # the template's own raise_exception(...), or a template that does not render
+        raise ValueError(f"messages: the chat template refused them: {e}") from None
 
 
 def prompt_token_ids(tokenizer, prompt: str | list[int], vocab_size: int) -> list[int]:

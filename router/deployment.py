@@ -27,6 +27,7 @@ from router.openai_api import OpenAIAPI, add_error_handlers
 from router.server import RequestError, Router
 from serving.metrics import Metrics
 from serving.registry import CALL_TIMEOUT_S, Announcement, registry
+from serving.tool_calls import join_fragments
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +76,8 @@ def _merge(a: generate_pb2.GenerateResponse, b: generate_pb2.GenerateResponse) -
     merged.token_ids.extend(list(a.token_ids) + list(b.token_ids))
     merged.logprobs.extend(list(a.logprobs) + list(b.logprobs))
     merged.text = a.text + b.text
+    del merged.tool_calls[:]
+    merged.tool_calls.extend(join_fragments(list(a.tool_calls) + list(b.tool_calls)))
     return merged
 
 

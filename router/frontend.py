@@ -27,7 +27,13 @@ from pdserve_api import common_pb2, generate_pb2, generate_pb2_grpc
 from router.config import RouterConfig
 from serving.metrics import Metrics
 from serving.protocol import sampling_from_proto
-from serving.tool_calls import constrained_output, template_messages, template_tools, tool_calls_for
+from serving.tool_calls import (
+    constrained_output,
+    join_fragments,
+    template_messages,
+    template_tools,
+    tool_calls_for,
+)
 
 log = logging.getLogger(__name__)
 SLOW_FIRST_TOKEN_S = 5.0  # a first token later than this is logged with its timeline (where it waited)
@@ -192,9 +198,14 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
             return None
         chat = request.messages
         try:
-            tools = tool_calls_for(chat, self.tool_call_parser, getattr(self.tokenizer, "chat_template", None))
+            tools = tool_calls_for(chat, self.tool_call_parser, self._template())
             constraint = constrained_output(chat) if tools is not None else None
-            if tools is not None and request.sampling.HasField("structured_output"):
+            held = constraint is not None and request.sampling.structured_output == constraint  # served again
+            if constraint is not None and _no_room_for_a_grammar(request.sampling):
+                raise ValueError(
+                    "tool_choice: a required or named call takes no ignore_eos, min_tokens, bad_words or beam search"
+                )
+            if tools is not None and request.sampling.HasField("structured_output") and not held:
                 raise ValueError(
                     "tool_choice: tool calls and a structured output cannot be combined (tool_choice none can)"
                 )
@@ -247,6 +258,13 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
             prompt = request.prompt
         return prompt_token_ids(self.tokenizer, prompt, self.model_config.vocab_size)
 
+    def _template(self) -> str | None:
+        """The chat template tools are rendered with (of a model with several, the tool_use one)."""
+        try:
+            return self.tokenizer.get_chat_template(tools=[{}])
+        except (AttributeError, ValueError):  # no tokenizer, or no template
+            return None
+
     def _render(self, chat: generate_pb2.ChatMessages) -> str:
         return apply_chat_template(self.tokenizer, template_messages(chat), tools=template_tools(chat))
 
@@ -288,10 +306,10 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
             sample.text += msg.text
             sample.logprobs.extend(msg.logprobs)
             sample.finish_reason = msg.finish_reason or sample.finish_reason
-            for part in msg.tool_calls:  # fragments joined into whole calls
-                if part.index == len(sample.tool_calls):
-                    sample.tool_calls.add(index=part.index, id=part.id, name=part.name)
-                sample.tool_calls[part.index].arguments += part.arguments
+            if msg.tool_calls:  # fragments joined into whole calls
+                calls = join_fragments(list(sample.tool_calls) + list(msg.tool_calls))
+                del sample.tool_calls[:]
+                sample.tool_calls.extend(calls)
             if msg.finished:
                 whole.finished = True
                 whole.usage.CopyFrom(msg.usage)
@@ -321,6 +339,11 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
             id=self.model_id, max_model_len=self.max_model_len, dtype=self.model_config.checkpoint_dtype
         )
         return generate_pb2.ListModelsResponse(models=[card])
+
+
+def _no_room_for_a_grammar(s: common_pb2.SamplingParams) -> bool:
+    """What a structured output refuses (each could leave no token the grammar allows)."""
+    return s.ignore_eos or s.min_tokens > 0 or bool(s.bad_words) or bool(s.bad_words_token_ids) or s.beam_width > 1
 
 
 def client_of(context) -> str:

@@ -477,10 +477,6 @@ def _messages(messages) -> list[generate_pb2.ChatMessage]:
             if value is not None and not isinstance(value, str):
                 raise APIError(400, f"messages[{i}].{name} must be a string", f"messages[{i}].{name}")
             setattr(message, name, value or "")
-        if role == "tool" and not message.tool_call_id:
-            raise APIError(
-                400, f"messages[{i}].tool_call_id: a tool message names the call it answers", f"messages[{i}]"
-            )
         out.append(message)
     return out
 
@@ -495,16 +491,18 @@ def _message_tool_calls(calls, param: str) -> list[generate_pb2.ToolCall]:
     out = []
     for j, call in enumerate(calls):
         function = call.get("function") if isinstance(call, dict) else None
-        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-            raise APIError(
-                400, f'{param}[{j}] must be {{"id", "type": "function", "function": {{"name", "arguments"}}}}', param
-            )
+        shape = '{"id", "type": "function", "function": {"name", "arguments"}}'
+        if (
+            not isinstance(function, dict)
+            or not isinstance(function.get("name"), str)
+            or call.get("type", "function") != "function"
+            or not isinstance(call.get("id", ""), str)
+        ):
+            raise APIError(400, f"{param}[{j}] must be {shape}", f"{param}[{j}]")
         arguments = function.get("arguments", "{}")
         if not isinstance(arguments, str):
-            raise APIError(400, f"{param}[{j}].function.arguments must be a JSON string", param)
-        out.append(
-            generate_pb2.ToolCall(index=j, id=str(call.get("id") or ""), name=function["name"], arguments=arguments)
-        )
+            raise APIError(400, f"{param}[{j}].function.arguments must be a JSON string", f"{param}[{j}]")
+        out.append(generate_pb2.ToolCall(index=j, id=call.get("id", ""), name=function["name"], arguments=arguments))
     return out
 
 
@@ -630,7 +628,7 @@ def _message(text: str, calls) -> dict:
 
 
 def _tool_call(c: generate_pb2.ToolCall) -> dict:
-    """A call, or in a stream a call's fragment: id, type and name on its first, arguments after."""
+    """A streamed call's fragment: index, id, type and name on its first, index and arguments after."""
     if not c.id:
         return {"index": c.index, "function": {"arguments": c.arguments}}
     return {"index": c.index, "id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
@@ -679,7 +677,7 @@ def _api_error(e: RequestError, body: dict) -> APIError:
 def _param_of(message: str) -> str | None:
     """The field an error message names first (see PARAMS), else None."""
     head = message.split(" ", 1)[0].rstrip(":")
-    if head in PARAMS or re.fullmatch(r"messages\[\d+\](\.\w+)?", head):
+    if head in PARAMS or re.fullmatch(r"messages\[\d+\](\.\w+|\[\d+\])*", head):
         return head
     return "tools" if re.fullmatch(r"tools\[\d+\](\.\w+)*", head) else None
 

@@ -20,7 +20,9 @@ constrained call stays text (never invalid JSON claimed as a call).
 from __future__ import annotations
 
 import json
+import random
 import re
+import string
 import uuid
 from dataclasses import dataclass
 
@@ -47,13 +49,21 @@ def new_call(index: int, name: str, arguments: str = "") -> Call:
     return Call(index, arguments, f"call_{uuid.uuid4().hex[:24]}", name)
 
 
+def mistral_call_id() -> str:
+    """Mistral's templates take back only ids of 9 letters and digits."""
+    return "".join(random.SystemRandom().choices(string.ascii_letters + string.digits, k=9))
+
+
 # ---- the request side: tools checked, rendered, constrained -------------------------------------
 def template_tools(chat: generate_pb2.ChatMessages) -> list[dict] | None:
     """The request's tools as chat templates take them (OpenAI's shape); raises ValueError naming
-    tools[i].function.<field> where one is malformed."""
+    tools[i].function.<field> or tool_choice where one is malformed."""
+    kind, mode = chat.WhichOneof("tool_choice"), chat.tool_choice_mode
+    if kind == "tool_choice_mode" and mode not in TOOL_CHOICES:
+        raise ValueError(f"tool_choice must be one of {TOOL_CHOICES} or a function, got {mode!r}")
     if not chat.tools:
-        if chat.WhichOneof("tool_choice") == "tool_choice_function" or chat.tool_choice_mode == "required":
-            raise ValueError("tool_choice: a tool call was required but the request has no tools")
+        if kind is not None and tool_choice(chat) != "none":
+            raise ValueError(f"tool_choice: {tool_choice(chat)} needs tools, and the request has none")
         return None
     if len(chat.tools) > MAX_TOOLS:
         raise ValueError(f"tools: at most {MAX_TOOLS} tools per request, got {len(chat.tools)}")
@@ -76,9 +86,6 @@ def template_tools(chat: generate_pb2.ChatMessages) -> list[dict] | None:
         function = {"name": tool.name, "description": tool.description} if tool.description else {"name": tool.name}
         function["parameters"] = parameters  # OpenAI's order, as templates print it
         out.append({"type": "function", "function": function})
-    mode = chat.tool_choice_mode
-    if chat.WhichOneof("tool_choice") == "tool_choice_mode" and mode not in TOOL_CHOICES:
-        raise ValueError(f"tool_choice must be one of {TOOL_CHOICES} or a function, got {mode!r}")
     named = chat.tool_choice_function
     if named and named not in names:
         raise ValueError(f"tool_choice: no tool named {named!r} (tools: {sorted(names)})")
@@ -109,16 +116,22 @@ def constrained_output(chat: generate_pb2.ChatMessages) -> common_pb2.Structured
         return common_pb2.StructuredOutput(kind="json_schema", spec=json.dumps(tool["parameters"]))
     if choice != "required":
         return None
-    calls = [
-        {
-            "type": "object",
-            "properties": {"name": {"const": t["function"]["name"]}, "parameters": t["function"]["parameters"]},
-            "required": ["name", "parameters"],
-            "additionalProperties": False,
-        }
-        for t in tools
-    ]
-    schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+    calls, defs = [], {}
+    for t in tools:  # each schema's definitions hoisted to the list's top, where its "#/$defs/..." point
+        parameters = dict(t["function"]["parameters"])
+        for key in ("$defs", "definitions"):
+            for name, definition in (parameters.pop(key, None) or {}).items():
+                if defs.setdefault(key, {}).setdefault(name, definition) != definition:
+                    raise ValueError(f"tools: two functions define {key}/{name} differently (tool_choice required)")
+        calls.append(
+            {
+                "type": "object",
+                "properties": {"name": {"const": t["function"]["name"]}, "parameters": parameters},
+                "required": ["name", "parameters"],
+                "additionalProperties": False,
+            }
+        )
+    schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}, **defs}
     if not parallel(chat):
         schema["maxItems"] = 1
     return common_pb2.StructuredOutput(kind="json_schema", spec=json.dumps(schema))
@@ -140,6 +153,8 @@ def template_messages(chat: generate_pb2.ChatMessages) -> list[dict]:
                     raise ValueError(f"{where} is not valid JSON ({e})") from None
                 calls.append({"id": c.id, "type": "function", "function": {"name": c.name, "arguments": arguments}})
             message["tool_calls"] = calls
+        if m.role == "tool" and not m.tool_call_id:
+            raise ValueError(f"messages[{i}].tool_call_id: a tool message names the call it answers")
         if m.tool_call_id:
             message["tool_call_id"] = m.tool_call_id
         if m.name:
@@ -217,8 +232,8 @@ class HeldParser(ToolParser):
         self.held += text
         if self.holding:
             return "", []
-        if not self.started:  # the output's opening decides, once it is known
-            head = self.held.lstrip()
+        if not self.started:  # the output's opening decides, once it is known (whitespace aside: "[ {")
+            head = "".join(self.held[:64].split())
             if any(head.startswith(o) for o in self.openings):
                 self.holding = True
                 return "", []
@@ -255,7 +270,11 @@ class RequiredParser(HeldParser):
             calls = json.loads(text)
         except ValueError:
             return None  # cut short
-        return [(c["name"], c["parameters"]) for c in calls]
+        if not isinstance(calls, list) or not all(
+            isinstance(c, dict) and isinstance(c.get("name"), str) for c in calls
+        ):
+            return None
+        return [(c["name"], c.get("parameters", {})) for c in calls]
 
 
 class HermesParser(ToolParser):
@@ -340,9 +359,10 @@ class ToolCalls:
     """A request's tool calls, per sample: rewrites each GenerateResponse in place (text: the
     content; tool_calls: the call fragments; finish_reason tool_calls for a sample that called)."""
 
-    def __init__(self, make_parser, max_calls: int | None = None):
-        """max_calls: calls past it are dropped (parallel_tool_calls false under auto)."""
-        self.make_parser, self.max_calls = make_parser, max_calls
+    def __init__(self, make_parser, max_calls: int | None = None, mistral_ids: bool = False):
+        """max_calls: calls past it are dropped (parallel_tool_calls false under auto); mistral_ids:
+        ids a Mistral template takes back."""
+        self.make_parser, self.max_calls, self.mistral_ids = make_parser, max_calls, mistral_ids
         self.parsers: dict[int, ToolParser] = {}
 
     def rewrite(self, msg: generate_pb2.GenerateResponse) -> None:
@@ -356,6 +376,9 @@ class ToolCalls:
         msg.text = content
         if self.max_calls is not None:
             calls = [c for c in calls if c.index < self.max_calls]
+        for c in calls:
+            if c.id and self.mistral_ids:
+                c.id = mistral_call_id()
         msg.tool_calls.extend(
             generate_pb2.ToolCall(index=c.index, id=c.id, name=c.name, arguments=c.arguments) for c in calls
         )
@@ -368,10 +391,11 @@ def tool_calls_for(chat: generate_pb2.ChatMessages, parser: str, template: str |
     choice = tool_choice(chat)
     if choice == "none":
         return None
+    mistral = parser_for_template(template) == "mistral"
     if choice == "function":
-        return ToolCalls(lambda: NamedParser(chat.tool_choice_function))
+        return ToolCalls(lambda: NamedParser(chat.tool_choice_function), mistral_ids=mistral)
     if choice == "required":
-        return ToolCalls(RequiredParser)
+        return ToolCalls(RequiredParser, mistral_ids=mistral)
     name = parser if parser != "auto" else parser_for_template(template)
     if name is None:
         raise ValueError(
@@ -379,7 +403,19 @@ def tool_calls_for(chat: generate_pb2.ChatMessages, parser: str, template: str |
             f"knows ({', '.join(PARSERS)}); start the router with --tool-call-parser, or ask for "
             "tool_choice required or a named function"
         )
-    return ToolCalls(PARSERS[name], None if parallel(chat) else 1)
+    return ToolCalls(PARSERS[name], None if parallel(chat) else 1, mistral_ids=mistral or name == "mistral")
+
+
+def join_fragments(parts) -> list[generate_pb2.ToolCall]:
+    """Call fragments with each call's run together: its first (index, id, name) takes the arguments
+    of the fragments after it (a unary answer's whole calls; a stream's messages merged)."""
+    out: list[generate_pb2.ToolCall] = []
+    for part in parts:
+        if out and not part.id and out[-1].index == part.index:
+            out[-1].arguments += part.arguments
+        else:
+            out.append(generate_pb2.ToolCall(index=part.index, id=part.id, name=part.name, arguments=part.arguments))
+    return out
 
 
 # ---- helpers ------------------------------------------------------------------------------

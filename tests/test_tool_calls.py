@@ -87,6 +87,7 @@ CASES = [  # (parser, output text, content, [(name, arguments)])
         [("f", {}), ("g", {"b": [1]})],
     ),
     (MistralParser, "[1, 2] is a list", "[1, 2] is a list", []),
+    (MistralParser, '[\n  {"name": "f", "arguments": {}}]', "", [("f", {})]),
     (RequiredParser, '[{"name":"get_time","parameters":{"zone":"CET"}}]', "", [("get_time", {"zone": "CET"})]),
 ]
 
@@ -178,7 +179,7 @@ def chat(tools=TOOLS, mode: str | None = None, function: str | None = None) -> g
     "request_, words",
     [
         (chat(function="nope"), "tool_choice: no tool named 'nope'"),
-        (chat(tools=[], mode="required"), "tool_choice: a tool call was required but the request has no tools"),
+        (chat(tools=[], mode="required"), "tool_choice: required needs tools, and the request has none"),
         (chat(mode="sometimes"), "tool_choice must be one of ('none', 'auto', 'required')"),
         (chat(tools=[TOOLS[0], TOOLS[0]]), "tools[1].function.name: 'get_weather' is named twice"),
         (chat(tools=[{"function": {"name": "a b"}}]), "tools[0].function.name must match"),
@@ -188,6 +189,68 @@ def chat(tools=TOOLS, mode: str | None = None, function: str | None = None) -> g
 def test_bad_tools_are_refused_naming_the_field(request_, words):
     with pytest.raises(ValueError, match="^" + re.escape(words)):
         tool_calls_for(request_, "auto", "{{ messages }}")
+
+
+def test_required_hoists_each_schemas_definitions():
+    """Pydantic writes tool schemas with $defs: under required they move to the list's top, where
+    their references point, and the grammar compiles."""
+    from engine.structured_output import StructuredOutput
+
+    unit = {"enum": ["C", "F"]}
+    with_defs = {"type": "object", "properties": {"unit": {"$ref": "#/$defs/Unit"}}, "$defs": {"Unit": unit}}
+    tools = [{"function": {"name": "temp", "parameters": with_defs}}, TOOLS[1]]
+    so = constrained_output(chat(tools, mode="required"))
+    schema = json.loads(so.spec)
+    assert schema["$defs"] == {"Unit": unit} and "$defs" not in schema["items"]["anyOf"][0]["properties"]["parameters"]
+    StructuredOutput(so.kind, so.spec).grammar()  # compiles: the reference resolves
+    clash = {**with_defs, "$defs": {"Unit": {"enum": ["K"]}}}
+    with pytest.raises(ValueError, match=re.escape("tools: two functions define $defs/Unit differently")):
+        constrained_output(chat([tools[0], {"function": {"name": "other", "parameters": clash}}], mode="required"))
+
+
+def test_mistral_templates_get_ids_they_take_back():
+    tools = tool_calls_for(chat(function="get_time"), "auto", "{{ '[TOOL_CALLS]' }}")
+    msg = generate_pb2.GenerateResponse(text='{"zone":"UTC"}', finish_reason="stop")
+    tools.rewrite(msg)
+    assert re.fullmatch("[a-zA-Z0-9]{9}", msg.tool_calls[0].id), msg
+
+
+def test_a_template_that_raises_is_a_bad_request_naming_messages(tiny_llama):
+    from engine.tokenizer import apply_chat_template, load_tokenizer
+
+    tokenizer = load_tokenizer(tiny_llama)
+    tokenizer.chat_template = "{{ raise_exception('only one tool call at a time') }}"
+    with pytest.raises(ValueError, match="^messages: the chat template refused them: only one tool call at a time"):
+        apply_chat_template(tokenizer, [{"role": "user", "content": "hi"}])
+
+
+def test_a_models_tool_use_template_names_the_parser(tiny_llama):
+    """A tokenizer with named templates (default, tool_use): the tool_use one names the format."""
+    from router.frontend import Frontend
+
+    frontend = Frontend(str(tiny_llama))
+    frontend.tokenizer.chat_template = {"default": "{{ messages }}", "tool_use": HERMES_TEMPLATE.read_text()}
+    assert parser_for_template(frontend._template()) == "hermes"
+
+
+def test_merged_stream_messages_keep_every_call_fragment():
+    """Ray Serve's gRPC ingress merges messages that queue behind a slow client."""
+    from router.deployment import _merge
+
+    a = generate_pb2.GenerateResponse(
+        text="x", tool_calls=[generate_pb2.ToolCall(index=0, id="c1", name="f", arguments='{"a"')]
+    )
+    b = generate_pb2.GenerateResponse(
+        tool_calls=[
+            generate_pb2.ToolCall(index=0, arguments=":1}"),
+            generate_pb2.ToolCall(index=1, id="c2", name="g", arguments="{}"),
+        ]
+    )
+    merged = _merge(a, b)
+    assert [(c.index, c.id, c.name, c.arguments) for c in merged.tool_calls] == [
+        (0, "c1", "f", '{"a":1}'),
+        (1, "c2", "g", "{}"),
+    ]
 
 
 def test_tool_choice_none_and_no_tools_leave_the_output_alone():
@@ -335,6 +398,28 @@ def test_auto_answers_what_the_hermes_parser_reads_in_the_plain_output(up):
     assert ask(up, True, tool_choice="auto", temperature=0) == (content, calls, finish)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("temperature", [0, 1.0])
+def test_response_format_validates_across_the_split_with_speculation(up, stream, temperature):
+    """A JSON schema response (no tools) on the same cluster: prefill remote or on the decode
+    node, n-gram drafts checked against the grammar; ended by the model, it validates."""
+    import jsonschema
+
+    client, model = up
+    fmt = {"type": "json_schema", "json_schema": {"name": "w", "schema": WEATHER, "strict": True}}
+    messages = [{"role": "user", "content": "Paris?"}]
+    reply = client.chat.completions.create(
+        model=model, messages=messages, response_format=fmt, temperature=temperature, seed=5, stream=stream
+    )
+    if stream:
+        chunks = [c.choices[0] for c in reply if c.choices]
+        text, finish = "".join(c.delta.content or "" for c in chunks), [c.finish_reason for c in chunks][-1]
+    else:
+        text, finish = reply.choices[0].message.content, reply.choices[0].finish_reason
+    assert finish == "stop"
+    jsonschema.validate(json.loads(text), WEATHER)
+
+
 def test_a_tool_call_round_trip(up):
     """The call goes back as the assistant's message with the tool's answer after it: accepted,
     and rendered by the template (the prompt grows by the call and the answer)."""
@@ -368,9 +453,17 @@ def test_a_tool_call_round_trip(up):
         ),
         (dict(tool_choice="auto", response_format={"type": "json_object"}), "tool_choice", "cannot be combined"),
         (dict(tools=[{"type": "function", "function": {"name": "f"}}, "x"]), "tools", "tools[1] must be"),
+        (dict(tools=None, tool_choice="auto"), "tool_choice", "tool_choice: auto needs tools"),
+        (dict(tools=None, tool_choice="function"), "tool_choice", "tool_choice must be one of"),
+        (dict(tool_choice="required", extra_body={"ignore_eos": True}), "tool_choice", "takes no ignore_eos"),
+        (
+            dict(messages=[{"role": "assistant", "tool_calls": [{"id": 7, "function": {"name": "f"}}]}]),
+            "messages[0].tool_calls[0]",
+            'messages[0].tool_calls[0] must be {"id", "type": "function"',
+        ),
         (
             dict(messages=[{"role": "tool", "content": "22 C"}]),
-            "messages[0]",
+            "messages[0].tool_call_id",
             "messages[0].tool_call_id: a tool message names the call it answers",
         ),
     ],
