@@ -14,7 +14,7 @@ class RequestOutput:
     new_token_ids: list[int] = field(default_factory=list)  # generated in the latest step
     new_text: str = ""  # text that became final in the latest step
     finished: bool = False  # this sample is done
-    finish_reason: str | None = None  # "stop", "length", "abort"
+    finish_reason: str | None = None  # "stop", "length", "abort", "error" (its grammar failed)
     logprobs: list[dict[int, float]] | None = None  # per generated token, when asked
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache

@@ -216,6 +216,8 @@ class Scheduler:
 
     def _stop_reason(self, seq: Sequence, token_id: int) -> FinishReason | None:
         params = seq.params
+        if seq.grammar is not None and seq.grammar.failed:
+            return FinishReason.ERROR
         ends = (token_id in self.eos_token_ids and not params.ignore_eos) or token_id in params.stop_token_ids
         if ends and len(seq.output_token_ids) > params.min_tokens:  # before it, a draft's EOS is not an end
             return FinishReason.STOP

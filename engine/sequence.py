@@ -28,6 +28,7 @@ class FinishReason(str, enum.Enum):
     LENGTH = "length"  # max_tokens or the model's context
     ABORT = "abort"  # cancelled by the caller
     HANDOFF = "handoff"  # a prefill whose request goes on elsewhere (LLMEngine.add_prefill)
+    ERROR = "error"  # its grammar's matcher failed: the output is not known to be in the grammar
 
 
 @dataclass

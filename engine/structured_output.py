@@ -119,6 +119,7 @@ class SequenceGrammar:
 
     def __init__(self, matcher):
         self.matcher, self.num_consumed = matcher, 0
+        self.failed = False  # the matcher refused a token: the sequence ends with FinishReason.ERROR
 
     def catch_up(self, output_token_ids: list[int]) -> bool:
         """Consumes the tokens since the last call; False where the matcher refused one (llguidance
@@ -139,8 +140,10 @@ def fill_masks(compiler: GrammarCompiler, rows: list[tuple[object, list[int]]]) 
         if seq.grammar is None:
             seq.grammar = SequenceGrammar(compiler.matcher(so))
         state = seq.grammar
-        if not state.catch_up(seq.output_token_ids):  # nothing valid follows: EOS ends it
-            log.error("structured_output: request %s: %s; ended", seq.request_id, state.matcher.get_error())
+        if state.failed or not state.catch_up(seq.output_token_ids):  # EOS ends it, finishing with "error"
+            if not state.failed:
+                log.error("structured_output: request %s: %s; ended", seq.request_id, state.matcher.get_error())
+            state.failed = True
             masks[r] = 0
             for t in compiler.eos_token_ids:
                 masks[r, t // 32] |= 1 << (t % 32)

@@ -24,19 +24,62 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--seed", type=int, default=None, help="per-request seed: the same seed gives the same tokens")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-
-
-def sampling_params(args):
-    from engine import SamplingParams
-
-    return SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        seed=args.seed,
-        stop=args.stop,
+    p.add_argument("--presence-penalty", type=float, default=0.0, help="in [-2, 2]: subtracted once a token is out")
+    p.add_argument(
+        "--frequency-penalty", type=float, default=0.0, help="in [-2, 2]: subtracted per time a token is out"
     )
+    p.add_argument(
+        "--repetition-penalty", type=float, default=1.0, help="(0, 10]: divides the logit of a prompt or output token"
+    )
+    p.add_argument("--min-p", type=float, default=0.0, help="drop tokens less likely than min-p x the most likely")
+    p.add_argument("--min-tokens", type=int, default=0, help="EOS and stop strings wait until this many tokens are out")
+    p.add_argument(
+        "--bad-word", action="append", default=[], dest="bad_words", help="a word never written (repeatable)"
+    )
+    held = p.add_mutually_exclusive_group()
+    held.add_argument("--json-schema", metavar="FILE", help="hold the output to the JSON schema in FILE")
+    held.add_argument("--regex", help="hold the output to this regular expression")
+    held.add_argument("--choice", action="append", help="hold the output to one of these strings (repeatable)")
+
+
+NEUTRAL = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "min_p": 0.0, "min_tokens": 0}
+
+
+def sampling_fields(args) -> dict:
+    """The sampling flags as the wire's SamplingParams fields (those at their neutral value left out)."""
+    fields = {name: getattr(args, name) for name in ("max_tokens", "temperature", "top_k", "top_p", "stop")}
+    fields |= {name: getattr(args, name) for name, neutral in NEUTRAL.items() if getattr(args, name) != neutral}
+    if args.seed is not None:
+        fields["seed"] = args.seed
+    if args.bad_words:
+        fields["bad_words"] = args.bad_words
+    if args.json_schema:
+        try:
+            with open(args.json_schema) as f:
+                fields["structured_output"] = {"kind": "json_schema", "spec": f.read()}
+        except OSError as e:
+            raise SystemExit(f"pdserve: error: --json-schema: cannot read {args.json_schema}: {e.strerror}") from None
+    elif args.regex:
+        fields["structured_output"] = {"kind": "regex", "spec": args.regex}
+    elif args.choice:
+        import json
+
+        fields["structured_output"] = {"kind": "choice", "spec": json.dumps(args.choice)}
+    return fields
+
+
+def sampling_params(args, tokenizer):
+    """The same as the engine's SamplingParams (bad words tokenized here, as a router would)."""
+    from engine import SamplingParams
+    from engine.structured_output import StructuredOutput
+    from engine.tokenizer import bad_words_token_ids
+
+    fields = sampling_fields(args)
+    if "bad_words" in fields:
+        fields["bad_words_token_ids"] = bad_words_token_ids(tokenizer, fields.pop("bad_words"))
+    if "structured_output" in fields:
+        fields["structured_output"] = StructuredOutput(**fields["structured_output"])
+    return SamplingParams(**fields)
 
 
 def rpc_error(e) -> str:
@@ -55,7 +98,11 @@ def cmd_generate_offline(args) -> int:
     prompt = args.prompt
     if not args.raw and llm.tokenizer is not None and getattr(llm.tokenizer, "chat_template", None):
         prompt = apply_chat_template(llm.tokenizer, [{"role": "user", "content": prompt}])
-    out = llm.generate(prompt, sampling_params(args))[0]
+    try:
+        out = llm.generate(prompt, sampling_params(args, llm.tokenizer))[0]
+    except ValueError as e:  # a bad flag value, named
+        print(f"pdserve: error: {e}", file=sys.stderr)
+        return 1
     done = time.perf_counter()
     print(out.text)
     n = len(out.token_ids)
@@ -92,15 +139,7 @@ def cmd_generate(args) -> int:
 
     from pdserve.generate import stream_answer
 
-    sampling = {
-        "max_tokens": args.max_tokens,
-        "temperature": args.temperature,
-        "top_k": args.top_k,
-        "top_p": args.top_p,
-        "stop": args.stop,
-    }
-    if args.seed is not None:
-        sampling["seed"] = args.seed
+    sampling = sampling_fields(args)
     try:
         from kvtransfer.security import Security, read_api_keys
 

@@ -41,6 +41,20 @@ def test_generate_offline_prints_the_answer(tiny_llama):
     assert "5 generated tokens" in r.stderr and "finish: length" in r.stderr
 
 
+def test_generate_offline_takes_penalties_and_structured_output(tiny_llama):
+    model = ["--model", str(tiny_llama), "--dtype", "float32", "--max-tokens", "12"]
+    held = ["--choice", "yes", "--choice", "no way", "--presence-penalty", "0.5"]
+    r = run("generate-offline", "Hello", *model, *held, "--raw")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() in ("yes", "no way") and "finish: stop" in r.stderr
+    r = run("generate-offline", "Hello", *model, "--bad-word", "maybe", "--min-tokens", "3", "--raw")
+    assert r.returncode == 0 and int(re.search(r"(\d+) generated tokens", r.stderr)[1]) >= 3, r.stderr
+    bad = run("generate-offline", "Hello", *model, "--regex", "(x")
+    assert bad.returncode == 1 and "structured_output: the regex is invalid" in bad.stderr, bad.stderr
+    bad = run("generate-offline", "Hello", *model, "--min-p", "2")
+    assert bad.returncode == 1 and "min_p must be in [0, 1]" in bad.stderr, bad.stderr
+
+
 def test_generate_offline_reports_bad_input():
     r = run("generate-offline", "Hello", "--model", "nope")
     assert r.returncode == 2
@@ -89,6 +103,8 @@ def test_up_then_generate_streams_and_stops_cleanly(tiny_llama, tmp_path):
     from conftest import make_engine, run_to_completion
 
     from engine import SamplingParams
+    from engine.structured_output import StructuredOutput
+    from engine.tokenizer import bad_words_token_ids
 
     speculative = '{"method": "ngram", "num_speculative_tokens": 4}'
     core = max(os.sched_getaffinity(0))  # --cpus: the router and every node on this core only
@@ -140,6 +156,30 @@ def test_up_then_generate_streams_and_stops_cleanly(tiny_llama, tmp_path):
         assert result["timings"]["kv_transport"] == "shm"  # two processes, one host: the one-sided read
         bad = run("generate", "--addr", address, "--max-tokens", "0", "hi")
         assert bad.returncode == 1 and "INVALID_ARGUMENT" in bad.stderr and "max_tokens" in bad.stderr
+        # penalties and a bad word, then a regex: over the wire, the tokens one engine gives the same parameters
+        tok, regex = engine.tokenizer, "[a-z ]{4,12}"
+        for i, (flags, params) in enumerate(
+            [
+                (
+                    ["--presence-penalty", "1.5", "--repetition-penalty", "1.3", "--bad-word", "lo"],
+                    dict(
+                        presence_penalty=1.5,
+                        repetition_penalty=1.3,
+                        bad_words_token_ids=bad_words_token_ids(tok, ["lo"]),
+                    ),
+                ),
+                (
+                    ["--regex", regex, "--min-p", "0.1"],
+                    dict(structured_output=StructuredOutput("regex", regex), min_p=0.1),
+                ),
+            ]
+        ):
+            r = run("generate", "--addr", address, "--json", "--raw", "--max-tokens", "16", *flags, "Hello world")
+            assert r.returncode == 0, r.stderr
+            got = json.loads(r.stdout.strip().splitlines()[-1])
+            engine.add_request(str(i), "Hello world", SamplingParams(max_tokens=16, temperature=0, **params))
+            assert got["token_ids"] == run_to_completion(engine)[str(i)].token_ids, flags
+        assert got["finish_reason"] == "length" or re.fullmatch(regex, got["text"]), got
     finally:
         up.send_signal(signal.SIGTERM)
         assert up.wait(timeout=60) == 0

@@ -189,3 +189,23 @@ def test_logprobs_under_a_grammar_are_finite(tiny_llama):
     out = run(make_engine(tiny_llama), {"r": (PROMPTS[0], params)})["r"]
     values = [v for entry in out.logprobs for v in entry.values()]
     assert values and all(v >= -9999.0 for v in values) and out.text in CHOICES
+
+
+def test_a_failed_matcher_ends_its_request_with_error_and_no_other(tiny_llama, monkeypatch):
+    """llguidance's matcher can fail mid-output (out of its parser's fuel on a pathological
+    grammar): that request ends with finish_reason error, never "stop" (its output is not known to
+    be in the grammar), and the batch beside it is untouched."""
+    from engine import structured_output
+
+    catch_up = structured_output.SequenceGrammar.catch_up
+
+    def fails_at_five(self, output_token_ids):  # the one request with a grammar
+        return catch_up(self, output_token_ids) and len(output_token_ids) < 5
+
+    monkeypatch.setattr(structured_output.SequenceGrammar, "catch_up", fails_at_five)
+    json_params = SamplingParams(max_tokens=40, temperature=0, structured_output=StructuredOutput("json_object"))
+    plain = SamplingParams(max_tokens=12, temperature=0)
+    alone = run(make_engine(tiny_llama), {"plain": (PROMPTS[1], plain)})["plain"]
+    done = run(make_engine(tiny_llama), {"json": (PROMPTS[0], json_params), "plain": (PROMPTS[1], plain)})
+    assert done["json"].finish_reason == "error" and len(done["json"].token_ids) == 6, done["json"]
+    assert done["plain"].token_ids == alone.token_ids and done["plain"].finish_reason == "length"
