@@ -6,7 +6,8 @@ the output) and the presence penalty (once per token the output holds).
 Each row is one next token of one sequence: `past` holds the output before it (with a
 verification's drafts before its position), so a row's result depends on its own request alone
 (batch-invariant, and the same on whichever node samples it). Rows are batched: one scatter
-builds the counts of every penalized row, one index_put adds every bias.
+counts every penalized row's history, one index_put adds every bias, and the penalties touch
+only the (row, token) pairs the histories hold.
 """
 
 from __future__ import annotations
@@ -48,26 +49,41 @@ def apply_penalties(
     rows = [i for i, p in enumerate(params) if p.repetition_penalty != 1 or p.frequency_penalty or p.presence_penalty]
     if not rows:
         return logits
-    sub = logits[rows]
-    counts = _counts([pasts[i] for i in rows], vocab).to(dev)
-    repetition = torch.tensor([params[i].repetition_penalty for i in rows], device=dev)[:, None]
-    if (repetition != 1).any():
-        seen = (counts > 0) | (_counts([prompts[i] for i in rows], vocab).to(dev) > 0)
-        penalty = torch.where(seen, repetition, torch.ones_like(repetition))
-        sub = torch.where(sub > 0, sub / penalty, sub * penalty)
-    frequency = torch.tensor([params[i].frequency_penalty for i in rows], device=dev)[:, None]
-    presence = torch.tensor([params[i].presence_penalty for i in rows], device=dev)[:, None]
-    sub = sub - frequency * counts - presence * (counts > 0)
-    logits[rows] = sub
+    # Only the tokens a row's history holds change: those (row, token) pairs are gathered, penalized
+    # and written back (the same arithmetic, element by element, as on the whole [R, V] rows, at a
+    # cost of the histories' length rather than the vocabulary's).
+    repeating = any(params[i].repetition_penalty != 1 for i in rows)
+    where, counts = _history_counts([pasts[i] for i in rows], [prompts[i] for i in rows] if repeating else None, vocab)
+    if where.numel() == 0:
+        return logits
+    row, token = where // vocab, where % vocab
+    at = (torch.tensor(rows)[row].to(dev), token.to(dev))
+    counts = counts.to(dev)
+    values = logits[at]
+    if repeating:  # every gathered token is in the prompt or the output
+        penalty = torch.tensor([params[i].repetition_penalty for i in rows], device=dev)[row.to(dev)]
+        values = torch.where(values > 0, values / penalty, values * penalty)
+    frequency = torch.tensor([params[i].frequency_penalty for i in rows], device=dev)[row.to(dev)]
+    presence = torch.tensor([params[i].presence_penalty for i in rows], device=dev)[row.to(dev)]
+    logits[at] = values - frequency * counts - presence * (counts > 0)
     return logits
 
 
-def _counts(histories: list[list[int]], vocab: int) -> torch.Tensor:
-    """[R, V] fp32: how often each token occurs in each history (ids past the vocabulary ignored)."""
-    width = max((len(h) for h in histories), default=0)
-    ids = torch.full((len(histories), width), vocab, dtype=torch.long)  # vocab: a padding column
-    for r, h in enumerate(histories):
-        ids[r, : len(h)] = torch.tensor(h, dtype=torch.long).clamp(max=vocab)
-    counts = torch.zeros(len(histories), vocab + 1)
-    counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float))
-    return counts[:, :vocab]
+def _history_counts(outputs: list[list[int]], prompts: list[list[int]] | None, vocab: int):
+    """(keys, counts): each (row, token) pair of the rows' outputs (and prompts, when given) as
+    row * vocab + token, sorted, with how often the token is in that row's output (0 for a token
+    only in the prompt). Ids past the vocabulary are ignored."""
+
+    def keys(histories: list[list[int]]) -> torch.Tensor:
+        flat = torch.tensor([t for h in histories for t in h], dtype=torch.long)
+        row = torch.repeat_interleave(torch.arange(len(histories)), torch.tensor([len(h) for h in histories]))
+        inside = flat < vocab
+        return row[inside] * vocab + flat[inside]
+
+    seen, counts = torch.unique(keys(outputs), return_counts=True)
+    if prompts is None:
+        return seen, counts.float()
+    both = torch.unique(torch.cat([seen, keys(prompts)]))
+    all_counts = torch.zeros(len(both))
+    all_counts[torch.searchsorted(both, seen)] = counts.float()
+    return both, all_counts

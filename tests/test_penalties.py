@@ -9,6 +9,8 @@ import pytest
 import torch
 from cluster import split_results
 from conftest import engine_alone, make_engine
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_model_equality import PROMPTS
 from transformers import AutoModelForCausalLM
 
@@ -202,3 +204,40 @@ def test_under_min_tokens_a_stop_string_in_earlier_text_never_cuts_it_later():
     detok = IncrementalDetokenizer(Chars(), [], ("\n", "STOPSTOP"), min_tokens=3)
     stopped = [detok.add(i)[1] for i in range(4)]
     assert stopped == [False, False, False, False] and detok.text == "a\nbc"
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    rows=st.lists(
+        st.tuples(
+            st.lists(st.integers(0, 40), max_size=12),  # prompt (ids past the vocabulary of 32 ignored)
+            st.lists(st.integers(0, 40), max_size=12),  # output so far
+            st.sampled_from([1.0, 1.25, 0.8]),
+            st.sampled_from([0.0, 0.75, -0.5]),
+            st.sampled_from([0.0, 1.5, -1.0]),
+        ),
+        min_size=1,
+        max_size=5,
+    ),
+    seed=st.integers(0, 1000),
+)
+def test_the_penalties_equal_their_definition_on_whole_rows(rows, seed):
+    """Only the tokens a row's history holds are touched: bit-equal to the definitions applied to
+    every token of every row (fp32)."""
+    from engine.penalties import apply_penalties
+
+    vocab = 32
+    logits = torch.randn(len(rows), vocab, generator=torch.Generator().manual_seed(seed)) * 4
+    params = [SamplingParams(repetition_penalty=r, frequency_penalty=f, presence_penalty=p) for _, _, r, f, p in rows]
+    got = apply_penalties(logits.clone(), params, [r[0] for r in rows], [r[1] for r in rows], ())
+    want = logits.clone()
+    for i, (prompt, output, rep, freq, pres) in enumerate(rows):
+        counts = torch.bincount(torch.tensor([t for t in output if t < vocab], dtype=torch.long), minlength=vocab)
+        seen = (counts > 0) | (
+            torch.bincount(torch.tensor([t for t in prompt if t < vocab], dtype=torch.long), minlength=vocab) > 0
+        )
+        row = want[i]
+        if rep != 1:
+            row = torch.where(seen, torch.where(row > 0, row / rep, row * rep), row)
+        want[i] = row - freq * counts.float() - pres * (counts > 0).float()
+    assert torch.equal(got, want)
