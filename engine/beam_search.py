@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.outputs import RequestOutput
+from engine.sampler import MASKED_LOGPROB
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 
@@ -47,8 +48,12 @@ class BeamSearch:
         self.done = False
 
     def step_params(self) -> SamplingParams:
-        """What each beam's single-token request asks for."""
-        return SamplingParams(max_tokens=1, temperature=0, ignore_eos=True, logprobs=2 * self.width)
+        """What each beam's single-token request asks for (under a grammar, the masked distribution's
+        log-probabilities: EOS among them only where the beam's tokens may end)."""
+        so = self.params.structured_output
+        return SamplingParams(
+            max_tokens=1, temperature=0, ignore_eos=so is None, logprobs=2 * self.width, structured_output=so
+        )
 
     def advance(self, next_logprobs: list[dict[int, float]]) -> None:
         """next_logprobs[b]: the top log-probabilities of the token after running beam b."""
@@ -58,6 +63,7 @@ class BeamSearch:
                 (beam.score + lp, b, token)
                 for b, beam in enumerate(self.running)
                 for token, lp in next_logprobs[b].items()
+                if lp > MASKED_LOGPROB  # a token the beam's grammar refuses is no candidate
             ),
             key=lambda c: -c[0],
         )[: 2 * width]
@@ -107,7 +113,13 @@ class BeamRequest:
     def step_sequences(self) -> list[Sequence]:
         params = self.search.step_params()
         return [
-            Sequence(self.request_id, self.prompt_token_ids + beam.token_ids, params, index=BEAM_INDEX + b)
+            Sequence(
+                self.request_id,
+                self.prompt_token_ids + beam.token_ids,
+                params,
+                index=BEAM_INDEX + b,
+                grammar_prefix=len(beam.token_ids),
+            )
             for b, beam in enumerate(self.search.running)
         ]
 

@@ -17,6 +17,8 @@ import torch
 from engine.penalties import apply_penalties
 from engine.sampling_params import SamplingParams
 
+MASKED_LOGPROB = -9999.0  # a masked token's logprob, -inf clamped (as vLLM) so that JSON can carry it
+
 
 @dataclass
 class SamplerOutput:
@@ -104,7 +106,7 @@ class Sampler:
         rows = [i for i, w in enumerate(want) if w]
         # the distribution sampled from before penalties (a grammar's mask included, as vLLM's); a
         # masked token's -inf clamped as vLLM does, for JSON
-        logprobs = torch.log_softmax(logits[rows], dim=-1).clamp(min=-9999.0)
+        logprobs = torch.log_softmax(logits[rows], dim=-1).clamp(min=MASKED_LOGPROB)
         n = max(params[i].logprobs or 0 for i in rows)
         top = _top(logprobs, max(n, 1))
         chosen = logprobs.gather(1, token_ids[rows][:, None]).squeeze(1).tolist()

@@ -127,8 +127,6 @@ class SamplingParams:
         if so is not None:
             if not isinstance(so, StructuredOutput):
                 raise ValueError(f"structured_output must be a StructuredOutput, got {type(so).__name__}")
-            if self.beam_width > 1:
-                raise ValueError("structured_output is not supported with beam search")
             if self.ignore_eos or self.min_tokens or self.bad_words_token_ids:
                 # each could leave a row no token the grammar allows (its end is EOS)
                 raise ValueError("structured_output takes no ignore_eos, min_tokens or bad_words")

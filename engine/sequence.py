@@ -69,6 +69,7 @@ class Sequence:
     draft_token_ids: list[int] = field(default_factory=list)
     draft_state: DraftState | None = None
     grammar: object = None  # structured output: its matcher (engine/structured_output.SequenceGrammar), made lazily
+    grammar_prefix: int = 0  # a beam step: its prompt's last tokens (the beam's) come before the output in the grammar
     # Parallel sampling (engine/parallel_sampling.py): which of the request's samples this is, and
     # the log-probability of its tokens so far (when asked for: best_of).
     index: int = 0
@@ -77,6 +78,12 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def grammar_history(self) -> list[int]:
+        """The tokens its grammar has seen: the output, after a beam step's own beam."""
+        if not self.grammar_prefix:
+            return self.output_token_ids
+        return self.prompt_token_ids[len(self.prompt_token_ids) - self.grammar_prefix :] + self.output_token_ids
 
     @property
     def num_prompt_tokens(self) -> int:

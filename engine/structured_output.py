@@ -140,7 +140,7 @@ def fill_masks(compiler: GrammarCompiler, rows: list[tuple[object, list[int]]]) 
         if seq.grammar is None:
             seq.grammar = SequenceGrammar(compiler.matcher(so))
         state = seq.grammar
-        if state.failed or not state.catch_up(seq.output_token_ids):  # EOS ends it, finishing with "error"
+        if state.failed or not state.catch_up(seq.grammar_history()):  # EOS ends it, finishing with "error"
             if not state.failed:
                 log.error("structured_output: request %s: %s; ended", seq.request_id, state.matcher.get_error())
             state.failed = True

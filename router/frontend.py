@@ -202,9 +202,7 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
             constraint = constrained_output(chat) if tools is not None else None
             held = constraint is not None and request.sampling.structured_output == constraint  # served again
             if constraint is not None and _no_room_for_a_grammar(request.sampling):
-                raise ValueError(
-                    "tool_choice: a required or named call takes no ignore_eos, min_tokens, bad_words or beam search"
-                )
+                raise ValueError("tool_choice: a required or named call takes no ignore_eos, min_tokens or bad_words")
             if tools is not None and request.sampling.HasField("structured_output") and not held:
                 raise ValueError(
                     "tool_choice: tool calls and a structured output cannot be combined (tool_choice none can)"
@@ -343,7 +341,7 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
 
 def _no_room_for_a_grammar(s: common_pb2.SamplingParams) -> bool:
     """What a structured output refuses (each could leave no token the grammar allows)."""
-    return s.ignore_eos or s.min_tokens > 0 or bool(s.bad_words) or bool(s.bad_words_token_ids) or s.beam_width > 1
+    return s.ignore_eos or s.min_tokens > 0 or bool(s.bad_words) or bool(s.bad_words_token_ids)
 
 
 def client_of(context) -> str:

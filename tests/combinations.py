@@ -86,6 +86,8 @@ def random_params(rng: random.Random) -> SamplingParams:
     stop = tuple(rng.sample("abcdefghijklmnopqrstuvwxyz ", 2)) if rng.random() < 0.25 else ()
     if kind == "beam":
         width = rng.randint(2, 3)
+        if rng.random() < 0.2:  # each beam in its own grammar
+            common |= {"ignore_eos": False, "structured_output": rng.choice(STRUCTURED)}
         return SamplingParams(beam_width=width, n=rng.randint(1, width), temperature=0, **common)
     if rng.random() < 0.15:  # structured output (takes no ignore_eos, min_tokens or bad words)
         common |= {"ignore_eos": False, "structured_output": rng.choice(STRUCTURED)}

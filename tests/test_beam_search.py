@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import asyncio
 
+import numpy as np
 import pytest
 import torch
 from conftest import assert_no_blocks_used, make_engine
 
 from engine import SamplingParams
+from engine.structured_output import StructuredOutput
 
 PROMPTS = ["The quick brown fox", "Paged attention stores the KV", "Hello world!"]
 SETTINGS = [(4, 12, 1.0), (3, 20, 0.5), (2, 8, 2.0)]  # beam width, max tokens, length penalty
@@ -69,6 +71,72 @@ def test_hypotheses_equal_transformers(model, request):
         assert finished_by_eos > 0  # the EOS path of the rule is exercised
 
 
+REGEX = "[a-z]{2,5}( [a-z]{2,5}){0,2}\\."
+
+
+def grammar_mask(engine, prompt_len: int, so):
+    """transformers' logits processor for the same grammar: each row's tokens so far through a
+    matcher of its own, the tokens it refuses at -inf, the rest renormalized (the engine's masked
+    distribution)."""
+    from transformers import LogitsProcessor
+
+    from engine.structured_output import GrammarCompiler
+
+    cfg = engine.model_config
+    compiler = GrammarCompiler(engine.tokenizer, cfg.vocab_size, cfg.eos_token_ids)
+
+    class Mask(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            for row, ids in enumerate(input_ids.tolist()):
+                matcher = compiler.matcher(so)
+                if not matcher.consume_tokens(ids[prompt_len:]):  # a dead beam's row
+                    scores[row] = float("-inf")
+                    continue
+                bits = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
+                allowed = torch.from_numpy(bits[: scores.shape[1]].astype(bool))
+                scores[row, ~allowed] = float("-inf")
+            return scores.log_softmax(dim=-1)
+
+    return Mask()
+
+
+def test_beams_under_a_grammar_equal_transformers_with_the_mask(tiny_llama):
+    """Each beam's own matcher: the hypotheses are transformers' beam search under the same mask
+    (each row's distribution renormalized over what its grammar allows), fp32; all in the grammar."""
+    import re
+
+    from transformers import AutoModelForCausalLM, LogitsProcessorList
+
+    so = StructuredOutput("regex", REGEX)
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    engine = make_engine(tiny_llama)
+    ended = changed = 0
+    for prompt in PROMPTS:
+        ids = engine.tokenize(prompt)
+        params = SamplingParams(max_tokens=24, beam_width=3, structured_output=so)
+        got = beam_outputs(engine, prompt, ids, params)
+        out = hf.generate(
+            torch.tensor([ids]),
+            num_beams=3,
+            num_return_sequences=3,
+            do_sample=False,
+            max_new_tokens=24,
+            pad_token_id=hf.config.eos_token_id,
+            logits_processor=LogitsProcessorList([grammar_mask(engine, len(ids), so)]),
+        )
+        eos = hf.config.eos_token_id
+        want = [s[len(ids) :].tolist() for s in out]
+        want = [w[: w.index(eos) + 1] if eos in w else w for w in want]
+        assert [o.token_ids for o in got] == want, prompt
+        for o in got:
+            assert o.finish_reason == "length" or re.fullmatch(REGEX, o.text), o.text
+        ended += sum(o.finish_reason == "stop" for o in got)
+        plain = beam_outputs(engine, prompt + "/plain", ids, SamplingParams(max_tokens=24, beam_width=3))
+        changed += [o.token_ids for o in plain] != want  # the negative control: the grammar made a difference
+    assert ended > 0 and changed == len(PROMPTS), (ended, changed)
+    assert_no_blocks_used(engine)
+
+
 def test_beams_share_steps_with_other_requests_and_abort_frees_them(tiny_llama):
     greedy = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     beams = SamplingParams(max_tokens=10, beam_width=3)
@@ -111,6 +179,9 @@ def test_beam_search_across_the_split(tiny_llama):
     from router.client import AsyncClient
 
     want = beam_outputs(make_engine(tiny_llama), "r", PROMPTS[1], SamplingParams(max_tokens=12, beam_width=3, n=3))
+    so = StructuredOutput("regex", REGEX)
+    held = SamplingParams(max_tokens=16, beam_width=3, n=3, structured_output=so)
+    want_held = beam_outputs(make_engine(tiny_llama), "h", PROMPTS[1], held)
 
     async def scenario():
         async with local_cluster(tiny_llama) as (router, prefills, decodes):
@@ -119,8 +190,11 @@ def test_beam_search_across_the_split(tiny_llama):
                 assert [s.token_ids for s in result.samples] == [o.token_ids for o in want]
                 assert [s.text for s in result.samples] == [o.text for o in want]
                 assert result.usage["completion_tokens"] == sum(len(o.token_ids) for o in want)
+                wire = {"kind": so.kind, "spec": so.spec}
+                result = await client.generate(PROMPTS[1], max_tokens=16, beam_width=3, n=3, structured_output=wire)
+                assert [s.token_ids for s in result.samples] == [o.token_ids for o in want_held]  # each beam's grammar
             num_prompt = len(make_engine(tiny_llama).tokenize(PROMPTS[1]))
-            assert prefills[0].llm.num_prompt_tokens == num_prompt  # one prefill
+            assert prefills[0].llm.num_prompt_tokens == 2 * num_prompt  # one prefill each
             await wait_for_no_blocks(prefills + decodes)
 
     asyncio.run(scenario())

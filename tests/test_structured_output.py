@@ -165,8 +165,6 @@ def test_combinations_that_could_leave_no_token_are_refused():
     so = KINDS["regex"]
     with pytest.raises(ValueError, match="structured_output takes no ignore_eos, min_tokens or bad_words"):
         SamplingParams(structured_output=so, ignore_eos=True)
-    with pytest.raises(ValueError, match="structured_output is not supported with beam search"):
-        SamplingParams(structured_output=so, beam_width=2)
     with pytest.raises(ValueError, match=r"structured_output.kind must be one of \('json_object'"):
         StructuredOutput("xml", "<a/>")
 
