@@ -14,6 +14,7 @@ from engine.speculative import SpeculativeConfig
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 SCHEDULING = ("continuous", "static")
 LINEAR_KERNELS = ("auto", "ordered", "onednn")
+QUANTIZATIONS = ("none", "int8")
 GIB = 1 << 30
 # A decode node's prompt tokens per step beside its decodes (prefill_tokens_with_decodes): measured on the
 # anchor workload, docs/benchmarks.md at 0f5299a, "Local prefills a chunk at a time"
@@ -88,6 +89,13 @@ class EngineConfig:
         "measured faster (bf16 on AVX512_BF16, AVX2-only CPUs), onednn elsewhere (engine/hardware.py)",
         choices=LINEAR_KERNELS,
     )
+    quantization: str = option(
+        "none",
+        "weight-only quantization of the decoder layers' linears (attention, MLPs, experts), at load, from any "
+        "checkpoint: int8 (per output channel, engine/csrc/ordered_linear.cpp's int8 kernel; CPU with the C++ "
+        "kernels); the KV cache, the embeddings, the LM head and the norms stay in the model dtype",
+        choices=QUANTIZATIONS,
+    )
     num_threads: int | None = option(None, "torch threads on CPU (default: torch's choice)")
     step_log: str | None = option(
         None,
@@ -133,6 +141,7 @@ class EngineConfig:
             self.max_model_len is None or self.max_model_len >= 2, "max_model_len", ">= 2 or None", self.max_model_len
         )
         _check(self.linear_kernel in LINEAR_KERNELS, "linear_kernel", f"one of {LINEAR_KERNELS}", self.linear_kernel)
+        _check(self.quantization in QUANTIZATIONS, "quantization", f"one of {QUANTIZATIONS}", self.quantization)
         _check(
             not (self.deterministic and self.linear_kernel == "onednn"),
             "linear_kernel",

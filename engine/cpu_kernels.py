@@ -29,7 +29,16 @@ _CSRC = Path(__file__).parent / "csrc"
 SOURCE_DIGEST = hashlib.sha1(
     b"".join(p.read_bytes() for p in sorted([*_CSRC.glob("*.cpp"), *_CSRC.glob("*.h")]))
 ).hexdigest()[:12]
-OPS = ("paged_decode_attention", "add_rms_norm", "rope", "silu_mul", "ordered_linear", "ordered_linear_pack")
+OPS = (
+    "paged_decode_attention",
+    "add_rms_norm",
+    "rope",
+    "silu_mul",
+    "ordered_linear",
+    "ordered_linear_pack",
+    "int8_linear",
+    "int8_linear_pack",
+)
 # -ffast-math lets the dot-product reductions vectorize (reassociation) and lets expf use glibc's
 # vector variants; the kernel keeps every value finite (its running max starts at -FLT_MAX).
 BASE_FLAGS = ["-O3", "-ffast-math", "-fopenmp"]

@@ -64,7 +64,22 @@ class ModelRunner:
                 f"{cfg.head_dim}); it runs with --device cpu, the CPU kernels on, head_dim a multiple of 16 up to 256"
             )
         self.ordered_linears = self._ordered_linears(config, dtype)
-        weights = load_weights(model_dir, cfg, dtype, device, ordered=self.ordered_linears)
+        self.quantization = config.quantization
+        if self.quantization != "none" and not self.use_cpu_kernels:
+            raise ValueError(
+                f"quantization {self.quantization}: needs the C++ CPU kernels, which this engine does not run (device "
+                f"{device.type}, cpu_kernels {config.cpu_kernels}, kernels built {self.use_cpu_kernels}); it runs "
+                "with --device cpu, the CPU kernels on"
+            )
+        if self.quantization != "none":
+            log.info(
+                "linears: the decoder layers' %s weight-only (pdserve's int8 kernel), the LM head %s",
+                self.quantization,
+                dtype,
+            )
+        weights = load_weights(
+            model_dir, cfg, dtype, device, ordered=self.ordered_linears, quantization=self.quantization
+        )
         self.model = LlamaModel(cfg, weights, max_model_len, Ops(fused=self.use_cpu_kernels))
         self.numerics = self._numerics()
         bytes_per_block = cfg.kv_bytes_per_token(dtype.itemsize) * config.block_size
@@ -121,10 +136,11 @@ class ModelRunner:
     def _numerics(self) -> str:
         """What decides the bits of the KV and logits: "default", or in deterministic mode the
         kernels that compute them (KV moves only between engines of equal numerics)."""
+        weights = "" if self.quantization == "none" else f"; {self.quantization} weights"
         if not self.deterministic:
-            return "default"
+            return "default" + weights
         kernels = f"ordered linears, kernels {cpu_kernels.SOURCE_DIGEST} built {cpu_kernels.BUILT[0]}"
-        return f"deterministic ({cpu_features().isa}, {cpu_vendor()}; {kernels}; torch {torch.__version__})"
+        return f"deterministic ({cpu_features().isa}, {cpu_vendor()}; {kernels}{weights}; torch {torch.__version__})"
 
     def forward(self, batch: ScheduledBatch) -> tuple[list[int], list[int], torch.Tensor]:
         """One forward over the batch's tokens. Returns the batch indices of the sequences whose KV

@@ -64,13 +64,19 @@ def _read_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def load_weights(
-    model_dir: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, ordered: bool = False
+    model_dir: Path,
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    ordered: bool = False,
+    quantization: str = "none",
 ) -> ModelWeights:
-    """ordered: every linear runs the k-ordered kernel (engine/linear.py)."""
+    """ordered: every linear runs the k-ordered kernel (engine/linear.py); quantization: the
+    decoder layers' linears quantized at load (the LM head keeps the model dtype)."""
     raw = _read_tensors(model_dir)
 
     def linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
-        return Linear(weight, bias, ordered)
+        return Linear(weight, bias, ordered, quantization)
 
     def take(name: str) -> torch.Tensor:
         if name not in raw:
@@ -142,5 +148,5 @@ def load_weights(
             )
         )
     embed = take("model.embed_tokens.weight")
-    lm_head = linear(embed if cfg.tie_word_embeddings else take("lm_head.weight"))
+    lm_head = Linear(embed if cfg.tie_word_embeddings else take("lm_head.weight"), None, ordered)
     return ModelWeights(embed=embed, layers=layers, final_norm=norm("model.norm.weight"), lm_head=lm_head)

@@ -31,7 +31,9 @@ class KVLayout:
     dtype: str  # "bfloat16", "float16", "float32"
     block_size: int
     model_fingerprint: str
-    numerics: str = "default"  # or "deterministic (the kernels)": the engine's deterministic mode
+    numerics: str = (
+        "default"  # or "deterministic (the kernels)": the engine's deterministic mode; "; int8 weights" after either
+    )
     attention: str = "full"  # which layers slide which window (ModelConfig.attention)
 
     @classmethod
@@ -57,7 +59,7 @@ class KVLayout:
         fields = ["model_fingerprint", "num_layers", "num_kv_heads", "head_dim", "dtype", "numerics"]
         if self.attention and other.attention:
             fields.insert(4, "attention")
-        if same_block_size or "default" not in (self.numerics, other.numerics):
+        if same_block_size or all(n.startswith("deterministic") for n in (self.numerics, other.numerics)):
             fields.append("block_size")
         diffs = [
             f"{f}: {sides[0]} {getattr(self, f)!r}, {sides[1]} {getattr(other, f)!r}"

@@ -105,6 +105,21 @@ inline vec load_lanes(const c10::Half* p) {
   return v;
 }
 
+typedef int8_t vec_i8 __attribute__((vector_size(LANES)));
+typedef int32_t vec_i32 __attribute__((vector_size(LANES * sizeof(int32_t))));
+
+inline vec load_lanes(const int8_t* p) {  // int8 weights as fp32, exact (vpmovsxbd, vcvtdq2ps)
+#if defined(__AVX512F__)
+  return (vec)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#elif defined(__AVX2__)
+  return (vec)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+#else
+  vec_i8 q;
+  std::memcpy(&q, p, sizeof(q));
+  return __builtin_convertvector(__builtin_convertvector(q, vec_i32), vec);
+#endif
+}
+
 inline void store_lanes(float* p, vec v) { std::memcpy(p, &v, sizeof(v)); }
 
 inline void store_lanes(c10::BFloat16* p, vec v) {  // rounded to nearest even, as c10::BFloat16(float)
@@ -174,14 +189,15 @@ inline void tile_rows(int64_t rows, const xs_t* x, int64_t K, const scalar_t* pa
   tile<R>(x, K, panel, acc);
 }
 
-// A row of x as the tile reads it: the same values in x_t, k padded with zeros to Kp.
-template <typename scalar_t>
-inline void copy_row(const scalar_t* x, int64_t K, int64_t Kp, x_t<scalar_t>* out) {
-  if constexpr (std::is_same_v<x_t<scalar_t>, scalar_t>)
+// A row of x as the tile reads it: the same values in out_t (x_t, or fp32 for the int8 tile), k
+// padded with zeros to Kp.
+template <typename out_t, typename scalar_t>
+inline void copy_row(const scalar_t* x, int64_t K, int64_t Kp, out_t* out) {
+  if constexpr (std::is_same_v<out_t, scalar_t>)
     std::memcpy(out, x, K * sizeof(scalar_t));
   else
     for (int64_t k = 0; k < K; ++k) out[k] = to_float(x[k]);
-  for (int64_t k = K; k < Kp; ++k) out[k] = x_t<scalar_t>(0);
+  for (int64_t k = K; k < Kp; ++k) out[k] = out_t(0);
 }
 
 // A tile row's NR sums (+ bias) into y, each rounded once to the model dtype (store_lanes, for
@@ -219,16 +235,17 @@ void pack_impl(const at::Tensor& w, at::Tensor& panels) {
   });
 }
 
-template <typename scalar_t>
-void ordered_linear_impl(const at::Tensor& x, const at::Tensor& panels, const c10::optional<at::Tensor>& bias,
-                         at::Tensor& y) {
-  const int64_t M = x.size(0), K = x.size(1), Kp = padded_k<scalar_t>(K), N = y.size(1), P = panels.size(0);
+// y = x @ W.T (x scale[n] where given) + b: the rows copied in blocks of MC as the tile reads them
+// (xs_t), the panels (w_t: the model dtype's, or int8) split between threads.
+template <typename xs_t, typename scalar_t, typename w_t>
+void run_tiles(const at::Tensor& x, const w_t* wp, int64_t Kp, int64_t P, const float* scales,
+               const c10::optional<at::Tensor>& bias, at::Tensor& y) {
+  const int64_t M = x.size(0), K = x.size(1), N = y.size(1);
   const scalar_t* xp = x.data_ptr<scalar_t>();
-  const scalar_t* wp = panels.data_ptr<scalar_t>();
   const scalar_t* bp = bias.has_value() ? bias->data_ptr<scalar_t>() : nullptr;
   scalar_t* yp = y.data_ptr<scalar_t>();
   // the rows' copy, in the tile's type, k padded to Kp (written in full before each use)
-  std::unique_ptr<x_t<scalar_t>[]> xs(new x_t<scalar_t>[std::min(MC, M) * Kp]);
+  std::unique_ptr<xs_t[]> xs(new xs_t[std::min(MC, M) * Kp]);
   for (int64_t m0 = 0; m0 < M; m0 += MC) {
     const int64_t rows = std::min(MC, M - m0);
     for (int64_t r = 0; r < rows; ++r) copy_row(xp + (m0 + r) * K, K, Kp, xs.get() + r * Kp);
@@ -242,13 +259,35 @@ void ordered_linear_impl(const at::Tensor& x, const at::Tensor& panels, const c1
         for (int64_t t = 0, r0 = 0; t < tiles; ++t) {
           const int64_t height = rows / tiles + (t < rows % tiles);
           tile_rows(height, xs.get() + r0 * Kp, Kp, wp + p * Kp * NR, acc);
-          for (int64_t r = 0; r < height; ++r)
+          for (int64_t r = 0; r < height; ++r) {
+            if (scales)
+              for (int64_t v = 0; v < V; ++v) acc[r][v] = acc[r][v] * load_lanes(scales + n0 + v * LANES);
             store_row(acc[r], bp ? bp + n0 : nullptr, cols, yp + (m0 + r0 + r) * N + n0);
+          }
           r0 += height;
         }
       }
     });
   }
+}
+
+// Weight-only int8 (engine/linear.py, quantization int8): W = scale[n] * q[n, k], q in [-127, 127],
+// packed in panels as the fp32 weights are (k-major, NR columns a step). The tile turns each step's
+// NR weights into fp32 in registers (exact) and multiplies fp32 rows of x (bf16 and fp16 widened
+// exactly), so DRAM gives one byte per weight, and every output is a sum over k in order (then
+// times scale[n], + b[n], one rounding): batch-invariant like the ordered kernel.
+void pack_int8_impl(const at::Tensor& q, at::Tensor& panels) {
+  const int64_t N = q.size(0), K = q.size(1), P = panels.size(0);
+  const int8_t* qp = q.data_ptr<int8_t>();
+  int8_t* pp = panels.data_ptr<int8_t>();
+  at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p)
+      for (int64_t k = 0; k < K; ++k)
+        for (int64_t j = 0; j < NR; ++j) {
+          const int64_t n = p * NR + j;
+          pp[p * K * NR + k * NR + j] = n < N ? qp[n * K + k] : int8_t(0);
+        }
+  });
 }
 
 #define DISPATCH(dtype, name, ...)                                \
@@ -277,8 +316,41 @@ at::Tensor ordered_linear(const at::Tensor& x, const at::Tensor& panels, const c
               "ordered_linear: bias must be [N] in x's dtype");
   at::Tensor y = at::empty({x.size(0), out_features}, x.options());
   DISPATCH(x.scalar_type(), "ordered_linear", [&] {
-    TORCH_CHECK(panels.size(1) == padded_k<scalar_t>(x.size(1)) * NR, "ordered_linear: panels packed for another K");
-    ordered_linear_impl<scalar_t>(x, panels, bias, y);
+    const int64_t Kp = padded_k<scalar_t>(x.size(1));
+    TORCH_CHECK(panels.size(1) == Kp * NR, "ordered_linear: panels packed for another K");
+    run_tiles<x_t<scalar_t>, scalar_t>(x, panels.data_ptr<scalar_t>(), Kp, panels.size(0), nullptr, bias, y);
+  });
+  return y;
+}
+
+// q: [N, K] int8, scales: [N] fp32 -> (panels, scales padded to whole panels).
+std::tuple<at::Tensor, at::Tensor> int8_linear_pack(const at::Tensor& q, const at::Tensor& scales) {
+  TORCH_CHECK(q.dim() == 2 && q.is_contiguous() && q.scalar_type() == at::kChar,
+              "int8_linear_pack: a contiguous [N, K] int8 weight expected");
+  TORCH_CHECK(scales.dim() == 1 && scales.numel() == q.size(0) && scales.scalar_type() == at::kFloat,
+              "int8_linear_pack: scales must be [N] float32");
+  const int64_t P = (q.size(0) + NR - 1) / NR;
+  at::Tensor panels = at::empty({P, q.size(1) * NR}, q.options());
+  pack_int8_impl(q, panels);
+  at::Tensor padded = at::zeros({P * NR}, scales.options());
+  padded.narrow(0, 0, q.size(0)).copy_(scales);
+  return {panels, padded};
+}
+
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& panels, const at::Tensor& scales,
+                       const c10::optional<at::Tensor>& bias, int64_t out_features) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "int8_linear: x must be a contiguous [M, K] tensor");
+  TORCH_CHECK(panels.dim() == 2 && panels.is_contiguous() && panels.scalar_type() == at::kChar &&
+                  panels.size(0) * NR >= out_features && panels.size(1) == x.size(1) * NR &&
+                  scales.numel() == panels.size(0) * NR && scales.scalar_type() == at::kFloat,
+              "int8_linear: panels and scales must come from int8_linear_pack, for x's K");
+  TORCH_CHECK(!bias.has_value() || (bias->is_contiguous() && bias->numel() == out_features &&
+                                    bias->scalar_type() == x.scalar_type()),
+              "int8_linear: bias must be [N] in x's dtype");
+  at::Tensor y = at::empty({x.size(0), out_features}, x.options());
+  DISPATCH(x.scalar_type(), "int8_linear", [&] {
+    const float* sp = scales.data_ptr<float>();
+    run_tiles<float, scalar_t>(x, panels.data_ptr<int8_t>(), x.size(1), panels.size(0), sp, bias, y);
   });
   return y;
 }
@@ -288,9 +360,13 @@ at::Tensor ordered_linear(const at::Tensor& x, const at::Tensor& panels, const c
 TORCH_LIBRARY_FRAGMENT(pdserve, m) {
   m.def("ordered_linear_pack(Tensor weight) -> Tensor");
   m.def("ordered_linear(Tensor x, Tensor panels, Tensor? bias, int out_features) -> Tensor");
+  m.def("int8_linear_pack(Tensor q, Tensor scales) -> (Tensor, Tensor)");
+  m.def("int8_linear(Tensor x, Tensor panels, Tensor scales, Tensor? bias, int out_features) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pdserve, CPU, m) {
   m.impl("ordered_linear_pack", &ordered_linear_pack);
   m.impl("ordered_linear", &ordered_linear);
+  m.impl("int8_linear_pack", &int8_linear_pack);
+  m.impl("int8_linear", &int8_linear);
 }

@@ -5,7 +5,8 @@
 
 Weights: every parameter of the Llama-family block (embeddings, q/k/v/o, the SwiGLU MLP, the
 norms, a qkv bias and Qwen3's per-head q/k norms where the config has them, the LM head unless
-tied) at the dtype's size. KV per token: 2 (K and V) x layers x kv_heads x head_dim x dtype
+tied) at the dtype's size; with --quantization int8 the decoder layers' linears at a byte a weight
+and 4 a channel (their scales). KV per token: 2 (K and V) x layers x kv_heads x head_dim x dtype
 bytes (engine/model_config.py, the engine's own formula). With --memory-gb: the tokens of KV
 that fit beside the weights, and with --seq-len the sequences of that length. Activations, the
 CUDA context and allocator slack are not counted: take them off --memory-gb (or leave a
@@ -17,7 +18,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from engine.config import DTYPES
+from engine.config import DTYPES, QUANTIZATIONS
 from engine.model_config import ModelConfig
 from serving.options import HelpFormatter
 
@@ -43,18 +44,48 @@ def num_params(cfg: ModelConfig, active: bool = False) -> int:
     return layers + embeddings + cfg.hidden_size  # the final norm
 
 
+def linear_shapes(cfg: ModelConfig) -> tuple[int, int]:
+    """(weights, output channels) of the decoder layers' linears: what --quantization int8 holds in
+    int8, a fp32 scale per output channel (attention, MLPs, experts and their router; not the
+    embeddings, the LM head, the norms or a qkv bias)."""
+    q, kv, h = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.hidden_size
+    weights, channels = cfg.num_layers * (h * (q + 2 * kv) + q * h), cfg.num_layers * (q + 2 * kv + h)
+    num_sparse = len(cfg.moe_layers)
+    weights += (cfg.num_layers - num_sparse) * 3 * h * cfg.intermediate_size
+    channels += (cfg.num_layers - num_sparse) * (2 * cfg.intermediate_size + h)
+    if num_sparse:
+        weights += num_sparse * (cfg.num_experts * (3 * h * cfg.moe_intermediate_size + h))
+        channels += num_sparse * (cfg.num_experts * (2 * cfg.moe_intermediate_size + h) + cfg.num_experts)
+        if cfg.shared_expert_intermediate_size:
+            weights += num_sparse * (3 * h * cfg.shared_expert_intermediate_size + h)
+            channels += num_sparse * (2 * cfg.shared_expert_intermediate_size + h + 1)
+    return weights, channels
+
+
 def memory(
-    cfg: ModelConfig, dtype: str, memory_gb: float | None = None, reserve_gb: float = 0.0, seq_len: int | None = None
+    cfg: ModelConfig,
+    dtype: str,
+    memory_gb: float | None = None,
+    reserve_gb: float = 0.0,
+    seq_len: int | None = None,
+    quantization: str = "none",
 ) -> dict:
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"dtype must be one of {PLAN_DTYPES}, got {dtype!r}")
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
     size = DTYPE_BYTES[dtype]
     params = num_params(cfg)
+    weight_bytes = params * size
+    if quantization == "int8":  # a byte a weight, 4 a channel's scale
+        linear, channels = linear_shapes(cfg)
+        weight_bytes += linear * (1 - size) + 4 * channels
     plan = {
         "dtype": dtype,
+        "quantization": quantization,
         "num_params": params,
         "num_active_params": num_params(cfg, active=True),  # per token: all of them but a MoE's unpicked experts
-        "weight_bytes": params * size,
+        "weight_bytes": weight_bytes,
         "kv_bytes_per_token": cfg.kv_bytes_per_token(size),
         "num_layers": cfg.num_layers,
         "num_kv_heads": cfg.num_kv_heads,
@@ -91,6 +122,9 @@ def add_args(sub) -> None:
     )
     m.add_argument("--config", required=True, help="a Llama-family config.json (or its directory)")
     m.add_argument("--dtype", required=True, choices=PLAN_DTYPES, help="the weights' and the KV's dtype")
+    m.add_argument(
+        "--quantization", default="none", choices=QUANTIZATIONS, help="the decoder layers' linears quantized (int8)"
+    )
     m.add_argument("--memory-gb", type=float, default=None, help="a node's memory for weights and KV, in GiB")
     m.add_argument("--reserve-gb", type=float, default=0.0, help="of that, kept for activations and the runtime")
     m.add_argument("--seq-len", type=int, default=None, help="tokens per sequence, for max_sequences")
@@ -103,12 +137,18 @@ def main(args) -> int:
     if args.seq_len is not None and args.seq_len < 1:
         raise ValueError("--seq-len must be >= 1")
     plan = memory(
-        ModelConfig.from_dir(_config_dir(args.config)), args.dtype, args.memory_gb, args.reserve_gb, args.seq_len
+        ModelConfig.from_dir(_config_dir(args.config)),
+        args.dtype,
+        args.memory_gb,
+        args.reserve_gb,
+        args.seq_len,
+        args.quantization,
     )
     if args.json:
         print(json.dumps(plan))
         return 0
-    print(f"{plan['num_params'] / 1e9:.2f} B parameters: weights {plan['weight_bytes'] / GB:.2f} GiB in {args.dtype}")
+    held = args.dtype + (f", the layers' linears {args.quantization}" if args.quantization != "none" else "")
+    print(f"{plan['num_params'] / 1e9:.2f} B parameters: weights {plan['weight_bytes'] / GB:.2f} GiB in {held}")
     if plan["num_active_params"] != plan["num_params"]:
         print(f"{plan['num_active_params'] / 1e9:.2f} B of them active per token (the routed experts)")
     print(
