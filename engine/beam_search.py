@@ -127,7 +127,8 @@ class BeamRequest:
         """Takes one beam's step result; True once every running beam's is in (the step is done)."""
         if out.index == BEAM_INDEX:
             self.num_cached_tokens = self.num_cached_tokens or out.num_cached_tokens
-        self.pending[out.index - BEAM_INDEX] = out.logprobs[-1]
+        # a beam whose grammar failed (finish_reason "error") has no continuation: it drops out
+        self.pending[out.index - BEAM_INDEX] = {} if out.finish_reason == "error" else out.logprobs[-1]
         if len(self.pending) < len(self.search.running):
             return False
         self.search.advance([self.pending[b] for b in range(len(self.search.running))])
@@ -136,6 +137,19 @@ class BeamRequest:
 
     def outputs(self, detokenize) -> list[RequestOutput]:
         results = self.search.results()
+        if not results:  # every beam's grammar failed before any hypothesis finished
+            return [
+                RequestOutput(
+                    request_id=self.request_id,
+                    prompt_token_ids=self.prompt_token_ids,
+                    token_ids=[],
+                    text="",
+                    finished=True,
+                    finish_reason="error",
+                    num_cached_tokens=self.num_cached_tokens,
+                    request_finished=True,
+                )
+            ]
         outs = []
         for i, h in enumerate(results):
             text = detokenize(self.prompt_token_ids, h.token_ids)

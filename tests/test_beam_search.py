@@ -198,3 +198,30 @@ def test_beam_search_across_the_split(tiny_llama):
             await wait_for_no_blocks(prefills + decodes)
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("fails", ["every_beam", "odd_tails"])
+def test_a_beam_whose_grammar_fails_is_dropped_never_returned(tiny_llama, monkeypatch, fails):
+    """A beam whose matcher fails (llguidance out of fuel) has no continuation: no hypothesis
+    holds it (its tokens are not known to be in the grammar). When every beam fails, the request
+    ends with finish_reason error and frees its blocks; fp32."""
+    from engine import structured_output
+
+    catch_up = structured_output.SequenceGrammar.catch_up
+
+    def refuses(self, history):
+        if fails == "every_beam" and history or len(history) >= 3 and history[-1] % 2:
+            return False
+        return catch_up(self, history)
+
+    monkeypatch.setattr(structured_output.SequenceGrammar, "catch_up", refuses)
+    engine = make_engine(tiny_llama)
+    params = SamplingParams(max_tokens=12, beam_width=3, structured_output=StructuredOutput("json_object"))
+    got = beam_outputs(engine, "r", engine.tokenize(PROMPTS[0]), params)
+    if fails == "every_beam":
+        assert [(o.finish_reason, o.token_ids) for o in got] == [("error", [])], got
+    else:
+        assert got and all(o.finish_reason in ("stop", "length") for o in got), got
+        for o in got:  # each step's history (h[:k], k >= 3) ended even, or that beam was dropped
+            assert all(t % 2 == 0 for t in o.token_ids[2:-1]), o.token_ids
+    assert_no_blocks_used(engine)
