@@ -154,3 +154,20 @@ def test_int8_with_speculation_and_the_prefix_cache_gives_its_own_tokens(tiny_ll
     engine = make_engine(tiny_llama, quantization="int8", speculative=speculative)
     assert tokens(engine) == plain
     assert engine.num_accepted_tokens > 0 and engine.block_manager.num_hit_tokens > 0  # both features happened
+
+
+@pytest.mark.parametrize("op", ["ordered", "int8"])
+def test_an_out_features_the_panels_do_not_hold_is_refused(op):
+    """The ops write out_features columns of y from the panels: more (past the panels' memory) or
+    fewer (past y's row) than the panels were packed for is refused, never computed."""
+    weight, x = torch.randn(40, 16), torch.randn(3, 16)
+    if op == "int8":
+        packed = torch.ops.pdserve.int8_linear_pack(*quantize_int8(weight))
+        call = lambda n: torch.ops.pdserve.int8_linear(x, *packed, None, n)  # noqa: E731
+    else:
+        panels = torch.ops.pdserve.ordered_linear_pack(weight)
+        call = lambda n: torch.ops.pdserve.ordered_linear(x, panels, None, n)  # noqa: E731
+    assert call(40).shape == (3, 40)
+    for n in (1, 8, 200, -1):
+        with pytest.raises(RuntimeError, match="must come from"):
+            call(n)

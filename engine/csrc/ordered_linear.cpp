@@ -309,7 +309,7 @@ at::Tensor ordered_linear(const at::Tensor& x, const at::Tensor& panels, const c
                           int64_t out_features) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "ordered_linear: x must be a contiguous [M, K] tensor");
   TORCH_CHECK(panels.dim() == 2 && panels.is_contiguous() && panels.scalar_type() == x.scalar_type() &&
-                  panels.size(0) * NR >= out_features,
+                  out_features >= 0 && panels.size(0) == (out_features + NR - 1) / NR,
               "ordered_linear: panels must come from ordered_linear_pack, in x's dtype");
   TORCH_CHECK(!bias.has_value() || (bias->is_contiguous() && bias->numel() == out_features &&
                                     bias->scalar_type() == x.scalar_type()),
@@ -341,7 +341,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& panels, const at::
                        const c10::optional<at::Tensor>& bias, int64_t out_features) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "int8_linear: x must be a contiguous [M, K] tensor");
   TORCH_CHECK(panels.dim() == 2 && panels.is_contiguous() && panels.scalar_type() == at::kChar &&
-                  panels.size(0) * NR >= out_features && panels.size(1) == x.size(1) * NR &&
+                  out_features >= 0 && panels.size(0) == (out_features + NR - 1) / NR && panels.size(1) == x.size(1) * NR &&
                   scales.numel() == panels.size(0) * NR && scales.scalar_type() == at::kFloat,
               "int8_linear: panels and scales must come from int8_linear_pack, for x's K");
   TORCH_CHECK(!bias.has_value() || (bias->is_contiguous() && bias->numel() == out_features &&
