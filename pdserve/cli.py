@@ -53,13 +53,15 @@ def sampling_fields(args) -> dict:
         fields["seed"] = args.seed
     if args.bad_words:
         fields["bad_words"] = args.bad_words
-    if args.json_schema:
+    if args.json_schema is not None:
         try:
-            with open(args.json_schema) as f:
+            with open(args.json_schema, encoding="utf-8") as f:
                 fields["structured_output"] = {"kind": "json_schema", "spec": f.read()}
         except OSError as e:
             raise SystemExit(f"pdserve: error: --json-schema: cannot read {args.json_schema}: {e.strerror}") from None
-    elif args.regex:
+        except UnicodeDecodeError:
+            raise SystemExit(f"pdserve: error: --json-schema: {args.json_schema} is not UTF-8 text") from None
+    elif args.regex is not None:
         fields["structured_output"] = {"kind": "regex", "spec": args.regex}
     elif args.choice:
         import json
@@ -68,17 +70,21 @@ def sampling_fields(args) -> dict:
     return fields
 
 
-def sampling_params(args, tokenizer):
-    """The same as the engine's SamplingParams (bad words tokenized here, as a router would)."""
+def sampling_params(fields: dict, tokenizer=None):
+    """The engine's SamplingParams of sampling_fields; raises ValueError naming a bad value. Bad
+    words are tokenized (as a router would) when a tokenizer is given: without one, the flags are
+    checked before a model loads."""
     from engine import SamplingParams
     from engine.structured_output import StructuredOutput
     from engine.tokenizer import bad_words_token_ids
 
-    fields = sampling_fields(args)
-    if "bad_words" in fields:
-        fields["bad_words_token_ids"] = bad_words_token_ids(tokenizer, fields.pop("bad_words"))
+    fields = dict(fields)
+    bad_words = fields.pop("bad_words", None)
+    if bad_words and tokenizer is not None:
+        fields["bad_words_token_ids"] = bad_words_token_ids(tokenizer, bad_words)
     if "structured_output" in fields:
         fields["structured_output"] = StructuredOutput(**fields["structured_output"])
+        fields["structured_output"].grammar()  # a malformed spec is named here, not after the load
     return SamplingParams(**fields)
 
 
@@ -92,6 +98,12 @@ def cmd_generate_offline(args) -> int:
     from engine.tokenizer import apply_chat_template
 
     pin_cpus(args.cpus)
+    fields = sampling_fields(args)
+    try:
+        sampling_params(fields)
+    except ValueError as e:  # a bad flag value, named before the model loads
+        print(f"pdserve: error: {e}", file=sys.stderr)
+        return 1
     started = time.perf_counter()
     llm = LLM(**vars(from_args(EngineConfig, args)))
     loaded = time.perf_counter()
@@ -99,7 +111,7 @@ def cmd_generate_offline(args) -> int:
     if not args.raw and llm.tokenizer is not None and getattr(llm.tokenizer, "chat_template", None):
         prompt = apply_chat_template(llm.tokenizer, [{"role": "user", "content": prompt}])
     try:
-        out = llm.generate(prompt, sampling_params(args, llm.tokenizer))[0]
+        out = llm.generate(prompt, sampling_params(fields, llm.tokenizer))[0]
     except ValueError as e:  # a bad flag value, named
         print(f"pdserve: error: {e}", file=sys.stderr)
         return 1

@@ -55,6 +55,36 @@ def test_generate_offline_takes_penalties_and_structured_output(tiny_llama):
     assert bad.returncode == 1 and "min_p must be in [0, 1]" in bad.stderr, bad.stderr
 
 
+def test_generate_offline_names_a_bad_flag_before_it_loads_the_model(tiny_llama, tmp_path, monkeypatch, capsys):
+    """An empty --regex or --json-schema is named (never dropped silently), as is a schema file
+    that is not UTF-8, and before any weights load."""
+    import engine
+    from pdserve.cli import main
+
+    def no_load(**_):
+        raise AssertionError("the model loaded before the flags were checked")
+
+    monkeypatch.setattr(engine, "LLM", no_load)
+    latin = tmp_path / "schema.json"
+    latin.write_bytes(b'{"title": "caf\xe9"}')
+    empty = tmp_path / "empty.json"
+    empty.write_text("")
+    cases = [
+        (["--regex", ""], "a regex needs its spec"),
+        (["--json-schema", str(empty)], "a json_schema needs its spec"),
+        (["--json-schema", str(latin)], "is not UTF-8 text"),
+        (["--temperature", "-1"], "temperature must be >= 0"),
+    ]
+    for flags, message in cases:
+        try:
+            code = main(["generate-offline", "Hello", "--model", str(tiny_llama), *flags])
+        except SystemExit as e:
+            code, err = 1, str(e)
+        else:
+            err = capsys.readouterr().err
+        assert code == 1 and message in err, (flags, err)
+
+
 def test_generate_offline_reports_bad_input():
     r = run("generate-offline", "Hello", "--model", "nope")
     assert r.returncode == 2
