@@ -15,14 +15,13 @@ the seconds spent in engine.penalties.apply_penalties over the steps. Reported: 
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from summary import add_run_args, emit, median_of, ratio  # noqa: E402
 
 PENALTIES = {"presence_penalty": 0.5, "frequency_penalty": 0.5, "repetition_penalty": 1.2}
 
@@ -70,34 +69,29 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--num-prompts", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--json", type=Path)
+    add_run_args(ap)
     args = ap.parse_args()
     runs = [one_run(args.num_prompts, args.max_tokens, penalized_first=i % 2 == 1) for i in range(args.runs)]
+    penalized = lambda r: r["penalized"]  # noqa: E731
     summary = {
         "num_prompts": args.num_prompts,
         "max_tokens": args.max_tokens,
         "penalties": PENALTIES,
         "runs": runs,
         "median": {
-            "plain_tokens_per_s": statistics.median(r["plain"]["tokens_per_s"] for r in runs),
-            "penalized_tokens_per_s": statistics.median(r["penalized"]["tokens_per_s"] for r in runs),
-            "ratio_penalized_over_plain": statistics.median(
-                r["penalized"]["tokens_per_s"] / r["plain"]["tokens_per_s"] for r in runs
-            ),
+            "plain_tokens_per_s": median_of(runs, lambda r: r["plain"]["tokens_per_s"]),
+            "penalized_tokens_per_s": median_of(runs, lambda r: penalized(r)["tokens_per_s"]),
             "penalties_ms_per_step": 1000
-            * statistics.median(
-                r["penalized"]["penalties_s"] / max(r["penalized"]["penalized_steps"], 1) for r in runs
-            ),
-            "penalties_share_of_penalized_time": statistics.median(
-                r["penalized"]["penalties_s"] / r["penalized"]["elapsed_s"] for r in runs
+            * median_of(runs, lambda r: penalized(r)["penalties_s"] / max(penalized(r)["penalized_steps"], 1)),
+            "penalties_share_of_penalized_time": median_of(
+                runs, lambda r: penalized(r)["penalties_s"] / penalized(r)["elapsed_s"]
             ),
         },
+        "ratio_penalized_over_plain": ratio(
+            runs, lambda r: penalized(r)["tokens_per_s"], lambda r: r["plain"]["tokens_per_s"]
+        ),
     }
-    text = json.dumps(summary, indent=2)
-    print(text)
-    if args.json:
-        args.json.write_text(text + "\n")
+    emit(summary, args.json)
 
 
 if __name__ == "__main__":

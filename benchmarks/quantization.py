@@ -15,8 +15,6 @@ over runs and per-run ratios.
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -25,6 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from summary import add_run_args, emit, median_of, ratio  # noqa: E402
 
 WORKLOADS = {"lone": (1, 128), "batch": (32, 64)}
 
@@ -88,8 +87,7 @@ def one_run(int8_first: bool) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--json", type=Path)
+    add_run_args(ap)
     args = ap.parse_args()
     from engine.hardware import cpu_features
 
@@ -104,20 +102,13 @@ def main() -> None:
         "cpu_class": cpu_features().isa,
         "workloads": {k: {"prompts": n, "max_tokens": m} for k, (n, m) in WORKLOADS.items()},
         "runs": runs,
-        "median": {key: statistics.median(r[key] for r in runs) for key in runs[0] if key != "dtype"},
+        "median": {key: median_of(runs, lambda r, key=key: r[key]) for key in runs[0] if key != "dtype"},
         "ratio_int8_over_default": {
-            w: {
-                "median": statistics.median(r[f"int8/{w}"] / r[f"none/{w}"] for r in runs),
-                "runs": [r[f"int8/{w}"] / r[f"none/{w}"] for r in runs],
-            }
-            for w in WORKLOADS
+            w: ratio(runs, lambda r, w=w: r[f"int8/{w}"], lambda r, w=w: r[f"none/{w}"]) for w in WORKLOADS
         },
         "accuracy_against_fp32": accuracy(prompts),
     }
-    text = json.dumps(summary, indent=2)
-    print(text)
-    if args.json:
-        args.json.write_text(text + "\n")
+    emit(summary, args.json)
 
 
 if __name__ == "__main__":

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from summary import add_run_args, emit, median_of, ratio  # noqa: E402
 
 SCHEMA = {
     "type": "object",
@@ -99,40 +99,30 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--num-prompts", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--json", type=Path)
+    add_run_args(ap)
     args = ap.parse_args()
     runs = [one_run(args.num_prompts, args.max_tokens) for _ in range(args.runs)]
-
-    def median(path):
-        values = list(runs)
-        for key in path:
-            values = [v[key] for v in values]
-        return statistics.median(values)
-
+    constrained = lambda r: r["json_schema"]  # noqa: E731
     summary = {
         "num_prompts": args.num_prompts,
         "max_tokens": args.max_tokens,
         "runs": runs,
         "median": {
-            "first_compile_ms": 1000 * median(["first_compile_s"]),
-            "cached_compile_ms": 1000 * median(["cached_compile_s"]),
-            "unconstrained_tokens_per_s": median(["unconstrained", "tokens_per_s"]),
-            "json_schema_tokens_per_s": median(["json_schema", "tokens_per_s"]),
+            "first_compile_ms": 1000 * median_of(runs, lambda r: r["first_compile_s"]),
+            "cached_compile_ms": 1000 * median_of(runs, lambda r: r["cached_compile_s"]),
+            "unconstrained_tokens_per_s": median_of(runs, lambda r: r["unconstrained"]["tokens_per_s"]),
+            "json_schema_tokens_per_s": median_of(runs, lambda r: constrained(r)["tokens_per_s"]),
             "mask_ms_per_step": 1000
-            * statistics.median(r["json_schema"]["mask_s"] / max(r["json_schema"]["steps"], 1) for r in runs),
-            "mask_share_of_constrained_time": statistics.median(
-                r["json_schema"]["mask_s"] / r["json_schema"]["elapsed_s"] for r in runs
-            ),
-            "ratio_constrained_over_unconstrained": statistics.median(
-                r["json_schema"]["tokens_per_s"] / r["unconstrained"]["tokens_per_s"] for r in runs
+            * median_of(runs, lambda r: constrained(r)["mask_s"] / max(constrained(r)["steps"], 1)),
+            "mask_share_of_constrained_time": median_of(
+                runs, lambda r: constrained(r)["mask_s"] / constrained(r)["elapsed_s"]
             ),
         },
+        "ratio_constrained_over_unconstrained": ratio(
+            runs, lambda r: constrained(r)["tokens_per_s"], lambda r: r["unconstrained"]["tokens_per_s"]
+        ),
     }
-    text = json.dumps(summary, indent=2)
-    print(text)
-    if args.json:
-        args.json.write_text(text + "\n")
+    emit(summary, args.json)
 
 
 if __name__ == "__main__":
