@@ -8,7 +8,8 @@ bf16 25-45% faster than F.linear, fp32 1.6x faster at 64 rows on AVX2. Where one
 engine/hardware.py decides.
 
 With quantization int8 the weight is kept as int8 per output channel (a scale a row) in the int8
-kernel's panels (engine/csrc/ordered_linear.cpp): one byte a weight read per step, each output
+kernel's panels (engine/csrc/ordered_linear.cpp): one byte a weight read per step, turned into
+the model dtype's arithmetic in registers (bf16 pairs where the CPU has AVX512_BF16), each output
 summed in k order like the ordered kernel's.
 
 With `ordered` the weight is packed instead for engine/csrc/ordered_linear.cpp, whose every output
@@ -37,7 +38,7 @@ class Linear:
         self.packed = self.panels = self.scales = None
         # The packed layout holds the weight: the engine keeps that copy only.
         if quantization == "int8":
-            self.panels, self.scales = torch.ops.pdserve.int8_linear_pack(*quantize_int8(weight))
+            self.panels, self.scales = torch.ops.pdserve.int8_linear_pack(*quantize_int8(weight), weight.dtype)
             self.weight = None
         elif ordered:
             self.panels = torch.ops.pdserve.ordered_linear_pack(weight.contiguous())

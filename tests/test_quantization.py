@@ -23,7 +23,7 @@ pytestmark = pytest.mark.skipif(not cpu_kernels.load(), reason="the int8 kernel 
 
 
 def int8_linear(x, weight, bias=None):
-    panels, scales = torch.ops.pdserve.int8_linear_pack(*quantize_int8(weight))
+    panels, scales = torch.ops.pdserve.int8_linear_pack(*quantize_int8(weight), x.dtype)
     return torch.ops.pdserve.int8_linear(x.contiguous(), panels, scales, bias, weight.shape[0])
 
 
@@ -49,6 +49,19 @@ def test_the_kernel_equals_its_definition():
     want = (x.double() @ q.double().T) * scale.double() + bias.double()
     torch.testing.assert_close(int8_linear(x, weight, bias).double(), want, rtol=1e-5, atol=1e-5)
     assert (weight - q.float() * scale[:, None]).abs().max() <= scale.max() / 2 + 1e-6  # round to nearest
+
+
+@pytest.mark.parametrize("rows", [1, 5, 8, 9, 32, 70])
+def test_a_bf16_model_s_int8_tile_is_the_bf16_tile_over_the_integers(rows):
+    """bf16: with unit scales, the int8 kernel's outputs are the ordered bf16 kernel's over the same
+    integers as bf16 weights, bit for bit, at one tile and at several."""
+    g = torch.Generator().manual_seed(rows)
+    q = torch.randint(-127, 128, (45, 38), generator=g, dtype=torch.int8)
+    x = torch.randn(rows, 38, generator=g).bfloat16()
+    panels, scales = torch.ops.pdserve.int8_linear_pack(q, torch.ones(45), torch.bfloat16)
+    got = torch.ops.pdserve.int8_linear(x, panels, scales, None, 45)
+    want = torch.ops.pdserve.ordered_linear(x, torch.ops.pdserve.ordered_linear_pack(q.bfloat16()), None, 45)
+    assert torch.equal(got, want)
 
 
 def next_logits(engine, prompt: list[int]) -> torch.Tensor:
@@ -162,7 +175,7 @@ def test_an_out_features_the_panels_do_not_hold_is_refused(op):
     fewer (past y's row) than the panels were packed for is refused, never computed."""
     weight, x = torch.randn(40, 16), torch.randn(3, 16)
     if op == "int8":
-        packed = torch.ops.pdserve.int8_linear_pack(*quantize_int8(weight))
+        packed = torch.ops.pdserve.int8_linear_pack(*quantize_int8(weight), x.dtype)
         call = lambda n: torch.ops.pdserve.int8_linear(x, *packed, None, n)  # noqa: E731
     else:
         panels = torch.ops.pdserve.ordered_linear_pack(weight)

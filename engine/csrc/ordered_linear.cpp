@@ -179,6 +179,35 @@ inline void tile(const c10::BFloat16* x, int64_t K, const c10::BFloat16* panel, 
   }
   for (int64_t r = 0; r < R; ++r) std::memcpy(acc[r], a[r], sizeof(row_acc));
 }
+
+// 16 columns' pairs of k from an int8 panel packed in pairs (int8_linear_pack for bf16): int8 to
+// fp32 to bf16, each exact, so the pairs are those a bf16 panel of the same integers would hold.
+inline __m512bh load_pairs(const int8_t* p) {
+  const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))));
+  return _mm512_cvtne2ps_pbh(hi, lo);  // elements 0-15 from lo, 16-31 from hi: column j's pair at 2j
+}
+
+// The int8 tile in bf16 pairs, each step's weights turned into bf16 in registers: the same steps
+// and bits as the bf16 tile over a bf16 panel of the same integers.
+template <int64_t R>
+inline void tile(const c10::BFloat16* x, int64_t K, const int8_t* panel, row_acc acc[MR]) {
+  __m512 a[R][V];
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t v = 0; v < V; ++v) a[r][v] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 2) {
+    __m512bh w[V];
+    for (int64_t v = 0; v < V; ++v) w[v] = load_pairs(panel + k * NR + v * 2 * LANES);
+    for (int64_t r = 0; r < R; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, x + r * K + k, sizeof(pair));
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
+      for (int64_t v = 0; v < V; ++v) a[r][v] = _mm512_dpbf16_ps(a[r][v], xb, w[v]);
+    }
+  }
+  for (int64_t r = 0; r < R; ++r) std::memcpy(acc[r], a[r], sizeof(row_acc));
+}
+
 #endif
 
 // The tile for the rows left, R = rows (at most MR): a tile of R rows, not MR with zero rows.
@@ -217,19 +246,18 @@ inline void store_row(const row_acc& acc, const scalar_t* bias, int64_t cols, sc
   std::memcpy(out, last, cols * sizeof(scalar_t));
 }
 
-template <typename scalar_t>
-void pack_impl(const at::Tensor& w, at::Tensor& panels) {
-  const int64_t N = w.size(0), K = w.size(1), Kp = padded_k<scalar_t>(K), P = panels.size(0);
-  const scalar_t* wp = w.data_ptr<scalar_t>();
-  scalar_t* pp = panels.data_ptr<scalar_t>();
-  const int64_t step = paired<scalar_t> ? 2 : 1;  // k values side by side in a lane
+// W [N, K] into panels of NR columns, k-major, `step` k side by side in a lane (2: bf16 pairs),
+// columns past N and k past K zero.
+template <typename w_t>
+void pack_panels(const w_t* wp, int64_t N, int64_t K, int64_t Kp, int64_t step, w_t* pp) {
+  const int64_t P = (N + NR - 1) / NR;
   at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p)
       for (int64_t j = 0; j < NR; ++j) {
         const int64_t n = p * NR + j;
         for (int64_t k = 0; k < Kp; ++k) {
           const int64_t at = p * Kp * NR + (k / step) * NR * step + j * step + k % step;
-          pp[at] = n < N && k < K ? wp[n * K + k] : scalar_t(0);
+          pp[at] = n < N && k < K ? wp[n * K + k] : w_t(0);
         }
       }
   });
@@ -271,25 +299,6 @@ void run_tiles(const at::Tensor& x, const w_t* wp, int64_t Kp, int64_t P, const 
   }
 }
 
-// Weight-only int8 (engine/linear.py, quantization int8): W = scale[n] * q[n, k], q in [-127, 127],
-// packed in panels as the fp32 weights are (k-major, NR columns a step). The tile turns each step's
-// NR weights into fp32 in registers (exact) and multiplies fp32 rows of x (bf16 and fp16 widened
-// exactly), so DRAM gives one byte per weight, and every output is a sum over k in order (then
-// times scale[n], + b[n], one rounding): batch-invariant like the ordered kernel.
-void pack_int8_impl(const at::Tensor& q, at::Tensor& panels) {
-  const int64_t N = q.size(0), K = q.size(1), P = panels.size(0);
-  const int8_t* qp = q.data_ptr<int8_t>();
-  int8_t* pp = panels.data_ptr<int8_t>();
-  at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p)
-      for (int64_t k = 0; k < K; ++k)
-        for (int64_t j = 0; j < NR; ++j) {
-          const int64_t n = p * NR + j;
-          pp[p * K * NR + k * NR + j] = n < N ? qp[n * K + k] : int8_t(0);
-        }
-  });
-}
-
 #define DISPATCH(dtype, name, ...)                                \
   AT_DISPATCH_SWITCH(dtype, name, AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__) \
                                       AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__) AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__))
@@ -299,8 +308,10 @@ at::Tensor ordered_linear_pack(const at::Tensor& weight) {
   at::Tensor panels;
   DISPATCH(weight.scalar_type(), "ordered_linear_pack", [&] {
     const int64_t P = (weight.size(0) + NR - 1) / NR;
-    panels = at::empty({P, padded_k<scalar_t>(weight.size(1)) * NR}, weight.options());
-    pack_impl<scalar_t>(weight, panels);
+    const int64_t Kp = padded_k<scalar_t>(weight.size(1));
+    panels = at::empty({P, Kp * NR}, weight.options());
+    pack_panels(weight.data_ptr<scalar_t>(), weight.size(0), weight.size(1), Kp, paired<scalar_t> ? 2 : 1,
+                panels.data_ptr<scalar_t>());
   });
   return panels;
 }
@@ -323,15 +334,25 @@ at::Tensor ordered_linear(const at::Tensor& x, const at::Tensor& panels, const c
   return y;
 }
 
-// q: [N, K] int8, scales: [N] fp32 -> (panels, scales padded to whole panels).
-std::tuple<at::Tensor, at::Tensor> int8_linear_pack(const at::Tensor& q, const at::Tensor& scales) {
+// Weight-only int8 (engine/linear.py, quantization int8): W = scale[n] * q[n, k], q in [-127, 127],
+// packed in panels as the model dtype's weights are (k-major, NR columns a step, in pairs of k for
+// bf16 with AVX512_BF16), so DRAM gives one byte per weight. The tile turns each step's weights
+// into the model dtype's tile type in registers (exact: fp32, or bf16 pairs for vdpbf16ps) and
+// every output is a sum over k in order, then times scale[n], + b[n], one rounding: batch-invariant like
+// the ordered kernel, with a bf16 model's arithmetic that of the bf16 tile.
+// q: [N, K] int8, scales: [N] fp32, for x of `dtype` -> (panels, scales padded to whole panels).
+std::tuple<at::Tensor, at::Tensor> int8_linear_pack(const at::Tensor& q, const at::Tensor& scales, at::ScalarType dtype) {
   TORCH_CHECK(q.dim() == 2 && q.is_contiguous() && q.scalar_type() == at::kChar,
               "int8_linear_pack: a contiguous [N, K] int8 weight expected");
   TORCH_CHECK(scales.dim() == 1 && scales.numel() == q.size(0) && scales.scalar_type() == at::kFloat,
               "int8_linear_pack: scales must be [N] float32");
   const int64_t P = (q.size(0) + NR - 1) / NR;
-  at::Tensor panels = at::empty({P, q.size(1) * NR}, q.options());
-  pack_int8_impl(q, panels);
+  at::Tensor panels;
+  DISPATCH(dtype, "int8_linear_pack", [&] {
+    const int64_t Kp = padded_k<scalar_t>(q.size(1));
+    panels = at::empty({P, Kp * NR}, q.options());
+    pack_panels(q.data_ptr<int8_t>(), q.size(0), q.size(1), Kp, paired<scalar_t> ? 2 : 1, panels.data_ptr<int8_t>());
+  });
   at::Tensor padded = at::zeros({P * NR}, scales.options());
   padded.narrow(0, 0, q.size(0)).copy_(scales);
   return {panels, padded};
@@ -341,16 +362,18 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& panels, const at::
                        const c10::optional<at::Tensor>& bias, int64_t out_features) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "int8_linear: x must be a contiguous [M, K] tensor");
   TORCH_CHECK(panels.dim() == 2 && panels.is_contiguous() && panels.scalar_type() == at::kChar &&
-                  out_features >= 0 && panels.size(0) == (out_features + NR - 1) / NR && panels.size(1) == x.size(1) * NR &&
+                  out_features >= 0 && panels.size(0) == (out_features + NR - 1) / NR &&
                   scales.numel() == panels.size(0) * NR && scales.scalar_type() == at::kFloat,
-              "int8_linear: panels and scales must come from int8_linear_pack, for x's K");
+              "int8_linear: panels and scales must come from int8_linear_pack");
   TORCH_CHECK(!bias.has_value() || (bias->is_contiguous() && bias->numel() == out_features &&
                                     bias->scalar_type() == x.scalar_type()),
               "int8_linear: bias must be [N] in x's dtype");
   at::Tensor y = at::empty({x.size(0), out_features}, x.options());
   DISPATCH(x.scalar_type(), "int8_linear", [&] {
+    const int64_t Kp = padded_k<scalar_t>(x.size(1));
+    TORCH_CHECK(panels.size(1) == Kp * NR, "int8_linear: panels packed for another K or dtype");
     const float* sp = scales.data_ptr<float>();
-    run_tiles<float, scalar_t>(x, panels.data_ptr<int8_t>(), x.size(1), panels.size(0), sp, bias, y);
+    run_tiles<x_t<scalar_t>, scalar_t>(x, panels.data_ptr<int8_t>(), Kp, panels.size(0), sp, bias, y);
   });
   return y;
 }
@@ -360,7 +383,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& panels, const at::
 TORCH_LIBRARY_FRAGMENT(pdserve, m) {
   m.def("ordered_linear_pack(Tensor weight) -> Tensor");
   m.def("ordered_linear(Tensor x, Tensor panels, Tensor? bias, int out_features) -> Tensor");
-  m.def("int8_linear_pack(Tensor q, Tensor scales) -> (Tensor, Tensor)");
+  m.def("int8_linear_pack(Tensor q, Tensor scales, ScalarType dtype) -> (Tensor, Tensor)");
   m.def("int8_linear(Tensor x, Tensor panels, Tensor scales, Tensor? bias, int out_features) -> Tensor");
 }
 
