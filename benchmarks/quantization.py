@@ -1,15 +1,15 @@
-"""Weight-only int8 against the default dtype on the default model, measured in one run: a lone
-stream and a batch, and each mode's logits consistency (KL against fp32).
+"""Weight-only int8 and int4 against the default dtype on the default model, measured in one run:
+a lone stream and a batch, and each mode's logits consistency (KL against fp32).
 
     python benchmarks/quantization.py [--runs 3] [--json FILE]
 
-Each run is one process with two engines, the model dtype (`--dtype auto`) and the same with
-`--quantization int8`, warmed up, then each workload on each engine, the engines' order
-alternating between runs: a lone stream (1 chat prompt x 128 tokens) and a batch (32 x 64),
+Each run is one process with three engines, the model dtype (`--dtype auto`) and the same with
+`--quantization int8` and `int4`, warmed up, then each workload on each engine, the engines'
+order rotating between runs: a lone stream (1 chat prompt x 128 tokens) and a batch (32 x 64),
 greedy, ignore_eos; tokens/s = generated tokens / wall time. Accuracy (once): on 32 chat
-prompts, the next-token distribution after each prompt, KL(fp32 || mode) for bf16, int8 with
-bf16 activations and int8 in fp32, and how many greedy tokens equal fp32's. Reported: medians
-over runs and per-run ratios.
+prompts, the next-token distribution after each prompt, KL(fp32 || mode) for bf16 and each
+quantization with bf16 and with fp32 activations, and how many greedy tokens equal fp32's.
+Reported: medians over runs and per-run ratios.
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from summary import add_run_args, emit, median_of, ratio  # noqa: E402
 
 WORKLOADS = {"lone": (1, 128), "batch": (32, 64)}
+QUANTIZED = ("int8", "int4")
+MODES = ("none", *QUANTIZED)
 
 
 def next_logprobs(llm, prompts: list[list[int]]) -> torch.Tensor:
@@ -48,8 +50,11 @@ def accuracy(prompts: list[list[int]]) -> dict:
 
     modes = {
         "bfloat16": dict(dtype="bfloat16"),
-        "int8 (bf16 activations)": dict(dtype="bfloat16", quantization="int8"),
-        "int8 (fp32 activations)": dict(dtype="float32", quantization="int8"),
+        **{
+            f"{q} ({a} activations)": dict(dtype=dtype, quantization=q)
+            for q in QUANTIZED
+            for a, dtype in (("bf16", "bfloat16"), ("fp32", "float32"))
+        },
     }
     ref = next_logprobs(LLM(dtype="float32", kv_cache_bytes=1 << 28), prompts)
     out = {}
@@ -65,17 +70,17 @@ def accuracy(prompts: list[list[int]]) -> dict:
     return out
 
 
-def one_run(int8_first: bool) -> dict:
+def one_run(first: int) -> dict:
     from engine_throughput import chat_prompts
 
     from engine import LLM, SamplingParams
 
-    engines = {q: LLM(kv_cache_bytes=1 << 30, quantization=q) for q in ("none", "int8")}
+    engines = {q: LLM(kv_cache_bytes=1 << 30, quantization=q) for q in MODES}
     prompts = chat_prompts(engines["none"].engine.tokenizer, 32)
     for llm in engines.values():
         llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))  # warm-up
     out = {"dtype": str(engines["none"].engine.dtype).removeprefix("torch.")}
-    for q in ("int8", "none") if int8_first else ("none", "int8"):
+    for q in MODES[first:] + MODES[:first]:
         for workload, (n, max_tokens) in WORKLOADS.items():
             params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
             start = time.perf_counter()
@@ -91,7 +96,7 @@ def main() -> None:
     args = ap.parse_args()
     from engine.hardware import cpu_features
 
-    runs = [one_run(int8_first=i % 2 == 1) for i in range(args.runs)]
+    runs = [one_run(first=i % len(MODES)) for i in range(args.runs)]
     from engine_throughput import chat_prompts
 
     from engine import LLM
@@ -103,8 +108,11 @@ def main() -> None:
         "workloads": {k: {"prompts": n, "max_tokens": m} for k, (n, m) in WORKLOADS.items()},
         "runs": runs,
         "median": {key: median_of(runs, lambda r, key=key: r[key]) for key in runs[0] if key != "dtype"},
-        "ratio_int8_over_default": {
-            w: ratio(runs, lambda r, w=w: r[f"int8/{w}"], lambda r, w=w: r[f"none/{w}"]) for w in WORKLOADS
+        **{
+            f"ratio_{q}_over_default": {
+                w: ratio(runs, lambda r, w=w, q=q: r[f"{q}/{w}"], lambda r, w=w: r[f"none/{w}"]) for w in WORKLOADS
+            }
+            for q in QUANTIZED
         },
         "accuracy_against_fp32": accuracy(prompts),
     }

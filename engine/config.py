@@ -14,7 +14,7 @@ from engine.speculative import SpeculativeConfig
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 SCHEDULING = ("continuous", "static")
 LINEAR_KERNELS = ("auto", "ordered", "onednn")
-QUANTIZATIONS = ("none", "int8")
+QUANTIZATIONS = ("none", "int8", "int4")
 GIB = 1 << 30
 # A decode node's prompt tokens per step beside its decodes (prefill_tokens_with_decodes): measured on the
 # anchor workload, docs/benchmarks.md at 0f5299a, "Local prefills a chunk at a time"
@@ -92,8 +92,9 @@ class EngineConfig:
     quantization: str = option(
         "none",
         "weight-only quantization of the decoder layers' linears (attention, MLPs, experts), at load, from any "
-        "checkpoint: int8 (per output channel, engine/csrc/ordered_linear.cpp's int8 kernel; CPU with the C++ "
-        "kernels); the KV cache, the embeddings, the LM head and the norms stay in the model dtype",
+        "checkpoint: int8 or int4 codes, asymmetric in groups of 32 along k (a GGUF block's size; a fp32 scale and "
+        "zero a group), through engine/csrc/ordered_linear.cpp's quantized kernel (CPU with the C++ kernels); the "
+        "KV cache, the embeddings, the LM head and the norms stay in the model dtype",
         choices=QUANTIZATIONS,
     )
     num_threads: int | None = option(None, "torch threads on CPU (default: torch's choice)")

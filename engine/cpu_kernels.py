@@ -36,8 +36,8 @@ OPS = (
     "silu_mul",
     "ordered_linear",
     "ordered_linear_pack",
-    "int8_linear",
-    "int8_linear_pack",
+    "quant_linear",
+    "quant_linear_pack",
 )
 # -ffast-math lets the dot-product reductions vectorize (reassociation) and lets expf use glibc's
 # vector variants; the kernel keeps every value finite (its running max starts at -FLT_MAX).

@@ -7,10 +7,12 @@ bf16 25-45% faster than F.linear, fp32 1.6x faster at 64 rows on AVX2. Where one
 (bf16 on a CPU without native bf16, fp16 on most CPUs, CUDA) it is plain F.linear;
 engine/hardware.py decides.
 
-With quantization int8 the weight is kept as int8 per output channel (a scale a row) in the int8
-kernel's panels (engine/csrc/ordered_linear.cpp): one byte a weight read per step, turned into
-the model dtype's arithmetic in registers (bf16 pairs where the CPU has AVX512_BF16), each output
-summed in k order like the ordered kernel's.
+With quantization int8 or int4 the weight is kept as codes of that many bits, asymmetric in groups
+of GROUP along k (a fp32 scale and zero a group and output channel), in the quantized kernel's
+panels (engine/csrc/ordered_linear.cpp): a step reads a byte (int8) or half a byte (int4) a weight
+and an eighth of a byte for the scales and zeros; the kernel turns them into the model dtype's
+arithmetic in registers (bf16 pairs where the CPU has AVX512_BF16) and sums each output in k order
+like the ordered kernel.
 
 With `ordered` the weight is packed instead for engine/csrc/ordered_linear.cpp, whose every output
 is summed in k order whatever else is in the batch (a BLAS picks its blocking, and the order of a
@@ -26,6 +28,8 @@ import torch.nn.functional as F
 from engine.hardware import can_prepack
 
 PACK_FOR_BATCH = 64  # oneDNN's hint for the row count; any count works
+GROUP = 32  # k a quantized group spans (engine/csrc/ordered_linear.cpp GROUP): a GGUF block's
+BITS = {"int8": 8, "int4": 4}  # the quantizations' code sizes
 
 
 class Linear:
@@ -35,10 +39,12 @@ class Linear:
         self.weight = weight  # [out, in]
         self.out_features, self.in_features = weight.shape
         self.bias = bias
-        self.packed = self.panels = self.scales = None
+        self.packed = self.panels = self.scales = self.zeros = None
+        self.bits = BITS.get(quantization)
         # The packed layout holds the weight: the engine keeps that copy only.
-        if quantization == "int8":
-            self.panels, self.scales = torch.ops.pdserve.int8_linear_pack(*quantize_int8(weight), weight.dtype)
+        if self.bits:
+            codes = quantize_groups(weight, self.bits)
+            self.panels, self.scales, self.zeros = torch.ops.pdserve.quant_linear_pack(*codes, self.bits, weight.dtype)
             self.weight = None
         elif ordered:
             self.panels = torch.ops.pdserve.ordered_linear_pack(weight.contiguous())
@@ -51,9 +57,9 @@ class Linear:
         if self.panels is not None:
             if x.shape[-1] != self.in_features:  # the panels' padding would hide a K off by one
                 raise ValueError(f"linear: input of {x.shape[-1]} features, the weight takes {self.in_features}")
-            if self.scales is not None:
-                return torch.ops.pdserve.int8_linear(
-                    x.contiguous(), self.panels, self.scales, self.bias, self.out_features
+            if self.bits:
+                return torch.ops.pdserve.quant_linear(
+                    x.contiguous(), self.panels, self.scales, self.zeros, self.bias, self.bits, self.out_features
                 )
             return torch.ops.pdserve.ordered_linear(x.contiguous(), self.panels, self.bias, self.out_features)
         if self.packed is not None:
@@ -61,9 +67,25 @@ class Linear:
         return F.linear(x, self.weight, self.bias)
 
 
-def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric per output channel: (q [N, K] int8 in [-127, 127], scale [N] fp32), weight ~ scale[n] * q[n, k]."""
+def quantize_groups(weight: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric in groups of GROUP along k: weight[n, k] ~ codes[n, k] * scales[n, g] + zeros[n, g]
+    (g = k // GROUP), codes in [0, 2**bits - 1] rounded to nearest, so every weight within half a
+    scale; the zero is the group's least weight, the scale its range over the levels (a GGUF Q4_1
+    block's d and m at 4 bits). Returns (codes [N, K] uint8, scales [N, G] fp32, zeros [N, G] fp32)."""
     w = weight.float()
-    scale = (w.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
-    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
-    return q.contiguous(), scale.contiguous()
+    n, k = w.shape
+    groups = -(-k // GROUP)
+    if groups * GROUP > k:  # the last group repeats its last weight: the same least and range
+        w = torch.cat([w, w[:, -1:].expand(n, groups * GROUP - k)], dim=1)
+    w = w.view(n, groups, GROUP)
+    zeros, levels = w.amin(dim=2), 2**bits - 1
+    scales = (w.amax(dim=2) - zeros) / levels
+    scales = torch.where(scales > 0, scales, torch.ones_like(scales))  # a constant group: codes 0
+    codes = torch.round((w - zeros[..., None]) / scales[..., None]).clamp(0, levels).to(torch.uint8)
+    return codes.view(n, groups * GROUP)[:, :k].contiguous(), scales.contiguous(), zeros.contiguous()
+
+
+def dequantize_groups(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+    """The fp32 weights quantize_groups' codes stand for (code * scale + zero)."""
+    g = torch.arange(codes.shape[1]) // GROUP
+    return codes.float() * scales[:, g] + zeros[:, g]

@@ -73,7 +73,7 @@ class ModelRunner:
             )
         if self.quantization != "none":
             log.info(
-                "linears: the decoder layers' %s weight-only (pdserve's int8 kernel), the LM head %s",
+                "linears: the decoder layers' %s weight-only, groups of 32 (pdserve's kernel), the LM head %s",
                 self.quantization,
                 dtype,
             )

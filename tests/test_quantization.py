@@ -1,7 +1,8 @@
-"""Weight-only int8 (--quantization int8): the kernel's rows bit-equal alone and at every batch
-position, equal to its definition; the engine's logits close to transformers' fp32 (KL, greedy
-agreement); deterministic mode with it; the P/D split with both pools int8, and pools that differ
-refused by name; what `pdserve plan memory` counts."""
+"""Weight-only int8 and int4 (--quantization), groups of 32: the kernel's rows bit-equal alone and
+at every batch position, equal to its definition and to the ordered kernel over its weights; a
+GGUF Q4_1 block held exactly; the engine's logits close to transformers' fp32 (KL, greedy
+agreement); deterministic mode, speculation and the prefix cache with it; the P/D split with both
+pools int8, and pools that differ refused by name; what `pdserve plan memory` counts."""
 
 from __future__ import annotations
 
@@ -16,51 +17,77 @@ from test_model_equality import PROMPTS, hf_last_logits
 from transformers import AutoModelForCausalLM
 
 from engine import SamplingParams, cpu_kernels
-from engine.linear import quantize_int8
+from engine.linear import GROUP, dequantize_groups, quantize_groups
 from engine.sequence import Sequence
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.load(), reason="the int8 kernel is one of the C++ CPU kernels")
+pytestmark = pytest.mark.skipif(not cpu_kernels.load(), reason="the quantized kernel is one of the C++ CPU kernels")
 
 
-def int8_linear(x, weight, bias=None):
-    panels, scales = torch.ops.pdserve.int8_linear_pack(*quantize_int8(weight), x.dtype)
-    return torch.ops.pdserve.int8_linear(x.contiguous(), panels, scales, bias, weight.shape[0])
+def quant_linear(x, weight, bits, bias=None):
+    packed = torch.ops.pdserve.quant_linear_pack(*quantize_groups(weight, bits), bits, x.dtype)
+    return torch.ops.pdserve.quant_linear(x.contiguous(), *packed, bias, bits, weight.shape[0])
 
 
+@pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("n, k", [(48, 40), (37, 19), (100, 64)])
-def test_a_row_is_the_same_bits_alone_and_at_every_batch_position(dtype, n, k):
+@pytest.mark.parametrize("n, k", [(48, 40), (37, 19), (100, 64), (33, 97)])
+def test_a_row_is_the_same_bits_alone_and_at_every_batch_position(bits, dtype, n, k):
     g = torch.Generator().manual_seed(n * k)
     weight = torch.randn(n, k, generator=g).to(dtype)
     bias = torch.randn(n, generator=g).to(dtype)
     x = torch.randn(20, k, generator=g).to(dtype)
-    alone = [int8_linear(x[i : i + 1], weight, bias) for i in range(len(x))]
+    alone = [quant_linear(x[i : i + 1], weight, bits, bias) for i in range(len(x))]
     for rows in (1, 2, 7, 8, 9, 16, 20):
         for start in (0, 20 - rows):
-            batch = int8_linear(x[start : start + rows], weight, bias)
+            batch = quant_linear(x[start : start + rows], weight, bits, bias)
             assert all(torch.equal(batch[i], alone[start + i][0]) for i in range(rows)), (rows, start)
 
 
-def test_the_kernel_equals_its_definition():
-    """fp32: y = scale[n] * sum_k x[m, k] q[n, k] + b[n], against float64."""
+@pytest.mark.parametrize("bits", [8, 4])
+def test_the_kernel_equals_its_definition(bits):
+    """fp32: y = sum_k x[m, k] (code[n, k] scale[n, g] + zero[n, g]) + b[n], against float64; each
+    weight within half a scale of the checkpoint's (K not a whole number of groups)."""
     g = torch.Generator().manual_seed(7)
-    weight, bias, x = torch.randn(70, 33, generator=g), torch.randn(70, generator=g), torch.randn(9, 33, generator=g)
-    q, scale = quantize_int8(weight)
-    want = (x.double() @ q.double().T) * scale.double() + bias.double()
-    torch.testing.assert_close(int8_linear(x, weight, bias).double(), want, rtol=1e-5, atol=1e-5)
-    assert (weight - q.float() * scale[:, None]).abs().max() <= scale.max() / 2 + 1e-6  # round to nearest
+    weight, bias, x = torch.randn(70, 83, generator=g), torch.randn(70, generator=g), torch.randn(9, 83, generator=g)
+    codes, scales, zeros = quantize_groups(weight, bits)
+    assert int(codes.max()) <= 2**bits - 1 and scales.shape == (70, 3)
+    w = dequantize_groups(codes, scales, zeros)
+    want = x.double() @ w.double().T + bias.double()
+    torch.testing.assert_close(quant_linear(x, weight, bits, bias).double(), want, rtol=1e-5, atol=1e-5)
+    half_scale = scales.repeat_interleave(GROUP, dim=1)[:, :83] / 2
+    assert ((weight - w).abs() <= half_scale * (1 + 1e-5)).all()  # round to nearest
 
 
+def test_int4_holds_a_gguf_q4_1_block_exactly():
+    """Weights that were Q4_1 blocks (m + d q, q in 0..15, as the embedded model's were before it was
+    dequantized) come back as the same 16 levels a block: int4's groups are GGUF's blocks."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randint(0, 16, (64, 96), generator=g)
+    q[:, ::GROUP], q[:, 1::GROUP] = 0, 15  # each block spans its levels, as llama.cpp's quantizer makes it
+    d, m = torch.rand(64, 3, generator=g) * 0.01 + 1e-3, torch.randn(64, 3, generator=g) * 0.02
+    weight = (q * d.repeat_interleave(GROUP, 1) + m.repeat_interleave(GROUP, 1)).float()
+    codes, scales, zeros = quantize_groups(weight, 4)
+    assert torch.equal(codes.long(), q)
+    torch.testing.assert_close(dequantize_groups(codes, scales, zeros), weight, rtol=0, atol=1e-7)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("rows", [1, 5, 8, 9, 32, 70])
-def test_a_bf16_model_s_int8_tile_is_the_bf16_tile_over_the_integers(rows):
-    """bf16: with unit scales, the int8 kernel's outputs are the ordered bf16 kernel's over the same
-    integers as bf16 weights, bit for bit, at one tile and at several."""
+def test_a_bf16_model_s_quantized_tile_is_the_ordered_tile_over_its_weights(bits, rows):
+    """bf16 x: the quantized kernel's outputs are the ordered kernel's over the weights its codes
+    stand for (code * scale + zero, one fused rounding to fp32), bit for bit, at one tile and at
+    several: in bf16 pairs where the build has AVX512_BF16 (each weight rounded to bf16), else in
+    fp32 over x widened."""
     g = torch.Generator().manual_seed(rows)
-    q = torch.randint(-127, 128, (45, 38), generator=g, dtype=torch.int8)
-    x = torch.randn(rows, 38, generator=g).bfloat16()
-    panels, scales = torch.ops.pdserve.int8_linear_pack(q, torch.ones(45), torch.bfloat16)
-    got = torch.ops.pdserve.int8_linear(x, panels, scales, None, 45)
-    want = torch.ops.pdserve.ordered_linear(x, torch.ops.pdserve.ordered_linear_pack(q.bfloat16()), None, 45)
+    weight, x = torch.randn(45, 30, generator=g), torch.randn(rows, 30, generator=g).bfloat16()
+    codes, scales, zeros = quantize_groups(weight, bits)  # K < 32: one group
+    w = (codes.double() * scales.double() + zeros.double()).float()  # exact in double, then one rounding
+    got = quant_linear(x, weight, bits)
+    pack, linear = torch.ops.pdserve.ordered_linear_pack, torch.ops.pdserve.ordered_linear
+    if "-mavx512bf16" in cpu_kernels.BUILT[0]:
+        want = linear(x, pack(w.bfloat16()), None, 45)
+    else:
+        want = linear(x.float(), pack(w), None, 45).bfloat16()
     assert torch.equal(got, want)
 
 
@@ -74,34 +101,36 @@ def next_logits(engine, prompt: list[int]) -> torch.Tensor:
     return logits[0]
 
 
+@pytest.mark.parametrize("quantization, bound", [("int8", 1e-3), ("int4", 0.1)])
 @pytest.mark.parametrize("model", ["tiny_llama", "tiny_qwen2"])
-def test_int8_logits_are_close_to_transformers_fp32(model, request):
+def test_quantized_logits_are_close_to_transformers_fp32(model, request, quantization, bound):
     """KL of the int8 engine's next-token distribution against transformers' fp32, and greedy
     agreement by vLLM's check_logprobs_close rule (a differing token is in the other's top 5)."""
     path = request.getfixturevalue(model)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    engine = make_engine(path, quantization="int8")
-    assert engine.numerics == "default; int8 weights"
+    engine = make_engine(path, quantization=quantization)
+    assert engine.numerics == f"default; {quantization} weights"
     worst = 0.0
     for prompt in PROMPTS:
         got, ref = next_logits(engine, prompt).log_softmax(-1), hf_last_logits(hf, prompt).log_softmax(-1)
         worst = max(worst, float((ref.exp() * (ref - got)).sum()))
-        if got.argmax() != ref.argmax():
+        if quantization == "int8" and got.argmax() != ref.argmax():  # int4 moves a random model's flat top 5
             assert got.argmax() in ref.topk(5).indices and ref.argmax() in got.topk(5).indices
-    assert 0 < worst < 1e-3, worst
+    assert 0 < worst < bound, worst
 
 
-def test_int8_in_deterministic_mode_is_batch_invariant(tiny_llama):
-    """Each request of a mixed batch gets the tokens it gets alone (fp32, deterministic, int8)."""
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_quantized_deterministic_mode_is_batch_invariant(tiny_llama, quantization):
+    """Each request of a mixed batch gets the tokens it gets alone (fp32, deterministic, quantized)."""
     params = [SamplingParams(max_tokens=8, temperature=t, seed=i) for i, t in enumerate([0, 1.0, 0, 1.0])]
-    batch = make_engine(tiny_llama, quantization="int8", deterministic=True)
+    batch = make_engine(tiny_llama, quantization=quantization, deterministic=True)
     for i, (p, sp) in enumerate(zip(PROMPTS, params)):
         batch.add_request(str(i), p, sp)
     outs = {}
     while batch.has_unfinished():
         outs |= {o.request_id: o.token_ids for o in batch.step() if o.finished}
     for i, (p, sp) in enumerate(zip(PROMPTS, params)):
-        alone = make_engine(tiny_llama, quantization="int8", deterministic=True)
+        alone = make_engine(tiny_llama, quantization=quantization, deterministic=True)
         alone.add_request("a", p, sp)
         while alone.has_unfinished():
             done = [o for o in alone.step() if o.finished]
@@ -131,25 +160,27 @@ def test_pools_of_other_quantizations_refuse_each_others_kv_by_name(tiny_llama):
 def test_quantization_is_refused_where_its_kernel_cannot_run(tiny_llama):
     with pytest.raises(ValueError, match="quantization int8: needs the C.. CPU kernels"):
         make_engine(tiny_llama, quantization="int8", cpu_kernels=False)
-    with pytest.raises(ValueError, match=r"quantization must be one of \('none', 'int8'\), got 'int4'"):
-        make_engine(tiny_llama, quantization="int4")
+    with pytest.raises(ValueError, match=r"quantization must be one of \('none', 'int8', 'int4'\), got 'int3'"):
+        make_engine(tiny_llama, quantization="int3")
 
 
-def test_plan_memory_counts_a_byte_a_weight_and_a_scale_a_channel():
+def test_plan_memory_counts_the_codes_and_a_scale_and_zero_a_group():
     from engine.model_config import ModelConfig
-    from pdserve.plan.memory import linear_shapes, memory
+    from pdserve.plan.memory import memory
 
     cfg = ModelConfig.from_dir(Path(__file__).parent.parent / "deploy" / "model_configs" / "llama-3.1-8b")
-    plain, int8 = memory(cfg, "bfloat16"), memory(cfg, "bfloat16", quantization="int8")
-    weights, channels = linear_shapes(cfg)
-    assert weights == 32 * (4096 * (4096 + 2 * 1024) + 4096 * 4096 + 3 * 4096 * 14336)
-    assert plain["weight_bytes"] - int8["weight_bytes"] == weights - 4 * channels
-    assert json.loads(json.dumps(int8))["quantization"] == "int8"
+    plain = memory(cfg, "bfloat16")
+    weights = 32 * (4096 * (4096 + 2 * 1024) + 4096 * 4096 + 3 * 4096 * 14336)  # every K a multiple of 32
+    for quantization, code_bytes in (("int8", 1), ("int4", 0.5)):
+        plan = memory(cfg, "bfloat16", quantization=quantization)
+        assert plain["weight_bytes"] - plan["weight_bytes"] == weights * (2 - code_bytes) - 8 * weights // 32
+        assert json.loads(json.dumps(plan))["quantization"] == quantization
 
 
-def test_int8_with_speculation_and_the_prefix_cache_gives_its_own_tokens(tiny_llama):
-    """n-gram drafts verified and cached prefixes reused, over int8 linears: the tokens of a plain
-    int8 engine (fp32, greedy and seeded)."""
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_quantized_speculation_and_prefix_cache_give_their_own_tokens(tiny_llama, quantization):
+    """n-gram drafts verified and cached prefixes reused, over quantized linears: the tokens of a
+    plain engine of that quantization (fp32, greedy and seeded)."""
     prompt = PROMPTS[0] * 3  # repeats: the n-gram proposer has drafts to make
     params = [SamplingParams(max_tokens=16, temperature=t, seed=2, ignore_eos=True) for t in (0, 1.0)]
 
@@ -162,24 +193,27 @@ def test_int8_with_speculation_and_the_prefix_cache_gives_its_own_tokens(tiny_ll
             out.append(done[0].token_ids)
         return out
 
-    plain = tokens(make_engine(tiny_llama, quantization="int8", enable_prefix_caching=False))
+    plain = tokens(make_engine(tiny_llama, quantization=quantization, enable_prefix_caching=False))
     speculative = {"method": "ngram", "num_speculative_tokens": 3}
-    engine = make_engine(tiny_llama, quantization="int8", speculative=speculative)
+    engine = make_engine(tiny_llama, quantization=quantization, speculative=speculative)
     assert tokens(engine) == plain
     assert engine.num_accepted_tokens > 0 and engine.block_manager.num_hit_tokens > 0  # both features happened
 
 
-@pytest.mark.parametrize("op", ["ordered", "int8"])
+@pytest.mark.parametrize("op", ["ordered", "int8", "int4"])
 def test_an_out_features_the_panels_do_not_hold_is_refused(op):
     """The ops write out_features columns of y from the panels: more (past the panels' memory) or
     fewer (past y's row) than the panels were packed for is refused, never computed."""
     weight, x = torch.randn(40, 16), torch.randn(3, 16)
-    if op == "int8":
-        packed = torch.ops.pdserve.int8_linear_pack(*quantize_int8(weight), x.dtype)
-        call = lambda n: torch.ops.pdserve.int8_linear(x, *packed, None, n)  # noqa: E731
-    else:
+    if op == "ordered":
         panels = torch.ops.pdserve.ordered_linear_pack(weight)
         call = lambda n: torch.ops.pdserve.ordered_linear(x, panels, None, n)  # noqa: E731
+    else:
+        bits = 8 if op == "int8" else 4
+        packed = torch.ops.pdserve.quant_linear_pack(*quantize_groups(weight, bits), bits, x.dtype)
+        call = lambda n: torch.ops.pdserve.quant_linear(x, *packed, None, bits, n)  # noqa: E731
+        with pytest.raises(RuntimeError, match="must come from"):
+            torch.ops.pdserve.quant_linear(x, *packed, None, 12 - bits, 40)  # the other code size
     assert call(40).shape == (3, 40)
     for n in (1, 8, 200, -1):
         with pytest.raises(RuntimeError, match="must come from"):

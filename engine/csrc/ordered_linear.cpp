@@ -105,21 +105,6 @@ inline vec load_lanes(const c10::Half* p) {
   return v;
 }
 
-typedef int8_t vec_i8 __attribute__((vector_size(LANES)));
-typedef int32_t vec_i32 __attribute__((vector_size(LANES * sizeof(int32_t))));
-
-inline vec load_lanes(const int8_t* p) {  // int8 weights as fp32, exact (vpmovsxbd, vcvtdq2ps)
-#if defined(__AVX512F__)
-  return (vec)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-#elif defined(__AVX2__)
-  return (vec)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-#else
-  vec_i8 q;
-  std::memcpy(&q, p, sizeof(q));
-  return __builtin_convertvector(__builtin_convertvector(q, vec_i32), vec);
-#endif
-}
-
 inline void store_lanes(float* p, vec v) { std::memcpy(p, &v, sizeof(v)); }
 
 inline void store_lanes(c10::BFloat16* p, vec v) {  // rounded to nearest even, as c10::BFloat16(float)
@@ -147,6 +132,63 @@ inline vec mul_add(vec acc, float x, vec w) {
 #endif
 }
 
+// Weight-only quantized panels (engine/linear.py, quantization int8 and int4): W[n, k] = code *
+// scale[n, g] + zero[n, g] over groups of GROUP k (g = k / GROUP), codes of BITS bits, the scale
+// and zero in fp32. The codes lie in the model dtype's panel order (k-major, NR columns a step, in
+// pairs of k for bf16 with AVX512_BF16), each 2 x LANES codes in a row a chunk: int8 a byte a
+// code, int4 a byte for codes i and i + LANES of the chunk (low and high nibble). A tile turns
+// each step's codes into weights in registers (fp32: code * scale + zero, one fused multiply-add;
+// then bf16 pairs for vdpbf16ps, rounded as a bf16 checkpoint's weights are) and sums every output
+// over k in order, as the ordered kernel does, so a row's bits depend on nothing else in the batch.
+constexpr int64_t GROUP = 32;
+template <int BITS>
+constexpr int64_t CHUNK_BYTES = 2 * LANES * BITS / 8;
+
+template <int BITS>
+struct QPanel {  // one panel's codes and its groups' scales and zeros ([groups][NR] each)
+  const uint8_t* codes;
+  const float* scales;
+  const float* zeros;
+};
+
+typedef uint8_t vec_u8 __attribute__((vector_size(LANES)));
+typedef int32_t vec_i32 __attribute__((vector_size(LANES * sizeof(int32_t))));
+
+inline vec_i32 widen(const uint8_t* p) {  // LANES bytes as int32 lanes (vpmovzxbd)
+#if defined(__AVX512F__)
+  return (vec_i32)_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#elif defined(__AVX2__)
+  return (vec_i32)_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+#else
+  vec_u8 q;
+  std::memcpy(&q, p, sizeof(q));
+  return __builtin_convertvector(q, vec_i32);
+#endif
+}
+
+// A chunk's codes as fp32 (exact): lo the first LANES of them, hi the next LANES.
+template <int BITS>
+inline void load_codes(const uint8_t* p, vec& lo, vec& hi) {
+  if constexpr (BITS == 8) {
+    lo = __builtin_convertvector(widen(p), vec);
+    hi = __builtin_convertvector(widen(p + LANES), vec);
+  } else {
+    const vec_i32 b = widen(p);
+    lo = __builtin_convertvector(b & 15, vec);
+    hi = __builtin_convertvector(b >> 4, vec);
+  }
+}
+
+inline vec fma_lanes(vec a, vec b, vec c) {  // a * b + c
+#if defined(__AVX512F__)
+  return (vec)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif defined(__AVX__) && defined(__FMA__)
+  return (vec)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+  return a * b + c;
+#endif
+}
+
 // acc[r] = sum over k of x[r, k] * panel[k, :], in k order. x: R rows of K.
 template <int64_t R, typename scalar_t>
 inline void tile(const float* x, int64_t K, const scalar_t* panel, row_acc acc[MR]) {
@@ -157,6 +199,26 @@ inline void tile(const float* x, int64_t K, const scalar_t* panel, row_acc acc[M
     for (int64_t v = 0; v < V; ++v) w[v] = load_lanes(panel + k * NR + v * LANES);
     for (int64_t r = 0; r < R; ++r)
       for (int64_t v = 0; v < V; ++v) acc[r][v] = mul_add(acc[r][v], x[r * K + k], w[v]);
+  }
+}
+
+// The quantized tile in fp32: a chunk is one k's NR columns.
+template <int64_t R, int BITS>
+inline void tile(const float* x, int64_t K, QPanel<BITS> q, row_acc acc[MR]) {
+  static_assert(V == 2, "a chunk holds a step's two registers");
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t v = 0; v < V; ++v) acc[r][v] = vec{};
+  for (int64_t k = 0, g = 0; k < K; ++g) {
+    const vec s0 = load_lanes(q.scales + g * NR), s1 = load_lanes(q.scales + g * NR + LANES);
+    const vec z0 = load_lanes(q.zeros + g * NR), z1 = load_lanes(q.zeros + g * NR + LANES);
+    for (const int64_t end = std::min(K, k + GROUP); k < end; ++k) {
+      vec w[V];
+      load_codes<BITS>(q.codes + k * CHUNK_BYTES<BITS>, w[0], w[1]);
+      w[0] = fma_lanes(w[0], s0, z0);
+      w[1] = fma_lanes(w[1], s1, z1);
+      for (int64_t r = 0; r < R; ++r)
+        for (int64_t v = 0; v < V; ++v) acc[r][v] = mul_add(acc[r][v], x[r * K + k], w[v]);
+    }
   }
 }
 
@@ -180,29 +242,38 @@ inline void tile(const c10::BFloat16* x, int64_t K, const c10::BFloat16* panel, 
   for (int64_t r = 0; r < R; ++r) std::memcpy(acc[r], a[r], sizeof(row_acc));
 }
 
-// 16 columns' pairs of k from an int8 panel packed in pairs (int8_linear_pack for bf16): int8 to
-// fp32 to bf16, each exact, so the pairs are those a bf16 panel of the same integers would hold.
-inline __m512bh load_pairs(const int8_t* p) {
-  const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-  const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))));
-  return _mm512_cvtne2ps_pbh(hi, lo);  // elements 0-15 from lo, 16-31 from hi: column j's pair at 2j
-}
-
-// The int8 tile in bf16 pairs, each step's weights turned into bf16 in registers: the same steps
-// and bits as the bf16 tile over a bf16 panel of the same integers.
-template <int64_t R>
-inline void tile(const c10::BFloat16* x, int64_t K, const int8_t* panel, row_acc acc[MR]) {
+// The quantized tile in bf16 pairs: a chunk is one register's 16 columns x a pair of k (its lo
+// half columns 0-7, hi 8-15, column j's pair side by side), each weight rounded to bf16 after its
+// fp32 multiply-add; the scales and zeros spread to the pairs once a group (vpermps).
+template <int64_t R, int BITS>
+inline void tile(const c10::BFloat16* x, int64_t K, QPanel<BITS> q, row_acc acc[MR]) {
+  const __m512i lo_idx = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+  const __m512i hi_idx = _mm512_add_epi32(lo_idx, _mm512_set1_epi32(8));
   __m512 a[R][V];
   for (int64_t r = 0; r < R; ++r)
     for (int64_t v = 0; v < V; ++v) a[r][v] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; k += 2) {
-    __m512bh w[V];
-    for (int64_t v = 0; v < V; ++v) w[v] = load_pairs(panel + k * NR + v * 2 * LANES);
-    for (int64_t r = 0; r < R; ++r) {
-      int32_t pair;
-      std::memcpy(&pair, x + r * K + k, sizeof(pair));
-      const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
-      for (int64_t v = 0; v < V; ++v) a[r][v] = _mm512_dpbf16_ps(a[r][v], xb, w[v]);
+  for (int64_t k = 0, g = 0; k < K; ++g) {
+    alignas(64) float s[V][2][LANES], z[V][2][LANES];  // in L1, read by the multiply-adds (no registers held)
+    for (int64_t v = 0; v < V; ++v) {
+      const __m512 sv = _mm512_loadu_ps(q.scales + g * NR + v * LANES);
+      const __m512 zv = _mm512_loadu_ps(q.zeros + g * NR + v * LANES);
+      _mm512_store_ps(s[v][0], _mm512_permutexvar_ps(lo_idx, sv)), _mm512_store_ps(s[v][1], _mm512_permutexvar_ps(hi_idx, sv));
+      _mm512_store_ps(z[v][0], _mm512_permutexvar_ps(lo_idx, zv)), _mm512_store_ps(z[v][1], _mm512_permutexvar_ps(hi_idx, zv));
+    }
+    for (const int64_t end = std::min(K, k + GROUP); k < end; k += 2) {
+      __m512bh w[V];
+      for (int64_t v = 0; v < V; ++v) {
+        vec lo, hi;
+        load_codes<BITS>(q.codes + ((k / 2) * V + v) * CHUNK_BYTES<BITS>, lo, hi);
+        w[v] = _mm512_cvtne2ps_pbh(_mm512_fmadd_ps((__m512)hi, _mm512_load_ps(s[v][1]), _mm512_load_ps(z[v][1])),
+                                   _mm512_fmadd_ps((__m512)lo, _mm512_load_ps(s[v][0]), _mm512_load_ps(z[v][0])));
+      }
+      for (int64_t r = 0; r < R; ++r) {
+        int32_t pair;
+        std::memcpy(&pair, x + r * K + k, sizeof(pair));
+        const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
+        for (int64_t v = 0; v < V; ++v) a[r][v] = _mm512_dpbf16_ps(a[r][v], xb, w[v]);
+      }
     }
   }
   for (int64_t r = 0; r < R; ++r) std::memcpy(acc[r], a[r], sizeof(row_acc));
@@ -211,15 +282,14 @@ inline void tile(const c10::BFloat16* x, int64_t K, const int8_t* panel, row_acc
 #endif
 
 // The tile for the rows left, R = rows (at most MR): a tile of R rows, not MR with zero rows.
-template <int64_t R = MR, typename xs_t, typename scalar_t>
-inline void tile_rows(int64_t rows, const xs_t* x, int64_t K, const scalar_t* panel, row_acc acc[MR]) {
+template <int64_t R = MR, typename xs_t, typename panel_t>
+inline void tile_rows(int64_t rows, const xs_t* x, int64_t K, panel_t panel, row_acc acc[MR]) {
   if constexpr (R > 1)
     if (rows < R) return tile_rows<R - 1>(rows, x, K, panel, acc);
   tile<R>(x, K, panel, acc);
 }
 
-// A row of x as the tile reads it: the same values in out_t (x_t, or fp32 for the int8 tile), k
-// padded with zeros to Kp.
+// A row of x as the tile reads it: the same values in out_t (x_t), k padded with zeros to Kp.
 template <typename out_t, typename scalar_t>
 inline void copy_row(const scalar_t* x, int64_t K, int64_t Kp, out_t* out) {
   if constexpr (std::is_same_v<out_t, scalar_t>)
@@ -263,11 +333,11 @@ void pack_panels(const w_t* wp, int64_t N, int64_t K, int64_t Kp, int64_t step, 
   });
 }
 
-// y = x @ W.T (x scale[n] where given) + b: the rows copied in blocks of MC as the tile reads them
-// (xs_t), the panels (w_t: the model dtype's, or int8) split between threads.
-template <typename xs_t, typename scalar_t, typename w_t>
-void run_tiles(const at::Tensor& x, const w_t* wp, int64_t Kp, int64_t P, const float* scales,
-               const c10::optional<at::Tensor>& bias, at::Tensor& y) {
+// y = x @ W.T + b: the rows copied in blocks of MC as the tile reads them (xs_t), the panels
+// (panel_of(p): panel p's weights, in the model dtype or quantized) split between threads.
+template <typename xs_t, typename scalar_t, typename panel_of_t>
+void run_tiles(const at::Tensor& x, int64_t Kp, int64_t P, panel_of_t panel_of, const c10::optional<at::Tensor>& bias,
+               at::Tensor& y) {
   const int64_t M = x.size(0), K = x.size(1), N = y.size(1);
   const scalar_t* xp = x.data_ptr<scalar_t>();
   const scalar_t* bp = bias.has_value() ? bias->data_ptr<scalar_t>() : nullptr;
@@ -286,12 +356,9 @@ void run_tiles(const at::Tensor& x, const w_t* wp, int64_t Kp, int64_t P, const 
         const int64_t n0 = p * NR, cols = std::min(NR, N - n0);
         for (int64_t t = 0, r0 = 0; t < tiles; ++t) {
           const int64_t height = rows / tiles + (t < rows % tiles);
-          tile_rows(height, xs.get() + r0 * Kp, Kp, wp + p * Kp * NR, acc);
-          for (int64_t r = 0; r < height; ++r) {
-            if (scales)
-              for (int64_t v = 0; v < V; ++v) acc[r][v] = acc[r][v] * load_lanes(scales + n0 + v * LANES);
+          tile_rows(height, xs.get() + r0 * Kp, Kp, panel_of(p), acc);
+          for (int64_t r = 0; r < height; ++r)
             store_row(acc[r], bp ? bp + n0 : nullptr, cols, yp + (m0 + r0 + r) * N + n0);
-          }
           r0 += height;
         }
       }
@@ -329,51 +396,79 @@ at::Tensor ordered_linear(const at::Tensor& x, const at::Tensor& panels, const c
   DISPATCH(x.scalar_type(), "ordered_linear", [&] {
     const int64_t Kp = padded_k<scalar_t>(x.size(1));
     TORCH_CHECK(panels.size(1) == Kp * NR, "ordered_linear: panels packed for another K");
-    run_tiles<x_t<scalar_t>, scalar_t>(x, panels.data_ptr<scalar_t>(), Kp, panels.size(0), nullptr, bias, y);
+    const scalar_t* wp = panels.data_ptr<scalar_t>();
+    run_tiles<x_t<scalar_t>, scalar_t>(x, Kp, panels.size(0), [&](int64_t p) { return wp + p * Kp * NR; }, bias, y);
   });
   return y;
 }
 
-// Weight-only int8 (engine/linear.py, quantization int8): W = scale[n] * q[n, k], q in [-127, 127],
-// packed in panels as the model dtype's weights are (k-major, NR columns a step, in pairs of k for
-// bf16 with AVX512_BF16), so DRAM gives one byte per weight. The tile turns each step's weights
-// into the model dtype's tile type in registers (exact: fp32, or bf16 pairs for vdpbf16ps) and
-// every output is a sum over k in order, then times scale[n], + b[n], one rounding: batch-invariant like
-// the ordered kernel, with a bf16 model's arithmetic that of the bf16 tile.
-// q: [N, K] int8, scales: [N] fp32, for x of `dtype` -> (panels, scales padded to whole panels).
-std::tuple<at::Tensor, at::Tensor> int8_linear_pack(const at::Tensor& q, const at::Tensor& scales, at::ScalarType dtype) {
-  TORCH_CHECK(q.dim() == 2 && q.is_contiguous() && q.scalar_type() == at::kChar,
-              "int8_linear_pack: a contiguous [N, K] int8 weight expected");
-  TORCH_CHECK(scales.dim() == 1 && scales.numel() == q.size(0) && scales.scalar_type() == at::kFloat,
-              "int8_linear_pack: scales must be [N] float32");
-  const int64_t P = (q.size(0) + NR - 1) / NR;
+// codes [N, K] uint8 (< 2^bits), scales and zeros [N, G] fp32 (G = ceil(K / GROUP)), for x of
+// `dtype` -> (panels [P, Kp * NR * bits / 8] uint8, scales [P, G, NR], zeros [P, G, NR]; the
+// columns past N zero).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quant_linear_pack(const at::Tensor& codes, const at::Tensor& scales,
+                                                                 const at::Tensor& zeros, int64_t bits,
+                                                                 at::ScalarType dtype) {
+  TORCH_CHECK(bits == 8 || bits == 4, "quant_linear_pack: bits must be 8 or 4, got ", bits);
+  TORCH_CHECK(codes.dim() == 2 && codes.is_contiguous() && codes.scalar_type() == at::kByte,
+              "quant_linear_pack: a contiguous [N, K] uint8 tensor of codes expected");
+  const int64_t N = codes.size(0), K = codes.size(1), G = (K + GROUP - 1) / GROUP, P = (N + NR - 1) / NR;
+  for (const at::Tensor* t : {&scales, &zeros})
+    TORCH_CHECK(t->dim() == 2 && t->size(0) == N && t->size(1) == G && t->scalar_type() == at::kFloat,
+                "quant_linear_pack: scales and zeros must be [N, ceil(K / 32)] float32");
+  TORCH_CHECK(bits == 8 || N * K == 0 || codes.max().item<uint8_t>() < 16, "quant_linear_pack: int4 codes must be < 16");
   at::Tensor panels;
-  DISPATCH(dtype, "int8_linear_pack", [&] {
-    const int64_t Kp = padded_k<scalar_t>(q.size(1));
-    panels = at::empty({P, Kp * NR}, q.options());
-    pack_panels(q.data_ptr<int8_t>(), q.size(0), q.size(1), Kp, paired<scalar_t> ? 2 : 1, panels.data_ptr<int8_t>());
+  DISPATCH(dtype, "quant_linear_pack", [&] {
+    const int64_t Kp = padded_k<scalar_t>(K);
+    at::Tensor values = at::empty({P, Kp * NR}, codes.options());
+    pack_panels(codes.data_ptr<uint8_t>(), N, K, Kp, paired<scalar_t> ? 2 : 1, values.data_ptr<uint8_t>());
+    if (bits == 8) {
+      panels = values;
+      return;
+    }
+    panels = at::empty({P, Kp * NR / 2}, codes.options());
+    const uint8_t* vp = values.data_ptr<uint8_t>();
+    uint8_t* pp = panels.data_ptr<uint8_t>();
+    for (int64_t c = 0; c < P * Kp * NR / (2 * LANES); ++c)  // a chunk: codes i and i + LANES in byte i
+      for (int64_t i = 0; i < LANES; ++i) pp[c * LANES + i] = vp[c * 2 * LANES + i] | vp[c * 2 * LANES + LANES + i] << 4;
   });
-  at::Tensor padded = at::zeros({P * NR}, scales.options());
-  padded.narrow(0, 0, q.size(0)).copy_(scales);
-  return {panels, padded};
+  auto by_panel = [&](const at::Tensor& t) {  // [N, G] -> [P, G, NR]
+    at::Tensor padded = at::zeros({P * NR, G}, t.options());
+    padded.narrow(0, 0, N).copy_(t);
+    return padded.view({P, NR, G}).transpose(1, 2).contiguous();
+  };
+  return {panels, by_panel(scales), by_panel(zeros)};
 }
 
-at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& panels, const at::Tensor& scales,
-                       const c10::optional<at::Tensor>& bias, int64_t out_features) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "int8_linear: x must be a contiguous [M, K] tensor");
-  TORCH_CHECK(panels.dim() == 2 && panels.is_contiguous() && panels.scalar_type() == at::kChar &&
-                  out_features >= 0 && panels.size(0) == (out_features + NR - 1) / NR &&
-                  scales.numel() == panels.size(0) * NR && scales.scalar_type() == at::kFloat,
-              "int8_linear: panels and scales must come from int8_linear_pack");
+at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& panels, const at::Tensor& scales,
+                        const at::Tensor& zeros, const c10::optional<at::Tensor>& bias, int64_t bits,
+                        int64_t out_features) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "quant_linear: x must be a contiguous [M, K] tensor");
+  const int64_t P = (out_features + NR - 1) / NR, G = (x.size(1) + GROUP - 1) / GROUP;
+  TORCH_CHECK((bits == 8 || bits == 4) && out_features >= 0 && panels.dim() == 2 && panels.is_contiguous() &&
+                  panels.scalar_type() == at::kByte && panels.size(0) == P,
+              "quant_linear: panels must come from quant_linear_pack, for these bits and out_features");
+  for (const at::Tensor* t : {&scales, &zeros})
+    TORCH_CHECK(t->dim() == 3 && t->is_contiguous() && t->scalar_type() == at::kFloat && t->size(0) == P &&
+                    t->size(1) == G && t->size(2) == NR,
+                "quant_linear: scales and zeros must come from quant_linear_pack, for x's K");
   TORCH_CHECK(!bias.has_value() || (bias->is_contiguous() && bias->numel() == out_features &&
                                     bias->scalar_type() == x.scalar_type()),
-              "int8_linear: bias must be [N] in x's dtype");
+              "quant_linear: bias must be [N] in x's dtype");
   at::Tensor y = at::empty({x.size(0), out_features}, x.options());
-  DISPATCH(x.scalar_type(), "int8_linear", [&] {
-    const int64_t Kp = padded_k<scalar_t>(x.size(1));
-    TORCH_CHECK(panels.size(1) == Kp * NR, "int8_linear: panels packed for another K or dtype");
-    const float* sp = scales.data_ptr<float>();
-    run_tiles<x_t<scalar_t>, scalar_t>(x, panels.data_ptr<int8_t>(), Kp, panels.size(0), sp, bias, y);
+  DISPATCH(x.scalar_type(), "quant_linear", [&] {
+    const int64_t Kp = padded_k<scalar_t>(x.size(1)), bytes = Kp * NR * bits / 8;
+    TORCH_CHECK(panels.size(1) == bytes, "quant_linear: panels must come from quant_linear_pack for this K, dtype and bits");
+    const uint8_t* cp = panels.data_ptr<uint8_t>();
+    const float *sp = scales.data_ptr<float>(), *zp = zeros.data_ptr<float>();
+    auto run = [&](auto bits_c) {
+      constexpr int B = decltype(bits_c)::value;
+      run_tiles<x_t<scalar_t>, scalar_t>(
+          x, Kp, P, [&](int64_t p) { return QPanel<B>{cp + p * bytes, sp + p * G * NR, zp + p * G * NR}; }, bias, y);
+    };
+    if (bits == 8)
+      run(std::integral_constant<int, 8>{});
+    else
+      run(std::integral_constant<int, 4>{});
   });
   return y;
 }
@@ -383,13 +478,13 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& panels, const at::
 TORCH_LIBRARY_FRAGMENT(pdserve, m) {
   m.def("ordered_linear_pack(Tensor weight) -> Tensor");
   m.def("ordered_linear(Tensor x, Tensor panels, Tensor? bias, int out_features) -> Tensor");
-  m.def("int8_linear_pack(Tensor q, Tensor scales, ScalarType dtype) -> (Tensor, Tensor)");
-  m.def("int8_linear(Tensor x, Tensor panels, Tensor scales, Tensor? bias, int out_features) -> Tensor");
+  m.def("quant_linear_pack(Tensor codes, Tensor scales, Tensor zeros, int bits, ScalarType dtype) -> (Tensor, Tensor, Tensor)");
+  m.def("quant_linear(Tensor x, Tensor panels, Tensor scales, Tensor zeros, Tensor? bias, int bits, int out_features) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pdserve, CPU, m) {
   m.impl("ordered_linear_pack", &ordered_linear_pack);
   m.impl("ordered_linear", &ordered_linear);
-  m.impl("int8_linear_pack", &int8_linear_pack);
-  m.impl("int8_linear", &int8_linear);
+  m.impl("quant_linear_pack", &quant_linear_pack);
+  m.impl("quant_linear", &quant_linear);
 }

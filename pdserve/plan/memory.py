@@ -5,12 +5,12 @@
 
 Weights: every parameter of the Llama-family block (embeddings, q/k/v/o, the SwiGLU MLP, the
 norms, a qkv bias and Qwen3's per-head q/k norms where the config has them, the LM head unless
-tied) at the dtype's size; with --quantization int8 the decoder layers' linears at a byte a weight
-and 4 a channel (their scales). KV per token: 2 (K and V) x layers x kv_heads x head_dim x dtype
-bytes (engine/model_config.py, the engine's own formula). With --memory-gb: the tokens of KV
-that fit beside the weights, and with --seq-len the sequences of that length. Activations, the
-CUDA context and allocator slack are not counted: take them off --memory-gb (or leave a
---reserve-gb).
+tied) at the dtype's size; with --quantization int8 or int4 the decoder layers' linears at a byte
+or half a byte a weight, and 8 bytes a group of 32 weights (a fp32 scale and zero). KV per token:
+2 (K and V) x layers x kv_heads x head_dim x dtype bytes (engine/model_config.py, the engine's
+own formula). With --memory-gb: the tokens of KV that fit beside the weights, and with --seq-len
+the sequences of that length. Activations, the CUDA context and allocator slack are not counted:
+take them off --memory-gb (or leave a --reserve-gb).
 """
 
 from __future__ import annotations
@@ -44,22 +44,33 @@ def num_params(cfg: ModelConfig, active: bool = False) -> int:
     return layers + embeddings + cfg.hidden_size  # the final norm
 
 
-def linear_shapes(cfg: ModelConfig) -> tuple[int, int]:
-    """(weights, output channels) of the decoder layers' linears: what --quantization int8 holds in
-    int8, a fp32 scale per output channel (attention, MLPs, experts and their router; not the
-    embeddings, the LM head, the norms or a qkv bias)."""
+def linear_shapes(cfg: ModelConfig) -> list[tuple[int, int, int]]:
+    """(how many, output channels, input features) of the decoder layers' linears: what
+    --quantization holds as codes (attention, MLPs, experts and their router; not the embeddings,
+    the LM head, the norms or a qkv bias)."""
     q, kv, h = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.hidden_size
-    weights, channels = cfg.num_layers * (h * (q + 2 * kv) + q * h), cfg.num_layers * (q + 2 * kv + h)
-    num_sparse = len(cfg.moe_layers)
-    weights += (cfg.num_layers - num_sparse) * 3 * h * cfg.intermediate_size
-    channels += (cfg.num_layers - num_sparse) * (2 * cfg.intermediate_size + h)
+    layers, num_sparse = cfg.num_layers, len(cfg.moe_layers)
+    shapes = [(layers, q + 2 * kv, h), (layers, h, q)]
+    if layers > num_sparse:
+        shapes += [(layers - num_sparse, 2 * cfg.intermediate_size, h), (layers - num_sparse, h, cfg.intermediate_size)]
     if num_sparse:
-        weights += num_sparse * (cfg.num_experts * (3 * h * cfg.moe_intermediate_size + h))
-        channels += num_sparse * (cfg.num_experts * (2 * cfg.moe_intermediate_size + h) + cfg.num_experts)
+        e, moe = cfg.num_experts, cfg.moe_intermediate_size
+        shapes += [(num_sparse * e, 2 * moe, h), (num_sparse * e, h, moe), (num_sparse, e, h)]
         if cfg.shared_expert_intermediate_size:
-            weights += num_sparse * (3 * h * cfg.shared_expert_intermediate_size + h)
-            channels += num_sparse * (2 * cfg.shared_expert_intermediate_size + h + 1)
-    return weights, channels
+            shared = cfg.shared_expert_intermediate_size
+            shapes += [(num_sparse, 2 * shared, h), (num_sparse, h, shared), (num_sparse, 1, h)]
+    return shapes
+
+
+def quantized_bytes(cfg: ModelConfig, quantization: str) -> tuple[int, int]:
+    """(weights, their bytes) of the decoder layers' linears under a quantization: codes of
+    engine/linear.py's BITS, and a fp32 scale and zero a GROUP of k and output channel."""
+    from engine.linear import BITS, GROUP
+
+    shapes = linear_shapes(cfg)
+    weights = sum(c * n * k for c, n, k in shapes)
+    groups = sum(c * n * -(-k // GROUP) for c, n, k in shapes)
+    return weights, weights * BITS[quantization] // 8 + 8 * groups
 
 
 def memory(
@@ -77,9 +88,9 @@ def memory(
     size = DTYPE_BYTES[dtype]
     params = num_params(cfg)
     weight_bytes = params * size
-    if quantization == "int8":  # a byte a weight, 4 a channel's scale
-        linear, channels = linear_shapes(cfg)
-        weight_bytes += linear * (1 - size) + 4 * channels
+    if quantization != "none":
+        linear, codes = quantized_bytes(cfg, quantization)
+        weight_bytes += codes - linear * size
     plan = {
         "dtype": dtype,
         "quantization": quantization,
@@ -123,7 +134,10 @@ def add_args(sub) -> None:
     m.add_argument("--config", required=True, help="a Llama-family config.json (or its directory)")
     m.add_argument("--dtype", required=True, choices=PLAN_DTYPES, help="the weights' and the KV's dtype")
     m.add_argument(
-        "--quantization", default="none", choices=QUANTIZATIONS, help="the decoder layers' linears quantized (int8)"
+        "--quantization",
+        default="none",
+        choices=QUANTIZATIONS,
+        help="the decoder layers' linears quantized (int8, int4: weight-only, groups of 32)",
     )
     m.add_argument("--memory-gb", type=float, default=None, help="a node's memory for weights and KV, in GiB")
     m.add_argument("--reserve-gb", type=float, default=0.0, help="of that, kept for activations and the runtime")
