@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from summary import add_run_args, emit, median_of, ratio  # noqa: E402
+from common.summary import emit, median_of, ratio  # noqa: E402
 
 PENALTIES = {"presence_penalty": 0.5, "frequency_penalty": 0.5, "repetition_penalty": 1.2}
 
@@ -69,7 +69,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--num-prompts", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=64)
-    add_run_args(ap)
+    ap.add_argument("--runs", type=int, default=3, help="interleaved runs; figures are their medians")
+    ap.add_argument("--json", type=Path, help="also write the summary here")
     args = ap.parse_args()
     runs = [one_run(args.num_prompts, args.max_tokens, penalized_first=i % 2 == 1) for i in range(args.runs)]
     penalized = lambda r: r["penalized"]  # noqa: E731

@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from summary import add_run_args, emit, median_of, ratio  # noqa: E402
+from common.summary import emit, median_of, ratio  # noqa: E402
 
 WORKLOADS = {"lone": (1, 128), "batch": (32, 64)}
 QUANTIZED = ("int8", "int4")
@@ -92,7 +92,8 @@ def one_run(first: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_run_args(ap)
+    ap.add_argument("--runs", type=int, default=3, help="interleaved runs; figures are their medians")
+    ap.add_argument("--json", type=Path, help="also write the summary here")
     args = ap.parse_args()
     from engine.hardware import cpu_features
 

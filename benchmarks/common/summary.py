@@ -4,16 +4,10 @@ ratio of medians is another figure), printed and written as JSON."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 from collections.abc import Callable
 from pathlib import Path
-
-
-def add_run_args(ap: argparse.ArgumentParser, runs: int = 3) -> None:
-    ap.add_argument("--runs", type=int, default=runs, help="interleaved runs; figures are their medians")
-    ap.add_argument("--json", type=Path, help="also write the summary here")
 
 
 def median_of(runs: list[dict], value: Callable[[dict], float]) -> float:
