@@ -10,7 +10,7 @@ engine/hardware.py decides.
 With quantization int8 or int4 the weight is kept as codes of that many bits, asymmetric in groups
 of GROUP along k (a fp32 scale and zero a group and output channel), in the quantized kernel's
 panels (engine/csrc/ordered_linear.cpp): a step reads a byte (int8) or half a byte (int4) a weight
-and an eighth of a byte for the scales and zeros; the kernel turns them into the model dtype's
+and a quarter of a byte for the scales and zeros (8 bytes a group of 32); the kernel turns them into the model dtype's
 arithmetic in registers (bf16 pairs where the CPU has AVX512_BF16) and sums each output in k order
 like the ordered kernel.
 
