@@ -73,14 +73,16 @@ def test_int4_holds_a_gguf_q4_1_block_exactly():
 
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("rows", [1, 5, 8, 9, 32, 70])
-def test_a_bf16_model_s_quantized_tile_is_the_ordered_tile_over_its_weights(bits, rows):
+@pytest.mark.parametrize("k", [30, 83, 97])
+def test_a_bf16_model_s_quantized_tile_is_the_ordered_tile_over_its_weights(bits, rows, k):
     """bf16 x: the quantized kernel's outputs are the ordered kernel's over the weights its codes
-    stand for (code * scale + zero in fp32), bit for bit, at one tile and at
-    several: in bf16 pairs where the build has AVX512_BF16 (each weight rounded to bf16), else in
-    fp32 over x widened."""
-    g = torch.Generator().manual_seed(rows)
-    weight, x = torch.randn(45, 30, generator=g), torch.randn(rows, 30, generator=g).bfloat16()
-    codes, scales, zeros = quantize_groups(weight, bits)  # K < 32: one group
+    stand for (code * scale + zero in fp32, each group its own), bit for bit, at one tile and at
+    several, one group and several with a short last one: in bf16 pairs where the build has
+    AVX512_BF16 (each weight rounded to bf16), else in fp32 over x widened."""
+    g = torch.Generator().manual_seed(rows * k)
+    weight, x = torch.randn(45, k, generator=g), torch.randn(rows, k, generator=g).bfloat16()
+    codes, scales, zeros = quantize_groups(weight, bits)
+    scales, zeros = (t.repeat_interleave(GROUP, dim=1)[:, :k] for t in (scales, zeros))
     if "-mfma" in cpu_kernels.BUILT[0]:  # the kernel's multiply-add is fused: exact in double, then one rounding
         w = (codes.double() * scales.double() + zeros.double()).float()
     else:  # plain C++: a multiply, then an add
