@@ -72,11 +72,15 @@ def load_weights(
     quantization: str = "none",
 ) -> ModelWeights:
     """ordered: every linear runs the k-ordered kernel (engine/linear.py); quantization: the
-    decoder layers' linears quantized at load (the LM head keeps the model dtype)."""
+    decoder layers' linears quantized at load (the LM head and the MoE routers keep the model dtype)."""
     raw = _read_tensors(model_dir)
 
     def linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
         return Linear(weight, bias, ordered, quantization)
+
+    def chooser(weight: torch.Tensor) -> Linear:
+        """A MoE router or shared-expert gate: a few outputs that choose, kept in the model dtype."""
+        return Linear(weight, None, ordered, "none")
 
     def take(name: str) -> torch.Tensor:
         if name not in raw:
@@ -100,7 +104,7 @@ def load_weights(
         gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
         e_names = [f"{block}experts.{e}." for e in range(cfg.num_experts)]
         return MoEWeights(
-            router=linear(take(block + "gate.weight")),
+            router=chooser(take(block + "gate.weight")),
             gate_up=[linear(torch.cat([take(e + f"{gate}.weight"), take(e + f"{up}.weight")])) for e in e_names],
             down=[linear(take(e + f"{down}.weight")) for e in e_names],
             top_k=cfg.num_experts_per_tok,
@@ -114,7 +118,7 @@ def load_weights(
         return dict(
             shared_gate_up=linear(torch.cat([take(e + "gate_proj.weight"), take(e + "up_proj.weight")])),
             shared_down=linear(take(e + "down_proj.weight")),
-            shared_gate=linear(take(block + "shared_expert_gate.weight")),
+            shared_gate=chooser(take(block + "shared_expert_gate.weight")),
         )
 
     sparse = set(cfg.moe_layers)

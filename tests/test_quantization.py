@@ -182,6 +182,46 @@ def test_plan_memory_counts_the_codes_and_a_scale_and_zero_a_group():
         assert json.loads(json.dumps(plan))["quantization"] == quantization
 
 
+def linears(obj) -> list:
+    """Every Linear under the engine's weights (dataclasses and lists of them)."""
+    import dataclasses
+
+    from engine.linear import Linear
+
+    if isinstance(obj, Linear):
+        return [obj]
+    if isinstance(obj, list):
+        return [lin for item in obj for lin in linears(item)]
+    if dataclasses.is_dataclass(obj):
+        return [lin for f in dataclasses.fields(obj) for lin in linears(getattr(obj, f.name))]
+    return []
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_a_moe_model_keeps_its_routers_and_plan_memory_counts_what_the_engine_quantized(tmp_path, quantization):
+    """Qwen2-MoE with a shared expert and a dense layer: the routers and the shared-expert gate stay
+    in the model dtype (they choose experts), every other decoder linear is codes, and `pdserve plan
+    memory`'s count is the engine's; the logits stay close to transformers' fp32."""
+    from tiny_models import make_tiny_model
+
+    from engine.model_config import ModelConfig
+    from pdserve.plan.memory import quantized_bytes
+
+    path = make_tiny_model(tmp_path / "moe", "qwen2_moe", seed=26, mlp_only_layers=[0])
+    engine = make_engine(path, quantization=quantization)
+    w = engine.runner.model.w
+    gates = [lin for layer in w.layers if layer.moe for lin in (layer.moe.router, layer.moe.shared_gate)]
+    assert gates and all(lin.bits is None for lin in gates)
+    quantized = [lin for layer in w.layers for lin in linears(layer) if lin.bits]
+    assert len(quantized) == len(linears(w.layers)) - len(gates) and w.lm_head.bits is None
+    weights, _ = quantized_bytes(ModelConfig.from_dir(path), quantization)
+    assert sum(lin.out_features * lin.in_features for lin in quantized) == weights
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    for prompt in PROMPTS:
+        got, ref = next_logits(engine, prompt).log_softmax(-1), hf_last_logits(hf, prompt).log_softmax(-1)
+        assert float((ref.exp() * (ref - got)).sum()) < (1e-3 if quantization == "int8" else 0.1)
+
+
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
 def test_quantized_speculation_and_prefix_cache_give_their_own_tokens(tiny_llama, quantization):
     """n-gram drafts verified and cached prefixes reused, over quantized linears: the tokens of a

@@ -46,8 +46,8 @@ def num_params(cfg: ModelConfig, active: bool = False) -> int:
 
 def linear_shapes(cfg: ModelConfig) -> list[tuple[int, int, int]]:
     """(how many, output channels, input features) of the decoder layers' linears: what
-    --quantization holds as codes (attention, MLPs, experts and their router; not the embeddings,
-    the LM head, the norms or a qkv bias)."""
+    --quantization holds as codes (attention, MLPs and experts; not the embeddings, the LM head,
+    the norms, a qkv bias or a MoE router, which choose experts and stay in the model dtype)."""
     q, kv, h = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.hidden_size
     layers, num_sparse = cfg.num_layers, len(cfg.moe_layers)
     shapes = [(layers, q + 2 * kv, h), (layers, h, q)]
@@ -55,10 +55,10 @@ def linear_shapes(cfg: ModelConfig) -> list[tuple[int, int, int]]:
         shapes += [(layers - num_sparse, 2 * cfg.intermediate_size, h), (layers - num_sparse, h, cfg.intermediate_size)]
     if num_sparse:
         e, moe = cfg.num_experts, cfg.moe_intermediate_size
-        shapes += [(num_sparse * e, 2 * moe, h), (num_sparse * e, h, moe), (num_sparse, e, h)]
+        shapes += [(num_sparse * e, 2 * moe, h), (num_sparse * e, h, moe)]
         if cfg.shared_expert_intermediate_size:
             shared = cfg.shared_expert_intermediate_size
-            shapes += [(num_sparse, 2 * shared, h), (num_sparse, h, shared), (num_sparse, 1, h)]
+            shapes += [(num_sparse, 2 * shared, h), (num_sparse, h, shared)]
     return shapes
 
 
