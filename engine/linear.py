@@ -39,6 +39,7 @@ class Linear:
         self.weight = weight  # [out, in]
         self.out_features, self.in_features = weight.shape
         self.bias = bias
+        self.dtype = weight.dtype  # the dtype the packed layouts take
         self.packed = self.panels = self.scales = self.zeros = None
         self.bits = BITS.get(quantization)
         # The packed layout holds the weight: the engine keeps that copy only.
@@ -57,6 +58,8 @@ class Linear:
         if self.panels is not None:
             if x.shape[-1] != self.in_features:  # the panels' padding would hide a K off by one
                 raise ValueError(f"linear: input of {x.shape[-1]} features, the weight takes {self.in_features}")
+            if x.dtype != self.dtype:  # the panels were laid out for one dtype's arithmetic
+                raise ValueError(f"linear: input in {x.dtype}, the weight was packed for {self.dtype}")
             if self.bits:
                 return torch.ops.pdserve.quant_linear(
                     x.contiguous(), self.panels, self.scales, self.zeros, self.bias, self.bits, self.out_features
@@ -73,16 +76,18 @@ def quantize_groups(weight: torch.Tensor, bits: int) -> tuple[torch.Tensor, torc
     scale; the zero is the group's least weight, the scale its range over the levels (a GGUF Q4_1
     block's d and m at 4 bits). Returns (codes [N, K] uint8, scales [N, G] fp32, zeros [N, G] fp32)."""
     w = weight.float()
+    if not torch.isfinite(w).all():  # a NaN or inf would spread over its group's every weight
+        raise ValueError(f"quantization: a weight of shape {tuple(w.shape)} holds NaN or inf; it cannot be quantized")
     n, k = w.shape
     groups = -(-k // GROUP)
     if groups * GROUP > k:  # the last group repeats its last weight: the same least and range
         w = torch.cat([w, w[:, -1:].expand(n, groups * GROUP - k)], dim=1)
-    w = w.view(n, groups, GROUP)
+    w = w.reshape(n, groups, GROUP)
     zeros, levels = w.amin(dim=2), 2**bits - 1
     scales = (w.amax(dim=2) - zeros) / levels
     scales = torch.where(scales > 0, scales, torch.ones_like(scales))  # a constant group: codes 0
     codes = torch.round((w - zeros[..., None]) / scales[..., None]).clamp(0, levels).to(torch.uint8)
-    return codes.view(n, groups * GROUP)[:, :k].contiguous(), scales.contiguous(), zeros.contiguous()
+    return codes.reshape(n, groups * GROUP)[:, :k].contiguous(), scales.contiguous(), zeros.contiguous()
 
 
 def dequantize_groups(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:

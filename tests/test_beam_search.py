@@ -208,9 +208,11 @@ def test_a_beam_whose_grammar_fails_is_dropped_never_returned(tiny_llama, monkey
     from engine import structured_output
 
     catch_up = structured_output.SequenceGrammar.catch_up
+    refused = []
 
     def refuses(self, history):
         if fails == "every_beam" and history or len(history) >= 3 and history[-1] % 2:
+            refused.append(list(history))
             return False
         return catch_up(self, history)
 
@@ -218,6 +220,7 @@ def test_a_beam_whose_grammar_fails_is_dropped_never_returned(tiny_llama, monkey
     engine = make_engine(tiny_llama)
     params = SamplingParams(max_tokens=12, beam_width=3, structured_output=StructuredOutput("json_object"))
     got = beam_outputs(engine, "r", engine.tokenize(PROMPTS[0]), params)
+    assert refused, "no beam's matcher failed: the test proves nothing"
     if fails == "every_beam":
         assert [(o.finish_reason, o.token_ids) for o in got] == [("error", [])], got
     else:

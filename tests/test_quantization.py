@@ -263,3 +263,20 @@ def test_an_out_features_the_panels_do_not_hold_is_refused(op):
     for n in (1, 8, 200, -1):
         with pytest.raises(RuntimeError, match="must come from"):
             call(n)
+
+
+@pytest.mark.parametrize("quantization", ["none", "int8", "int4"])
+def test_an_input_of_another_dtype_or_a_weight_not_finite_is_refused_by_name(quantization):
+    """The panels were laid out for the model dtype: an fp32 input to a bf16 linear is refused, not
+    read as the wrong bits; a NaN or inf weight is refused at load, before it spreads over its group."""
+    from engine.linear import Linear
+
+    lin = Linear(torch.randn(40, 64).bfloat16(), None, ordered=True, quantization=quantization)
+    with pytest.raises(ValueError, match="input in torch.float32, the weight was packed for torch.bfloat16"):
+        lin(torch.randn(2, 64))
+    assert lin(torch.randn(2, 64).bfloat16()).shape == (2, 40)
+    if quantization != "none":
+        weight = torch.randn(40, 64)
+        weight[3, 5] = float("nan")
+        with pytest.raises(ValueError, match=r"shape \(40, 64\) holds NaN or inf"):
+            Linear(weight, None, quantization=quantization)

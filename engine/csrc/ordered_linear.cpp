@@ -137,10 +137,12 @@ inline vec mul_add(vec acc, float x, vec w) {
 // and zero in fp32. The codes lie in the model dtype's panel order (k-major, NR columns a step, in
 // pairs of k for bf16 with AVX512_BF16), each 2 x LANES codes in a row a chunk: int8 a byte a
 // code, int4 a byte for codes i and i + LANES of the chunk (low and high nibble). A tile turns
-// each step's codes into weights in registers (fp32: code * scale + zero, one fused multiply-add;
-// then bf16 pairs for vdpbf16ps, rounded as a bf16 checkpoint's weights are) and sums every output
-// over k in order, as the ordered kernel does, so a row's bits depend on nothing else in the batch.
+// each step's codes into weights in registers (fp32: code * scale + zero, one fused multiply-add
+// where the build has FMA, else a multiply then an add; then bf16 pairs for vdpbf16ps, rounded as
+// a bf16 checkpoint's weights are) and sums every output over k in order, as the ordered kernel
+// does, so a row's bits depend on nothing else in the batch.
 constexpr int64_t GROUP = 32;
+static_assert(GROUP % 2 == 0, "bf16 pairs of k never straddle two groups");
 template <int BITS>
 constexpr int64_t CHUNK_BYTES = 2 * LANES * BITS / 8;
 
