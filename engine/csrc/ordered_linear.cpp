@@ -283,6 +283,54 @@ inline void tile(const c10::BFloat16* x, int64_t K, QPanel<BITS> q, row_acc acc[
 
 #endif
 
+// A quantized panel as the weights its tile computes in registers, in the unquantized tile's
+// panel layout (w_t: float, or bf16 pairs where the tile multiplies them), with the same
+// arithmetic: a batch of several tiles turns each group's codes into weights once, not once a
+// tile, and the unquantized tile over them gives the quantized tile's bits.
+template <int BITS>
+void dequantize_panel(QPanel<BITS> q, int64_t K, float* out) {
+  for (int64_t k = 0, g = 0; k < K; ++g) {
+    const vec s0 = load_lanes(q.scales + g * NR), s1 = load_lanes(q.scales + g * NR + LANES);
+    const vec z0 = load_lanes(q.zeros + g * NR), z1 = load_lanes(q.zeros + g * NR + LANES);
+    for (const int64_t end = std::min(K, k + GROUP); k < end; ++k) {
+      vec lo, hi;
+      load_codes<BITS>(q.codes + k * CHUNK_BYTES<BITS>, lo, hi);
+      store_lanes(out + k * NR, fma_lanes(lo, s0, z0));
+      store_lanes(out + k * NR + LANES, fma_lanes(hi, s1, z1));
+    }
+  }
+}
+
+#if defined(__AVX512BF16__)
+template <int BITS>
+void dequantize_panel(QPanel<BITS> q, int64_t K, c10::BFloat16* out) {
+  const __m512i lo_idx = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+  const __m512i hi_idx = _mm512_add_epi32(lo_idx, _mm512_set1_epi32(8));
+  for (int64_t k = 0, g = 0; k < K; ++g) {
+    __m512 s[V][2], z[V][2];
+    for (int64_t v = 0; v < V; ++v) {
+      const __m512 sv = _mm512_loadu_ps(q.scales + g * NR + v * LANES);
+      const __m512 zv = _mm512_loadu_ps(q.zeros + g * NR + v * LANES);
+      s[v][0] = _mm512_permutexvar_ps(lo_idx, sv), s[v][1] = _mm512_permutexvar_ps(hi_idx, sv);
+      z[v][0] = _mm512_permutexvar_ps(lo_idx, zv), z[v][1] = _mm512_permutexvar_ps(hi_idx, zv);
+    }
+    for (const int64_t end = std::min(K, k + GROUP); k < end; k += 2)
+      for (int64_t v = 0; v < V; ++v) {
+        vec lo, hi;
+        load_codes<BITS>(q.codes + ((k / 2) * V + v) * CHUNK_BYTES<BITS>, lo, hi);
+        const __m512bh w = _mm512_cvtne2ps_pbh(_mm512_fmadd_ps((__m512)hi, s[v][1], z[v][1]),
+                                               _mm512_fmadd_ps((__m512)lo, s[v][0], z[v][0]));
+        _mm512_storeu_si512(out + k * NR + v * 2 * LANES, (__m512i)w);
+      }
+  }
+}
+#endif
+
+template <typename T>
+constexpr bool quantized = false;
+template <int BITS>
+constexpr bool quantized<QPanel<BITS>> = true;
+
 // The tile for the rows left, R = rows (at most MR): a tile of R rows, not MR with zero rows.
 template <int64_t R = MR, typename xs_t, typename panel_t>
 inline void tile_rows(int64_t rows, const xs_t* x, int64_t K, panel_t panel, row_acc acc[MR]) {
@@ -335,6 +383,20 @@ void pack_panels(const w_t* wp, int64_t N, int64_t K, int64_t Kp, int64_t step, 
   });
 }
 
+// One panel's columns of y for `rows` rows of xs, in `tiles` tiles whose heights differ by at
+// most one (each tile after the first reads the panel again, from cache: 8 rows go as 4 + 4, not
+// 6 + 2); out: y at the first row and the panel's first column, rows N apart.
+template <typename xs_t, typename scalar_t, typename panel_t>
+inline void panel_tiles(int64_t rows, int64_t tiles, const xs_t* xs, int64_t Kp, panel_t panel, const scalar_t* bias,
+                        int64_t cols, int64_t N, scalar_t* out, row_acc acc[MR]) {
+  for (int64_t t = 0, r0 = 0; t < tiles; ++t) {
+    const int64_t height = rows / tiles + (t < rows % tiles);
+    tile_rows(height, xs + r0 * Kp, Kp, panel, acc);
+    for (int64_t r = 0; r < height; ++r) store_row(acc[r], bias, cols, out + (r0 + r) * N);
+    r0 += height;
+  }
+}
+
 // y = x @ W.T + b: the rows copied in blocks of MC as the tile reads them (xs_t), the panels
 // (panel_of(p): panel p's weights, in the model dtype or quantized) split between threads.
 template <typename xs_t, typename scalar_t, typename panel_of_t>
@@ -346,23 +408,29 @@ void run_tiles(const at::Tensor& x, int64_t Kp, int64_t P, panel_of_t panel_of, 
   scalar_t* yp = y.data_ptr<scalar_t>();
   // the rows' copy, in the tile's type, k padded to Kp (written in full before each use)
   std::unique_ptr<xs_t[]> xs(new xs_t[std::min(MC, M) * Kp]);
+  // a quantized panel's weights, a thread's own, turned from codes once a panel where several tiles read it
+  const int64_t threads = at::get_num_threads();
+  std::unique_ptr<xs_t[]> scratch(quantized<decltype(panel_of(0))> && M > MR ? new xs_t[threads * Kp * NR] : nullptr);
   for (int64_t m0 = 0; m0 < M; m0 += MC) {
     const int64_t rows = std::min(MC, M - m0);
     for (int64_t r = 0; r < rows; ++r) copy_row(xp + (m0 + r) * K, K, Kp, xs.get() + r * Kp);
-    // the fewest tiles, their heights differing by at most one (each tile after the first reads
-    // the panel again, from cache: 8 rows go as 4 + 4, not 6 + 2)
     const int64_t tiles = (rows + MR - 1) / MR;
     at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
       row_acc acc[MR];
+      const int64_t thread = at::get_thread_num();  // outside a parallel region's team: none of its own
+      xs_t* weights = scratch && tiles > 1 && thread < threads ? scratch.get() + thread * Kp * NR : nullptr;
       for (int64_t p = begin; p < end; ++p) {
         const int64_t n0 = p * NR, cols = std::min(NR, N - n0);
-        for (int64_t t = 0, r0 = 0; t < tiles; ++t) {
-          const int64_t height = rows / tiles + (t < rows % tiles);
-          tile_rows(height, xs.get() + r0 * Kp, Kp, panel_of(p), acc);
-          for (int64_t r = 0; r < height; ++r)
-            store_row(acc[r], bp ? bp + n0 : nullptr, cols, yp + (m0 + r0 + r) * N + n0);
-          r0 += height;
+        const scalar_t* b = bp ? bp + n0 : nullptr;
+        scalar_t* out = yp + m0 * N + n0;
+        if constexpr (quantized<decltype(panel_of(0))>) {
+          if (weights) {
+            dequantize_panel(panel_of(p), Kp, weights);
+            panel_tiles(rows, tiles, xs.get(), Kp, static_cast<const xs_t*>(weights), b, cols, N, out, acc);
+            continue;
+          }
         }
+        panel_tiles(rows, tiles, xs.get(), Kp, panel_of(p), b, cols, N, out, acc);
       }
     });
   }
