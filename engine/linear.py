@@ -44,15 +44,36 @@ class Linear:
         self.bits = BITS.get(quantization)
         # The packed layout holds the weight: the engine keeps that copy only.
         if self.bits:
-            codes = quantize_groups(weight, self.bits)
-            self.panels, self.scales, self.zeros = torch.ops.pdserve.quant_linear_pack(*codes, self.bits, weight.dtype)
-            self.weight = None
+            self._pack_codes(*quantize_groups(weight, self.bits))
         elif ordered:
             self.panels = torch.ops.pdserve.ordered_linear_pack(weight.contiguous())
             self.weight = None
         elif weight.device.type == "cpu" and can_prepack(weight.dtype):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_FOR_BATCH)
             self.weight = None
+
+    @classmethod
+    def from_codes(
+        cls,
+        codes: torch.Tensor,
+        scales: torch.Tensor,
+        zeros: torch.Tensor,
+        quantization: str,
+        dtype: torch.dtype,
+        bias: torch.Tensor | None = None,
+    ) -> Linear:
+        """A quantized linear from codes already made (a GGUF file's own blocks, engine/gguf_blocks.py)."""
+        self = cls.__new__(cls)
+        self.out_features, self.in_features = codes.shape
+        self.bias, self.dtype, self.packed, self.bits = bias, dtype, None, BITS[quantization]
+        self._pack_codes(codes, scales, zeros)
+        return self
+
+    def _pack_codes(self, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> None:
+        self.panels, self.scales, self.zeros = torch.ops.pdserve.quant_linear_pack(
+            codes, scales, zeros, self.bits, self.dtype
+        )
+        self.weight = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.panels is not None:

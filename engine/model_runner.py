@@ -137,6 +137,8 @@ class ModelRunner:
         """What decides the bits of the KV and logits: "default", or in deterministic mode the
         kernels that compute them (KV moves only between engines of equal numerics)."""
         weights = "" if self.quantization == "none" else f"; {self.quantization} weights"
+        if self.model.w.gguf_blocks:  # other codes than the bf16 copy quantized again
+            weights += f" from GGUF {'/'.join(self.model.w.gguf_blocks)} blocks"
         if not self.deterministic:
             return "default" + weights
         kernels = f"ordered linears, kernels {cpu_kernels.SOURCE_DIGEST} built {cpu_kernels.BUILT[0]}"

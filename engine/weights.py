@@ -7,15 +7,19 @@ which scale by (1 + w), are stored here as 1 + w (summed in fp32), so every norm
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
-from engine.linear import Linear
+from engine import gguf_blocks
+from engine.linear import BITS, Linear
 from engine.model_config import ModelConfig
 from engine.moe import MoEWeights
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -39,6 +43,7 @@ class ModelWeights:
     layers: list[LayerWeights]
     final_norm: torch.Tensor  # [H]
     lm_head: Linear  # [V, H]; packed from the embedding when tied (embed keeps its own layout)
+    gguf_blocks: tuple[str, ...] = ()  # the GGUF block types some linears' codes are (engine/gguf_blocks.py)
 
 
 # A multimodal checkpoint's language model, under the names of a text-only one: transformers 5
@@ -78,6 +83,21 @@ def load_weights(
     def linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
         return Linear(weight, bias, ordered, quantization)
 
+    blocks = gguf_blocks.load(model_dir, BITS[quantization]) if quantization != "none" else {}
+    from_blocks: dict[str, str] = {}
+
+    def decoder_linear(name: str, parts: list[str] | None = None, bias: torch.Tensor | None = None) -> Linear:
+        """The checkpoint's tensor `name`, or `parts` fused along the outputs where it has no `name`:
+        from a GGUF file's own blocks where it has them for every part, else quantized here."""
+        names = [name] if parts is None or name in raw else parts
+        if not all(n in blocks for n in names):
+            return linear(torch.cat([take(n) for n in names]) if len(names) > 1 else take(names[0]), bias)
+        for n in names:
+            take(n)  # the dequantized copy, unused
+            from_blocks[n] = blocks[n][3]
+        codes, scales, zeros = (torch.cat([blocks[n][j] for n in names]) for j in range(3))
+        return Linear.from_codes(codes, scales, zeros, quantization, dtype, bias)
+
     def chooser(weight: torch.Tensor) -> Linear:
         """A MoE router or shared-expert gate: a few outputs that choose, kept in the model dtype."""
         return Linear(weight, None, ordered, "none")
@@ -86,9 +106,6 @@ def load_weights(
         if name not in raw:
             raise ValueError(f"model: checkpoint in {model_dir} lacks tensor {name!r}")
         return raw.pop(name).to(device=device, dtype=dtype)
-
-    def fused(name: str, parts: list[str]) -> torch.Tensor:
-        return take(name) if name in raw else torch.cat([take(p) for p in parts])
 
     def norm(name: str) -> torch.Tensor:
         if not cfg.gemma_norms:
@@ -133,8 +150,8 @@ def load_weights(
         layers.append(
             LayerWeights(
                 input_norm=norm(p + "input_layernorm.weight"),
-                qkv=linear(fused(attn + "qkv_proj.weight", [attn + f"{n}_proj.weight" for n in "qkv"]), qkv_bias),
-                o=linear(take(attn + "o_proj.weight")),
+                qkv=decoder_linear(attn + "qkv_proj.weight", [attn + f"{n}_proj.weight" for n in "qkv"], qkv_bias),
+                o=decoder_linear(attn + "o_proj.weight"),
                 post_norm=norm(
                     p + ("pre_feedforward_layernorm.weight" if sandwich else "post_attention_layernorm.weight")
                 ),
@@ -142,15 +159,24 @@ def load_weights(
                 k_norm=norm(attn + "k_norm.weight") if cfg.qk_norm else None,
                 gate_up=None
                 if i in sparse
-                else linear(
-                    fused(p + "mlp.gate_up_proj.weight", [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"])
+                else decoder_linear(
+                    p + "mlp.gate_up_proj.weight", [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]
                 ),
-                down=None if i in sparse else linear(take(p + "mlp.down_proj.weight")),
+                down=None if i in sparse else decoder_linear(p + "mlp.down_proj.weight"),
                 attn_out_norm=norm(p + "post_attention_layernorm.weight") if sandwich else None,
                 mlp_out_norm=norm(p + "post_feedforward_layernorm.weight") if sandwich else None,
                 moe=experts(p) if i in sparse else None,
             )
         )
+    if from_blocks:
+        kinds = ", ".join(sorted(set(from_blocks.values())))
+        log.info("linears: %d tensors from the GGUF file's own %s blocks", len(from_blocks), kinds)
     embed = take("model.embed_tokens.weight")
     lm_head = Linear(embed if cfg.tie_word_embeddings else take("lm_head.weight"), None, ordered)
-    return ModelWeights(embed=embed, layers=layers, final_norm=norm("model.norm.weight"), lm_head=lm_head)
+    return ModelWeights(
+        embed=embed,
+        layers=layers,
+        final_norm=norm("model.norm.weight"),
+        lm_head=lm_head,
+        gguf_blocks=tuple(sorted(set(from_blocks.values()))),
+    )
