@@ -12,7 +12,7 @@ ENGINE_AND_CLUSTER_TESTS=(
   tests/test_batching.py tests/test_sampling.py tests/test_scheduler.py tests/test_validation.py
   tests/test_kvtransfer.py tests/test_cluster.py tests/test_cli.py tests/test_speculative.py
   tests/test_parallel_sampling.py tests/test_combinations.py tests/test_deterministic.py tests/test_model_families.py
-  tests/test_penalties.py tests/test_structured_output.py tests/test_quantization.py
+  tests/test_penalties.py tests/test_structured_output.py tests/test_quantization.py tests/test_gguf_blocks.py
 )
 logs=$(mktemp -d)
 trap 'rm -rf "$logs"' EXIT

@@ -87,3 +87,26 @@ def test_blocks_in_another_row_order_are_refused_and_quantized_again(embedded, t
     kept = gguf_blocks.load(tmp_path, 8)
     assert not any(".q_proj." in n or ".k_proj." in n for n in kept) and len(kept) == 150
     assert oct((tmp_path / gguf_blocks.BLOCKS_FILE).parent.stat().st_mode & 0o777) == "0o700"
+
+
+@pytest.mark.slow
+def test_in_bf16_pairs_the_files_blocks_give_the_bf16_checkpoints_logits(embedded):
+    """bf16 on a CPU with AVX512_BF16, where the default's linears are the ordered kernel: each
+    weight the quantized kernel rounds to bf16 is the converted checkpoint's, summed in the same
+    order, so int4's logits are the default's bit for bit (its KL against fp32 is bf16's own)."""
+    from test_quantization import next_logits
+
+    from engine import EngineConfig, LLMEngine
+
+    if "-mavx512bf16" not in cpu_kernels.BUILT[0]:
+        pytest.skip("the quantized kernel multiplies bf16 pairs only where the CPU has AVX512_BF16")
+    engines = {
+        q: LLMEngine(EngineConfig(model="smollm2-135m", dtype="bfloat16", kv_cache_bytes=64 << 20, quantization=q))
+        for q in ("none", "int4")
+    }
+    if not engines["none"].runner.ordered_linears:
+        pytest.skip("the default's linears are oneDNN's here, which sum in another order")
+    tok = engines["none"].tokenizer
+    for text in ("The capital of France is", "def fibonacci(n):"):
+        got = [next_logits(e, tok.encode(text)) for e in engines.values()]
+        assert torch.equal(got[0], got[1])
