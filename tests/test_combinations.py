@@ -4,6 +4,7 @@ the module's command (docs/reliability.md)."""
 
 from __future__ import annotations
 
+import pytest
 from combinations import Reference, Report, engine_mix
 
 ENGINE_SEEDS = range(12)
@@ -43,3 +44,32 @@ def test_random_mixes_through_a_cluster_equal_each_request_alone(tiny_llama):
     assert not report.leaked, report.leaked
     assert report.kills and report.cancelled and report.finished > report.requests // 2
     assert report.preemptions and report.cache_hit_tokens and report.spec_accepted
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_quantized_mixes_in_one_engine_equal_each_request_alone(tiny_llama, quantization):
+    """The same mixes over quantized linears (fp32 activations): n > 1, beams, preemption, the
+    prefix cache and speculation, each request the tokens it gets alone at that quantization."""
+    report, reference = Report(), Reference({"quantization": quantization})
+    for seed in range(6):
+        engine_mix(tiny_llama, seed, 16, report, reference)
+    print(report)
+    assert not report.wrong, report.wrong[:3]
+    assert not report.leaked, report.leaked
+    assert {"n>1", "beam", "cancel"} <= set(report.kinds)
+    assert report.preemptions and report.cache_hit_tokens and report.spec_accepted
+
+
+def test_quantized_mixes_through_a_cluster_equal_each_request_alone(tiny_llama):
+    """Both pools int4 through the router, shm and tcp, a decode node stopped mid-run (seed 100)."""
+    import asyncio
+
+    from combinations import cluster_mix
+
+    report, reference = Report(), Reference({"quantization": "int4"})
+    for seed in (100, 101):
+        asyncio.run(cluster_mix(tiny_llama, seed, 24, report, reference))
+    print(report)
+    assert not report.wrong, report.wrong[:3]
+    assert not report.leaked, report.leaked
+    assert report.kills and report.finished > report.requests // 2

@@ -110,3 +110,24 @@ def test_in_bf16_pairs_the_files_blocks_give_the_bf16_checkpoints_logits(embedde
     for text in ("The capital of France is", "def fibonacci(n):"):
         got = [next_logits(e, tok.encode(text)) for e in engines.values()]
         assert torch.equal(got[0], got[1])
+
+
+@pytest.mark.slow
+def test_the_pd_split_runs_the_files_blocks_in_both_pools(embedded):
+    """Both pools int4 on the embedded model's Q4_1 blocks (bf16, the default dtype here): the
+    numerics tags agree, the KV crosses, and each answer is what one such engine gives alone."""
+    from cluster import engine_config, split_results
+
+    from engine import LLMEngine, SamplingParams
+
+    pool = {"dtype": "bfloat16", "quantization": "int4"}
+    alone = LLMEngine(engine_config("smollm2-135m", **pool))
+    assert alone.numerics.endswith("int4 weights from GGUF Q4_1 blocks"), alone.numerics
+    prompts = [alone.tokenizer.encode(t) for t in ("The capital of France is", "def fibonacci(n):")]
+    cases = [(p, SamplingParams(max_tokens=12, temperature=t, seed=4)) for p in prompts for t in (0, 1.0)]
+    results = split_results("smollm2-135m", cases, prefill_engine=pool, decode_engine=pool)
+    for i, ((prompt, params), result) in enumerate(zip(cases, results)):
+        alone.add_request(str(i), prompt, params)
+        while alone.has_unfinished():
+            done = [o for o in alone.step() if o.finished]
+        assert result.token_ids == done[0].token_ids, i

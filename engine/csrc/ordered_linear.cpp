@@ -35,8 +35,8 @@
 
 #include <algorithm>
 #include <cstring>
-#include <memory>
 #include <type_traits>
+#include <vector>
 
 #if defined(__AVX__)
 #include <immintrin.h>
@@ -406,19 +406,25 @@ void run_tiles(const at::Tensor& x, int64_t Kp, int64_t P, panel_of_t panel_of, 
   const scalar_t* xp = x.data_ptr<scalar_t>();
   const scalar_t* bp = bias.has_value() ? bias->data_ptr<scalar_t>() : nullptr;
   scalar_t* yp = y.data_ptr<scalar_t>();
-  // the rows' copy, in the tile's type, k padded to Kp (written in full before each use)
-  std::unique_ptr<xs_t[]> xs(new xs_t[std::min(MC, M) * Kp]);
-  // a quantized panel's weights, a thread's own, turned from codes once a panel where several tiles read it
+  // Buffers held by the calling thread between calls, grown as needed (a call's new[] of a few
+  // hundred KB is an mmap and its page faults each time): the rows' copy, in the tile's type, k
+  // padded to Kp (written in full before each use); and where several tiles read a quantized
+  // panel, each worker thread's copy of its weights, turned from codes once a panel.
+  static thread_local std::vector<xs_t> xs_store, scratch_store;
+  if (xs_store.size() < size_t(std::min(MC, M) * Kp)) xs_store.resize(std::min(MC, M) * Kp);
   const int64_t threads = at::get_num_threads();
-  std::unique_ptr<xs_t[]> scratch(quantized<decltype(panel_of(0))> && M > MR ? new xs_t[threads * Kp * NR] : nullptr);
+  const bool dequantized_once = quantized<decltype(panel_of(0))> && M > MR;
+  if (dequantized_once && scratch_store.size() < size_t(threads * Kp * NR)) scratch_store.resize(threads * Kp * NR);
+  xs_t* const xs_rows = xs_store.data();
+  xs_t* const scratch = dequantized_once ? scratch_store.data() : nullptr;
   for (int64_t m0 = 0; m0 < M; m0 += MC) {
     const int64_t rows = std::min(MC, M - m0);
-    for (int64_t r = 0; r < rows; ++r) copy_row(xp + (m0 + r) * K, K, Kp, xs.get() + r * Kp);
+    for (int64_t r = 0; r < rows; ++r) copy_row(xp + (m0 + r) * K, K, Kp, xs_rows + r * Kp);
     const int64_t tiles = (rows + MR - 1) / MR;
     at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
       row_acc acc[MR];
       const int64_t thread = at::get_thread_num();  // outside a parallel region's team: none of its own
-      xs_t* weights = scratch && tiles > 1 && thread < threads ? scratch.get() + thread * Kp * NR : nullptr;
+      xs_t* weights = scratch && tiles > 1 && thread < threads ? scratch + thread * Kp * NR : nullptr;
       for (int64_t p = begin; p < end; ++p) {
         const int64_t n0 = p * NR, cols = std::min(NR, N - n0);
         const scalar_t* b = bp ? bp + n0 : nullptr;
@@ -426,11 +432,11 @@ void run_tiles(const at::Tensor& x, int64_t Kp, int64_t P, panel_of_t panel_of, 
         if constexpr (quantized<decltype(panel_of(0))>) {
           if (weights) {
             dequantize_panel(panel_of(p), Kp, weights);
-            panel_tiles(rows, tiles, xs.get(), Kp, static_cast<const xs_t*>(weights), b, cols, N, out, acc);
+            panel_tiles(rows, tiles, xs_rows, Kp, static_cast<const xs_t*>(weights), b, cols, N, out, acc);
             continue;
           }
         }
-        panel_tiles(rows, tiles, xs.get(), Kp, panel_of(p), b, cols, N, out, acc);
+        panel_tiles(rows, tiles, xs_rows, Kp, panel_of(p), b, cols, N, out, acc);
       }
     });
   }
