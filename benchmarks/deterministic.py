@@ -1,20 +1,23 @@
 """Deterministic mode: what it costs and what it buys, on the default model, measured in one run.
 
     python benchmarks/deterministic.py [--dtypes bfloat16,float32] [--runs 3] [--num-prompts 64] [--json FILE]
+        [--prompt-tokens 1000] [--modes default,deterministic,deterministic_onednn_chunks]
 
-1. Throughput: engine_throughput.py's chat prompts (N x M generated tokens, ignore_eos, greedy),
-   the offline engine with the mode off and on, in each dtype. Each run is its own subprocess, the
+1. Throughput: engine_throughput.py's chat prompts, or with --prompt-tokens prompts of that many
+   random tokens (a prefill-heavy workload), N x M generated tokens, ignore_eos, greedy; the
+   offline engine in each mode (default, deterministic with linear_kernel auto, deterministic with
+   onednn_chunks), in each dtype. Each run is its own subprocess, the
    modes interleaved; tokens/s = N x M / the timed generate's wall time (after a warm-up). Reported:
-   the medians and the median of the per-run ratios (on / off).
+   the medians and the median of the per-run ratios (each mode / default).
 2. Batch invariance: benchmarks/speculative.py's 16 prompts, greedy with the chosen token's
    logprob, each alone and then beside the next prompt (prefix caching off),
    with the mode off and on, in each dtype: how many outputs' tokens change, and how many change
    in any logprob bit.
 3. The linears alone (--linear-rows): the default model's linear shapes, oneDNN's prepacked kernel
    ("default" in the JSON: the default before linear_kernel auto chose the ordered kernel on x86
-   CPUs without AMX; F.linear where oneDNN cannot) against deterministic mode's ordered kernel, at each
-   row count, median of repeated calls, in one process; the model's sum (layers x each layer's
-   linears + the LM head) as the ratio default time / ordered time.
+   CPUs without AMX; F.linear where oneDNN cannot) against the ordered kernel and onednn_chunks
+   (oneDNN on 32 rows a call), at each row count, median of repeated calls, in one process; the
+   model's sum (layers x each layer's linears + the LM head) as the ratio default time / each.
 """
 
 from __future__ import annotations
@@ -31,17 +34,28 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-MODES = {"default": False, "deterministic": True}
+MODES = {  # name: the engine settings
+    "default": {},
+    "deterministic": {"deterministic": True},
+    "deterministic_onednn_chunks": {"deterministic": True, "linear_kernel": "onednn_chunks"},
+}
 
 
-def throughput(dtype: str, deterministic: bool, num_prompts: int, max_tokens: int) -> dict:
+def throughput(dtype: str, mode: dict, num_prompts: int, max_tokens: int, prompt_tokens: int) -> dict:
+    import torch
     from engine_throughput import chat_prompts
 
     from engine import LLM, SamplingParams
 
-    llm = LLM(dtype=dtype, deterministic=deterministic, kv_cache_bytes=1 << 30)
-    prompts = chat_prompts(llm.engine.tokenizer, num_prompts)
-    llm.generate(prompts[:8], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))  # warm-up
+    llm = LLM(dtype=dtype, kv_cache_bytes=1 << 30, **mode)
+    if prompt_tokens:  # distinct random ids: nothing for the prefix cache to share
+        gen = torch.Generator().manual_seed(0)
+        ids = torch.randint(100, llm.engine.model_config.vocab_size, (num_prompts + 8, prompt_tokens), generator=gen)
+        prompts, warm = ids[:num_prompts].tolist(), ids[num_prompts:].tolist()
+    else:
+        prompts = chat_prompts(llm.engine.tokenizer, num_prompts)
+        warm = prompts[:8]
+    llm.generate(warm, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))  # warm-up
     start = time.perf_counter()
     outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
     elapsed = time.perf_counter() - start
@@ -49,13 +63,13 @@ def throughput(dtype: str, deterministic: bool, num_prompts: int, max_tokens: in
     return {"tokens_per_s": generated / elapsed, "elapsed_s": elapsed, "dtype": str(llm.engine.dtype)}
 
 
-def invariance(dtype: str, deterministic: bool, max_tokens: int) -> dict:
+def invariance(dtype: str, mode: dict, max_tokens: int) -> dict:
     from speculative import workloads
 
     from engine import EngineConfig, LLMEngine, SamplingParams
     from engine.tokenizer import apply_chat_template
 
-    config = EngineConfig(dtype=dtype, deterministic=deterministic, enable_prefix_caching=False, kv_cache_bytes=1 << 28)
+    config = EngineConfig(dtype=dtype, enable_prefix_caching=False, kv_cache_bytes=1 << 28, **mode)
     engine = LLMEngine(config)
     params = SamplingParams(max_tokens=max_tokens, temperature=0, logprobs=0)
     tok = engine.tokenizer
@@ -107,21 +121,19 @@ def linears(dtype: str, row_counts: list[int]) -> dict:
             times.append(time.perf_counter() - start)
         return statistics.median(times)
 
-    model = {rows: {"default": 0.0, "ordered": 0.0} for rows in row_counts}
+    names = ("default", "ordered", "onednn_chunks")
+    model = {rows: dict.fromkeys(names, 0.0) for rows in row_counts}
     for out_features, in_features, count in shapes.values():
         weight = (torch.randn(out_features, in_features, generator=gen) * 0.05).to(dt)
-        kernels = {"default": Linear(weight), "ordered": Linear(weight, ordered=True)}
+        kernels = {name: Linear(weight, kernel="onednn" if name == "default" else name) for name in names}
         for rows in row_counts:
             x = torch.randn(rows, in_features, generator=gen).to(dt)
             calls = 5 if rows * out_features > 1 << 18 else 20
             for name, linear in kernels.items():
                 model[rows][name] += count * seconds(lambda linear=linear, x=x: linear(x), calls)
     return {
-        str(rows): {
-            "default_ms": t["default"] * 1e3,
-            "ordered_ms": t["ordered"] * 1e3,
-            "speed": t["default"] / t["ordered"],
-        }
+        str(rows): {f"{name}_ms": t[name] * 1e3 for name in names}
+        | {f"speed_{name}": t["default"] / t[name] for name in names[1:]}
         for rows, t in model.items()
     }
 
@@ -130,17 +142,18 @@ def child(args) -> dict:
     import torch
 
     torch.set_num_threads(args.threads)
-    deterministic = MODES[args.mode]
+    mode = MODES[args.mode]
     if args.child == "throughput":
-        return throughput(args.dtype, deterministic, args.num_prompts, args.max_tokens)
+        return throughput(args.dtype, mode, args.num_prompts, args.max_tokens, args.prompt_tokens)
     if args.child == "linears":
         return linears(args.dtype, [int(r) for r in args.linear_rows.split(",")])
-    return invariance(args.dtype, deterministic, args.invariance_tokens)
+    return invariance(args.dtype, mode, args.invariance_tokens)
 
 
 def spawn(what: str, dtype: str, mode: str, args) -> dict:
     cmd = [sys.executable, __file__, "--child", what, "--dtype", dtype, "--mode", mode, "--threads", str(args.threads)]
     cmd += ["--num-prompts", str(args.num_prompts), "--max-tokens", str(args.max_tokens)]
+    cmd += ["--prompt-tokens", str(args.prompt_tokens)]
     cmd += ["--invariance-tokens", str(args.invariance_tokens), "--linear-rows", args.linear_rows]
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if done.returncode != 0:
@@ -156,6 +169,8 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3, help="0: no throughput runs")
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--prompt-tokens", type=int, default=0, help="prompts of this many random tokens (0: chat prompts)")
+    ap.add_argument("--modes", default="default,deterministic", help=f"of {', '.join(MODES)}; default first")
     ap.add_argument("--invariance-tokens", type=int, default=64, help="0: throughput only")
     ap.add_argument("--linear-rows", default="", help="row counts for the linears alone, e.g. 1,4,16,64,256")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
@@ -175,25 +190,29 @@ def main() -> None:
         "date": time.strftime("%Y-%m-%d"),
         "cpu": cpu_features().isa,
         "threads": args.threads,
-        "workload": f"{args.num_prompts} chat prompts x {args.max_tokens} tokens",
+        "workload": f"{args.num_prompts} {f'{args.prompt_tokens}-token' if args.prompt_tokens else 'chat'} prompts "
+        f"x {args.max_tokens} tokens",
         "throughput": {},
         "invariance": {},
         "linears": {},
     }
+    modes = args.modes.split(",")
     for dtype in dtypes:
-        runs = {mode: [] for mode in MODES}
+        runs = {mode: [] for mode in modes}
         for r in range(args.runs):
-            for mode in MODES if r % 2 == 0 else reversed(list(MODES)):
+            for mode in modes[r % len(modes) :] + modes[: r % len(modes)]:  # each run begins with another
                 runs[mode].append(spawn("throughput", dtype, mode, args)["tokens_per_s"])
         if args.runs:
-            ratios = [on / off for on, off in zip(runs["deterministic"], runs["default"])]
             out["throughput"][dtype] = {
                 "tokens_per_s": runs,
                 "median_tokens_per_s": {mode: statistics.median(v) for mode, v in runs.items()},
-                "median_ratio": statistics.median(ratios),
+                "median_ratio": {
+                    mode: statistics.median(on / off for on, off in zip(runs[mode], runs[modes[0]]))
+                    for mode in modes[1:]
+                },
             }
         if args.invariance_tokens:
-            out["invariance"][dtype] = {mode: spawn("invariance", dtype, mode, args) for mode in MODES}
+            out["invariance"][dtype] = {mode: spawn("invariance", dtype, mode, args) for mode in modes}
         if args.linear_rows:
             out["linears"][dtype] = spawn("linears", dtype, "deterministic", args)
     out["seconds"] = round(time.monotonic() - began)

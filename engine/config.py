@@ -13,7 +13,7 @@ from engine.speculative import SpeculativeConfig
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 SCHEDULING = ("continuous", "static")
-LINEAR_KERNELS = ("auto", "ordered", "onednn")
+LINEAR_KERNELS = ("auto", "ordered", "onednn", "onednn_chunks")
 QUANTIZATIONS = ("none", "int8", "int4")
 GIB = 1 << 30
 # A decode node's prompt tokens per step beside its decodes (prefill_tokens_with_decodes): measured on the
@@ -84,9 +84,11 @@ class EngineConfig:
     )
     linear_kernel: str = option(
         "auto",
-        "a CPU's linears: ordered (engine/csrc/ordered_linear.cpp, each output summed in k order, what "
-        "deterministic needs), onednn (its prepacked weights, F.linear where it has none), or auto: ordered where it "
-        "measured faster (bf16 on AVX512_BF16, AVX2-only CPUs), onednn elsewhere (engine/hardware.py)",
+        "a CPU's linears: ordered (engine/csrc/ordered_linear.cpp, each output summed in k order), onednn (its "
+        "prepacked weights, F.linear where it has none), onednn_chunks (oneDNN called on 32 rows at a time, the last "
+        "chunk padded: one shape, so batch-invariant), or auto: ordered where it measured faster (bf16 on "
+        "AVX512_BF16, AVX2-only CPUs), onednn elsewhere; with deterministic, onednn_chunks on AMX, ordered elsewhere "
+        "(engine/hardware.py)",
         choices=LINEAR_KERNELS,
     )
     quantization: str = option(
@@ -146,7 +148,8 @@ class EngineConfig:
         _check(
             not (self.deterministic and self.linear_kernel == "onednn"),
             "linear_kernel",
-            "'ordered' or 'auto' with deterministic (oneDNN sums in an order that moves with the batch)",
+            "'ordered', 'onednn_chunks' or 'auto' with deterministic (oneDNN on the batch as it comes sums in an "
+            "order that moves with the batch)",
             self.linear_kernel,
         )
         _check(self.scheduling in SCHEDULING, "scheduling", f"one of {SCHEDULING}", self.scheduling)

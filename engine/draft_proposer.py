@@ -42,7 +42,7 @@ class DraftModelProposer:
         max_model_len: int,
         reserve: int,
         fused_ops: bool,
-        ordered_linears: bool,
+        linear_kernel: str,
     ):
         model_dir = resolve_model(config.draft_model)
         cfg = ModelConfig.from_dir(model_dir).for_context(max_model_len)
@@ -54,7 +54,7 @@ class DraftModelProposer:
         self.config, self.cfg, self.device = config, cfg, device
         self.block_manager, self.reserve, self.max_model_len = block_manager, reserve, max_model_len
         self.model = LlamaModel(
-            cfg, load_weights(model_dir, cfg, dtype, device, ordered_linears), max_model_len, Ops(fused=fused_ops)
+            cfg, load_weights(model_dir, cfg, dtype, device, linear_kernel), max_model_len, Ops(fused=fused_ops)
         )
         self.decode_kernel = fused_ops and decode_attention_fits(cfg.head_dim)
         self.prefill_matmul = fused_ops and dtype == torch.bfloat16

@@ -1,5 +1,5 @@
-"""A GGUF file's own quantized blocks for the decoder layers' linears, kept beside the converted
-checkpoint so that `--quantization int4` or `int8` runs on the file's weights as they are, not on
+"""A GGUF file's own quantized blocks for the decoder layers' linears and the LM head, kept beside
+the converted checkpoint so that `--quantization int4` or `int8` runs on the file's weights as they are, not on
 the bf16 copy quantized again.
 
 Q4_0, Q4_1 and Q8_0 blocks of 32 are each asymmetric codes in one group of engine/linear.py's
@@ -33,6 +33,8 @@ LINEARS = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# The embedding (the LM head too where tied) and an untied output, as llama.cpp's output reads them.
+HEADS = {"token_embd.weight": "model.embed_tokens.weight", "output.weight": "lm_head.weight"}
 CODE_BITS = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8}  # the fewest bits a block type's codes need
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
 
@@ -58,7 +60,7 @@ def unpermute(t: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 def save(gguf: Path, model_dir: Path) -> int:
-    """Write the blocks of every decoder linear the check passes into model_dir; returns how many."""
+    """Write the blocks of every decoder linear and head the check passes into model_dir; returns how many."""
     from gguf import GGUFReader
     from safetensors import safe_open
     from safetensors.torch import save_file
@@ -73,18 +75,26 @@ def save(gguf: Path, model_dir: Path) -> int:
             shards.update({name: path for name in f.keys()})
     out, kinds = {}, {}
     for tensor in GGUFReader(gguf).tensors:
-        parts = tensor.name.split(".")  # blk.{i}.{kind}.weight
+        parts = tensor.name.split(".")  # blk.{i}.{kind}.weight, or a head
         kind = tensor.tensor_type.name
-        if len(parts) != 4 or parts[0] != "blk" or parts[2] not in LINEARS or kind not in CODE_BITS:
+        if tensor.name in HEADS:
+            name = HEADS[tensor.name]
+        elif len(parts) == 4 and parts[0] == "blk" and parts[2] in LINEARS:
+            name = f"model.layers.{parts[1]}.{LINEARS[parts[2]]}.weight"
+        else:
             continue
-        name = f"model.layers.{parts[1]}.{LINEARS[parts[2]]}.weight"
-        if name not in shards:
+        if kind not in CODE_BITS or name not in shards:
             continue
         codes, scales, zeros = decode(kind, np.asarray(tensor.data))
         with safe_open(str(shards[name]), framework="pt") as f:
             converted = f.get_tensor(name)
         candidates = [(codes, scales, zeros)]
-        if parts[2] in heads and config.get("model_type") in ("llama", "mistral") and heads[parts[2]]:
+        if (
+            len(parts) == 4
+            and parts[2] in heads
+            and config.get("model_type") in ("llama", "mistral")
+            and heads[parts[2]]
+        ):
             candidates.insert(0, tuple(unpermute(t, heads[parts[2]]) for t in (codes, scales, zeros)))
         for c, s, z in candidates:
             if c.shape == converted.shape and torch.allclose(
@@ -101,7 +111,7 @@ def save(gguf: Path, model_dir: Path) -> int:
     return len(kinds)
 
 
-def load(model_dir: Path, bits: int) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor, str]]:
+def load(model_dir: Path, bits: int = 8) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor, str]]:
     """checkpoint tensor name -> (codes, scales, zeros, block type) of the blocks whose codes fit `bits`."""
     path = Path(model_dir) / BLOCKS_FILE
     if not path.is_file():

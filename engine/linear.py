@@ -14,10 +14,16 @@ and a quarter of a byte for the scales and zeros (8 bytes a group of 32); the ke
 arithmetic in registers (bf16 pairs where the CPU has AVX512_BF16) and sums each output in k order
 like the ordered kernel.
 
-With `ordered` the weight is packed instead for engine/csrc/ordered_linear.cpp, whose every output
-is summed in k order whatever else is in the batch (a BLAS picks its blocking, and the order of a
-row's sums, by the shape it is given): what deterministic mode needs, and the faster kernel by
+With kernel `ordered` the weight is packed instead for engine/csrc/ordered_linear.cpp, whose every
+output is summed in k order whatever else is in the batch (a BLAS picks its blocking, and the order
+of a row's sums, by the shape it is given): what deterministic mode needs, and the faster kernel by
 default where engine/hardware.py says it measured so.
+
+With `onednn_chunks` oneDNN's prepacked kernel is only ever called on CHUNK_ROWS rows, the last
+chunk padded with zero rows: one shape, so one blocking and one order of every row's sums, and a
+row's bits do not depend on the other rows or on its place in the chunk (tests/test_deterministic.py
+checks both, and the engine checks them again at load on the CPU it runs on). The batch-invariant
+kernel that keeps oneDNN's AMX tiles, at the cost of a chunk's work for fewer rows.
 """
 
 from __future__ import annotations
@@ -30,27 +36,40 @@ from engine.hardware import can_prepack
 PACK_FOR_BATCH = 64  # oneDNN's hint for the row count; any count works
 GROUP = 32  # k a quantized group spans (engine/csrc/ordered_linear.cpp GROUP): a GGUF block's
 BITS = {"int8": 8, "int4": 4}  # the quantizations' code sizes
+CHUNK_ROWS = 32  # the one row count onednn_chunks calls oneDNN with: two AMX tiles of 16 rows
 
 
 class Linear:
     def __init__(
-        self, weight: torch.Tensor, bias: torch.Tensor | None = None, ordered: bool = False, quantization: str = "none"
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        kernel: str = "onednn",
+        quantization: str = "none",
     ):
+        """kernel: onednn (F.linear where oneDNN cannot prepack), ordered or onednn_chunks, as
+        EngineConfig.linear_kernel resolves (engine/model_runner.py); a quantization runs its own."""
         self.weight = weight  # [out, in]
         self.out_features, self.in_features = weight.shape
         self.bias = bias
         self.dtype = weight.dtype  # the dtype the packed layouts take
         self.packed = self.panels = self.scales = self.zeros = None
         self.bits = BITS.get(quantization)
+        self.chunk_rows = 0
         # The packed layout holds the weight: the engine keeps that copy only.
         if self.bits:
             self._pack_codes(*quantize_groups(weight, self.bits))
-        elif ordered:
+        elif kernel == "ordered":
             self.panels = torch.ops.pdserve.ordered_linear_pack(weight.contiguous())
             self.weight = None
         elif weight.device.type == "cpu" and can_prepack(weight.dtype):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_FOR_BATCH)
+            self.chunk_rows = CHUNK_ROWS if kernel == "onednn_chunks" else 0
             self.weight = None
+        elif kernel == "onednn_chunks":
+            raise ValueError(
+                f"linear_kernel onednn_chunks: oneDNN cannot prepack {weight.dtype} on this {weight.device}"
+            )
 
     @classmethod
     def from_codes(
@@ -65,7 +84,7 @@ class Linear:
         """A quantized linear from codes already made (a GGUF file's own blocks, engine/gguf_blocks.py)."""
         self = cls.__new__(cls)
         self.out_features, self.in_features = codes.shape
-        self.bias, self.dtype, self.packed, self.bits = bias, dtype, None, BITS[quantization]
+        self.bias, self.dtype, self.packed, self.bits, self.chunk_rows = bias, dtype, None, BITS[quantization], 0
         self._pack_codes(codes, scales, zeros)
         return self
 
@@ -86,9 +105,35 @@ class Linear:
                     x.contiguous(), self.panels, self.scales, self.zeros, self.bias, self.bits, self.out_features
                 )
             return torch.ops.pdserve.ordered_linear(x.contiguous(), self.panels, self.bias, self.out_features)
+        if self.chunk_rows:
+            return self._in_chunks(x)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
+
+    def _in_chunks(self, x: torch.Tensor) -> torch.Tensor:
+        """oneDNN on CHUNK_ROWS rows a call, whatever the batch: x [M, K] padded to whole chunks."""
+        lead, c = x.shape[:-1], self.chunk_rows
+        x = x.reshape(-1, self.in_features)
+        rows = x.shape[0]
+        padded = torch.zeros(-(-rows // c) * c, self.in_features, dtype=x.dtype)
+        padded[:rows] = x
+        chunks = [
+            torch.ops.mkldnn._linear_pointwise(padded[i : i + c], self.packed, self.bias, "none", [], "")
+            for i in range(0, padded.shape[0], c)
+        ]
+        return torch.cat(chunks)[:rows].reshape(*lead, self.out_features)
+
+
+def rows_invariant(linear: Linear, seed: int = 0) -> bool:
+    """Whether each row's output bits are the same alone, in a chunk of other rows and at another
+    place in it (a few random rows; what onednn_chunks rests on, checked on the CPU at hand)."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = torch.randn(CHUNK_ROWS + 3, linear.in_features, generator=gen).to(linear.dtype)
+    together = linear(rows)
+    moved = linear(rows.roll(5, dims=0)).roll(-5, dims=0)
+    alone = torch.cat([linear(rows[i : i + 1]) for i in (0, CHUNK_ROWS - 1, CHUNK_ROWS + 2)])
+    return torch.equal(together, moved) and torch.equal(alone, together[[0, CHUNK_ROWS - 1, CHUNK_ROWS + 2]])
 
 
 def quantize_groups(weight: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

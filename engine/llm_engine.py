@@ -98,7 +98,7 @@ class LLMEngine:
             self.max_model_len,
             self.scheduler.watermark_blocks,
             self.runner.use_cpu_kernels,
-            self.runner.ordered_linears,
+            self.runner.linear_kernel,
         )
 
     # ---- requests in -------------------------------------------------------------------

@@ -14,6 +14,7 @@ from engine.attention import build_metadata
 from engine.config import EngineConfig
 from engine.hardware import ORDERED_LINEARS, can_prepack, cpu_features, cpu_vendor
 from engine.kv_cache import KVCache
+from engine.linear import CHUNK_ROWS, rows_invariant
 from engine.model import LlamaModel
 from engine.model_config import ModelConfig
 from engine.ops import Ops
@@ -63,7 +64,7 @@ class ModelRunner:
                 f"{device.type}, cpu_kernels {config.cpu_kernels}, kernels built {self.use_cpu_kernels}, head_dim "
                 f"{cfg.head_dim}); it runs with --device cpu, the CPU kernels on, head_dim a multiple of 16 up to 256"
             )
-        self.ordered_linears = self._ordered_linears(config, dtype)
+        self.linear_kernel = self._linear_kernel(config, dtype)
         self.quantization = config.quantization
         if self.quantization != "none" and not self.use_cpu_kernels:
             raise ValueError(
@@ -73,13 +74,19 @@ class ModelRunner:
             )
         if self.quantization != "none":
             log.info(
-                "linears: the decoder layers' %s weight-only, groups of 32 (pdserve's kernel), the LM head %s",
+                "linears: the decoder layers' %s weight-only, groups of 32 (pdserve's kernel), the LM head %s "
+                "(or a GGUF file's own head blocks)",
                 self.quantization,
                 dtype,
             )
-        weights = load_weights(
-            model_dir, cfg, dtype, device, ordered=self.ordered_linears, quantization=self.quantization
-        )
+        weights = load_weights(model_dir, cfg, dtype, device, self.linear_kernel, self.quantization)
+        if self.linear_kernel == "onednn_chunks":  # proven where tested; checked again on this CPU
+            for linear in (weights.layers[0].qkv, weights.lm_head):
+                if not rows_invariant(linear):
+                    raise RuntimeError(
+                        f"linear_kernel onednn_chunks: on this CPU (class {cpu_features().isa}) a row's bits moved "
+                        "with the other rows of its chunk; run linear_kernel ordered"
+                    )
         self.model = LlamaModel(cfg, weights, max_model_len, Ops(fused=self.use_cpu_kernels))
         self.numerics = self._numerics()
         bytes_per_block = cfg.kv_bytes_per_token(dtype.itemsize) * config.block_size
@@ -106,10 +113,12 @@ class ModelRunner:
             )
         return why is None
 
-    def _ordered_linears(self, config: EngineConfig, dtype: torch.dtype) -> bool:
-        """Whether the linears run engine/csrc/ordered_linear.cpp: in deterministic mode, when asked,
-        and by default where it measured the faster kernel: this CPU class and dtype, the kernels
-        built for the class's own flags (engine/hardware.py)."""
+    def _linear_kernel(self, config: EngineConfig, dtype: torch.dtype) -> str:
+        """The linears' kernel (engine/linear.py). ordered (engine/csrc/ordered_linear.cpp) when asked,
+        in deterministic mode but on AMX, and by default where it measured the faster kernel: this CPU
+        class and dtype, the kernels built for the class's own flags (engine/hardware.py).
+        onednn_chunks when asked, and in deterministic mode on AMX: oneDNN's AMX tiles, batch-invariant
+        on fixed chunks of rows (the ordered kernel has no tile instructions)."""
         if config.linear_kernel == "ordered" and not self.use_cpu_kernels:
             raise ValueError(
                 f"linear_kernel ordered: needs the C++ CPU kernels, which this engine does not run (device "
@@ -117,21 +126,29 @@ class ModelRunner:
                 f"it runs with --device cpu, the CPU kernels on"
             )
         cpu = cpu_features()
-        if config.linear_kernel == "auto" and not self.deterministic:
+        chunks_run = self.device.type == "cpu" and can_prepack(dtype)
+        if config.linear_kernel == "onednn_chunks" and not chunks_run:
+            raise ValueError(
+                f"linear_kernel onednn_chunks: needs oneDNN's prepacked {dtype} weights, which this engine cannot use "
+                f"(device {self.device.type}, CPU class {cpu.isa})"
+            )
+        kernel = config.linear_kernel
+        if kernel == "auto" and self.deterministic:
+            kernel = "onednn_chunks" if cpu.isa == "amx" and chunks_run else "ordered"
+        elif kernel == "auto":
             own_build = cpu_kernels.BUILT[:1] == [" ".join(cpu.kernel_flags) or "plain C++"]
             ordered = self.use_cpu_kernels and own_build and dtype in ORDERED_LINEARS.get(cpu.isa, ())
-        else:  # ordered, or deterministic (which refuses onednn)
-            ordered = config.linear_kernel != "onednn"
+            kernel = "ordered" if ordered else "onednn"
         if self.device.type == "cpu":
-            kernel = "the ordered kernel" if ordered else "oneDNN, prepacked" if can_prepack(dtype) else "F.linear"
+            named = {"ordered": "the ordered kernel", "onednn_chunks": f"oneDNN, prepacked, {CHUNK_ROWS} rows a call"}
             log.info(
                 "linears: %s (%s, CPU class %s, linear_kernel %s)",
-                kernel,
+                named.get(kernel, "oneDNN, prepacked" if can_prepack(dtype) else "F.linear"),
                 dtype,
                 cpu.isa,
                 config.linear_kernel,
             )
-        return ordered
+        return kernel
 
     def _numerics(self) -> str:
         """What decides the bits of the KV and logits: "default", or in deterministic mode the
@@ -141,7 +158,12 @@ class ModelRunner:
             weights += f" from GGUF {'/'.join(self.model.w.gguf_blocks)} blocks"
         if not self.deterministic:
             return "default" + weights
-        kernels = f"ordered linears, kernels {cpu_kernels.SOURCE_DIGEST} built {cpu_kernels.BUILT[0]}"
+        kernels = f"kernels {cpu_kernels.SOURCE_DIGEST} built {cpu_kernels.BUILT[0]}"
+        if self.linear_kernel == "onednn_chunks":  # oneDNN's blocking may follow its version and thread count
+            linears = f"oneDNN linears {CHUNK_ROWS} rows a call, {torch.get_num_threads()} threads"
+        else:
+            linears = "ordered linears"
+        kernels = f"{linears}, {kernels}"
         return f"deterministic ({cpu_features().isa}, {cpu_vendor()}; {kernels}{weights}; torch {torch.__version__})"
 
     def forward(self, batch: ScheduledBatch) -> tuple[list[int], list[int], torch.Tensor]:

