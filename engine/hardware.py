@@ -25,6 +25,12 @@ own flags (not a lesser build it fell back to): for these classes and dtypes it 
 on a prefill (docs/benchmarks.md#engine, "Linears"). fp32 on AVX-512 measured both ahead and behind
 oneDNN's (0.85-0.89x at 64-1,024 rows with two threads), AMX runs tile instructions the kernel
 does not, and Arm is unmeasured: those keep oneDNN.
+
+Deterministic mode needs batch-invariant linears: the ordered kernel, or on AMX oneDNN called on
+fixed chunks of rows (engine/linear.py onednn_chunks), which keeps the AMX tiles: on a 2-core AMX
+Xeon oneDNN's tiles ran a 32-row batch 2.1x the ordered kernel's tokens/s (issue 64); on
+AVX512_BF16 the chunks measured slower than the ordered kernel at every row count, so the mode
+keeps it there (docs/benchmarks.md#deterministic).
 """
 
 from __future__ import annotations

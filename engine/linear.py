@@ -116,13 +116,16 @@ class Linear:
         lead, c = x.shape[:-1], self.chunk_rows
         x = x.reshape(-1, self.in_features)
         rows = x.shape[0]
-        padded = torch.zeros(-(-rows // c) * c, self.in_features, dtype=x.dtype)
-        padded[:rows] = x
+        if rows % c:
+            padded = x.new_zeros(-(-rows // c) * c, self.in_features)
+            padded[:rows] = x
+            x = padded
         chunks = [
-            torch.ops.mkldnn._linear_pointwise(padded[i : i + c], self.packed, self.bias, "none", [], "")
-            for i in range(0, padded.shape[0], c)
+            torch.ops.mkldnn._linear_pointwise(x[i : i + c], self.packed, self.bias, "none", [], "")
+            for i in range(0, x.shape[0], c)
         ]
-        return torch.cat(chunks)[:rows].reshape(*lead, self.out_features)
+        y = chunks[0] if len(chunks) == 1 else torch.cat(chunks)
+        return y[:rows].reshape(*lead, self.out_features)
 
 
 def rows_invariant(linear: Linear, seed: int = 0) -> bool:
