@@ -76,6 +76,8 @@ class AsyncEngine:
         outputs: asyncio.Queue = asyncio.Queue()
 
         def register_and_add():
+            if request_id in self._streams:  # checked first: registering would orphan the live stream
+                raise ValueError(f"request_id {request_id!r} is already running")
             self._streams[request_id] = (loop, outputs)
             try:
                 add()

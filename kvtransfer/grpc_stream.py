@@ -56,7 +56,7 @@ class KVPlaneServicer(nodes_pb2_grpc.KVPlaneServicer):
         self.buffers = BufferPool(layout.num_bytes(prealloc_tokens))  # send staging, grown on demand
 
     async def PullKV(self, request: nodes_pb2.PullKVRequest, context: grpc.aio.ServicerContext):
-        lease = self.leases.get(request.lease_id)
+        lease = self.leases.get(request.lease_id, request.access_key)
         if lease is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no kv_lease {request.lease_id!r} (released or expired)")
         if lease.progress is not None:
@@ -74,7 +74,7 @@ class KVPlaneServicer(nodes_pb2_grpc.KVPlaneServicer):
                 grpc.StatusCode.INVALID_ARGUMENT, f"chunk_bytes must be in (0, {MAX_MESSAGE_BYTES - 4096}]"
             )
         nbytes = self.layout.num_bytes(lease.num_tokens)
-        if self.leases.pin(request.lease_id) is None:  # expired during the checks
+        if self.leases.pin(request.lease_id, request.access_key) is None:  # expired during the checks
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no kv_lease {request.lease_id!r} (released or expired)")
         buf = self.buffers.acquire(nbytes)
         try:
@@ -140,7 +140,10 @@ class GrpcStreamReader:
         nbytes = layout.num_bytes(source.num_tokens)
         writer = StreamWriter(kv_cache.kv, block_ids, source.num_tokens)  # straight into the blocks
         request = nodes_pb2.PullKVRequest(
-            lease_id=source.lease_id, expect=layout.to_proto(), chunk_bytes=self.chunk_bytes
+            lease_id=source.lease_id,
+            expect=layout.to_proto(),
+            chunk_bytes=self.chunk_bytes,
+            access_key=source.access_key,
         )
         try:
             async for chunk in stub.PullKV(request, timeout=self.timeout_s):

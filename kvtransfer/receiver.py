@@ -77,9 +77,10 @@ class KVReceiver:
         """Tells the prefill node it may free its copy of the KV (else its lease expires)."""
         try:
             stub = nodes_pb2_grpc.PrefillNodeStub(self.channel(source.kv_address))
-            await stub.ReleaseKV(nodes_pb2.ReleaseKVRequest(lease_id=source.lease_id), timeout=5)
+            request = nodes_pb2.ReleaseKVRequest(lease_id=source.lease_id, access_key=source.access_key)
+            await stub.ReleaseKV(request, timeout=5)
         except grpc.aio.AioRpcError as e:
-            log.warning("ReleaseKV of %s at %s failed: %s", source.lease_id, source.kv_address, e.code().name)
+            log.warning("ReleaseKV at %s failed: %s", source.kv_address, e.code().name)
 
     async def close(self) -> None:
         for reader in self.readers:

@@ -54,7 +54,7 @@ class ColocatedServer(EngineServer, Frontend):
     ) -> AsyncIterator[generate_pb2.GenerateResponse]:
         """1. check, 2. prefill and decode in the one engine, 3. stream."""
         timings = common_pb2.Timings(queued=time.time())
-        rid = request.request_id or uuid.uuid4().hex
+        rid = uuid.uuid4().hex  # its own: a client's id only labels the answer, so two cannot collide
         prompt, params = self._check(request)
         n = 0
         try:
@@ -65,7 +65,7 @@ class ColocatedServer(EngineServer, Frontend):
                     timings.cached_tokens, timings.prefill_node = out.num_cached_tokens, self.address
                 n += len(out.new_token_ids)
                 msg = generate_pb2.GenerateResponse(
-                    request_id=rid,
+                    request_id=request.request_id or rid,
                     token_ids=out.new_token_ids,
                     text=out.new_text,
                     index=out.index,

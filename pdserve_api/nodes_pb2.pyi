@@ -109,14 +109,16 @@ class KVSource(_message.Message):
     def __init__(self, lease_id: _Optional[str] = ..., kv_address: _Optional[str] = ..., host_id: _Optional[str] = ..., shm_region: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., digest: _Optional[int] = ..., num_bytes: _Optional[int] = ..., lease_expires: _Optional[float] = ..., region_bytes: _Optional[int] = ..., tcp_address: _Optional[str] = ..., access_key: _Optional[str] = ..., block_generations: _Optional[_Iterable[int]] = ..., layerwise: _Optional[bool] = ..., transport_params: _Optional[_Mapping[str, bytes]] = ...) -> None: ...
 
 class PullKVRequest(_message.Message):
-    __slots__ = ("lease_id", "expect", "chunk_bytes")
+    __slots__ = ("lease_id", "expect", "chunk_bytes", "access_key")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     EXPECT_FIELD_NUMBER: _ClassVar[int]
     CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ACCESS_KEY_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     expect: KVLayout
     chunk_bytes: int
-    def __init__(self, lease_id: _Optional[str] = ..., expect: _Optional[_Union[KVLayout, _Mapping]] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
+    access_key: str
+    def __init__(self, lease_id: _Optional[str] = ..., expect: _Optional[_Union[KVLayout, _Mapping]] = ..., chunk_bytes: _Optional[int] = ..., access_key: _Optional[str] = ...) -> None: ...
 
 class KVHeader(_message.Message):
     __slots__ = ("layout", "num_tokens", "num_bytes", "digest")
@@ -143,10 +145,12 @@ class KVChunk(_message.Message):
     def __init__(self, header: _Optional[_Union[KVHeader, _Mapping]] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., digest: _Optional[int] = ...) -> None: ...
 
 class ReleaseKVRequest(_message.Message):
-    __slots__ = ("lease_id",)
+    __slots__ = ("lease_id", "access_key")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    ACCESS_KEY_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
-    def __init__(self, lease_id: _Optional[str] = ...) -> None: ...
+    access_key: str
+    def __init__(self, lease_id: _Optional[str] = ..., access_key: _Optional[str] = ...) -> None: ...
 
 class ReleaseKVResponse(_message.Message):
     __slots__ = ("released",)

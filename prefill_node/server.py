@@ -103,7 +103,7 @@ class PrefillNode(EngineServer, nodes_pb2_grpc.PrefillNodeServicer):
             yield response
 
     async def ReleaseKV(self, request: nodes_pb2.ReleaseKVRequest, context) -> nodes_pb2.ReleaseKVResponse:
-        return nodes_pb2.ReleaseKVResponse(released=await self.release(request.lease_id))
+        return nodes_pb2.ReleaseKVResponse(released=await self.release(request.lease_id, request.access_key))
 
     async def GetLoad(self, request, context) -> common_pb2.NodeLoad:
         return common_pb2.NodeLoad(
@@ -206,15 +206,17 @@ class PrefillNode(EngineServer, nodes_pb2_grpc.PrefillNodeServicer):
             return
         if progress is not None:
             progress.fail("prefill ended without a first token to decode from")
-        if lease is not None and self.leases.pop(lease.lease_id) is not None:
-            await self._end(lease)
-        else:
+        if lease is None:
             await self.engine.call(self.llm.release_kv, rid)
+        elif self.leases.pop(lease.lease_id) is not None:
+            await self._end(lease)
+        # else it ended already (its blocks freed then), or a read pins it: freed once the read ends
 
     # ---- kv_leases ------------------------------------------------------------------------------
-    async def release(self, lease_id: str) -> bool:
-        """5. released: ends a kv_lease (the decode side confirmed its read, or gave up)."""
-        lease = self.leases.pop(lease_id)
+    async def release(self, lease_id: str, key: str | None = None) -> bool:
+        """5. released: ends a kv_lease (the decode side confirmed its read, or gave up); key: the
+        caller's access key (None: this node's own planes, which checked it)."""
+        lease = self.leases.pop(lease_id, key)
         if lease is None:
             return False
         await self._end(lease)
@@ -224,12 +226,10 @@ class PrefillNode(EngineServer, nodes_pb2_grpc.PrefillNodeServicer):
         while True:
             await asyncio.sleep(min(1.0, self.leases.ttl_s / 4))
             for lease in self.leases.pop_expired():
-                log.warning(
-                    "kv_lease %s of %s expired unread; freeing %d blocks",
-                    lease.lease_id,
-                    lease.request_id,
-                    len(lease.block_ids),
-                )
+                if not lease.released:  # (a lease id names KV: not in logs)
+                    log.warning(
+                        "kv_lease of %s expired unread; freeing %d blocks", lease.request_id, len(lease.block_ids)
+                    )
                 await self._end(lease)
 
     async def _end(self, lease: Lease) -> None:

@@ -24,6 +24,7 @@ from pdserve_api import common_pb2, generate_pb2, generate_pb2_grpc
 @dataclass
 class Completion:
     text: str = ""
+    request_id: str = ""  # the id the client chose, or the one the router assigned
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str = ""
     usage: dict = field(default_factory=dict)
@@ -38,6 +39,7 @@ class Completion:
 
     def add(self, part: generate_pb2.GenerateResponse) -> None:
         sample = self if part.index == 0 else self.others.setdefault(part.index, Completion())
+        self.request_id = part.request_id or self.request_id
         sample.text += part.text
         sample.token_ids.extend(part.token_ids)
         sample.logprobs.extend(dict(zip(lp.token_ids, lp.logprobs)) for lp in part.logprobs)

@@ -19,11 +19,12 @@ class Request:
     """One request as the router follows it across attempts: what the client has been sent so far
     is what a migrated attempt starts from."""
 
-    rid: str
+    rid: str  # the router's own: the nodes know the request by it, so clients' ids cannot collide
     prompt: list[int]
     params: SamplingParams
     deadline: float
     timings: common_pb2.Timings
+    label: str = ""  # the client's request_id, only echoed back (and logged); the rid where none
     generated: list[int] = field(default_factory=list)  # every token streamed to the client so far
     emitted: int = 0  # characters of text streamed so far
 
@@ -50,7 +51,7 @@ class Request:
         self.generated.extend(part.token_ids)
         self.emitted += len(part.text)
         msg = generate_pb2.GenerateResponse(
-            request_id=self.rid,
+            request_id=self.label or self.rid,
             token_ids=part.token_ids,
             text=part.text,
             logprobs=part.logprobs,

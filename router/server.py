@@ -167,7 +167,7 @@ class Router(Frontend):
         RequestError; deadline is unix seconds (0: none)."""
         timings = common_pb2.Timings(queued=time.time())
         prompt, params = self._check(request)  # 1. check
-        r = Request(request.request_id or uuid.uuid4().hex, prompt, params, deadline, timings)
+        r = Request(uuid.uuid4().hex, prompt, params, deadline, timings, label=request.request_id)
         for attempt in range(MIGRATIONS + 1):
             decode, plan, prefill = await self._place(r)  # 2. place
             began = time.time()
@@ -241,7 +241,7 @@ class Router(Frontend):
         finally:
             self._end_calls(decode if read else None, call, replies)
             if not read and kv.lease_id and not reply.finished:  # nobody read the KV: free it now
-                await asyncio.shield(self._release_kv(prefill, kv.lease_id))
+                await asyncio.shield(self._release_kv(prefill, kv))
 
     async def _local_attempt(self, r: Request, attempt: int, decode: Endpoint, plan):
         """Conditional disaggregation: the decode node computes the suffix its cache lacks, then
@@ -459,11 +459,12 @@ class Router(Frontend):
             )
 
     @staticmethod
-    async def _release_kv(prefill: Endpoint, lease_id: str) -> None:
+    async def _release_kv(prefill: Endpoint, kv: nodes_pb2.KVSource) -> None:
         try:
-            await prefill.stub.ReleaseKV(nodes_pb2.ReleaseKVRequest(lease_id=lease_id), timeout=5)
+            request = nodes_pb2.ReleaseKVRequest(lease_id=kv.lease_id, access_key=kv.access_key)
+            await prefill.stub.ReleaseKV(request, timeout=5)
         except grpc.aio.AioRpcError as e:  # the lease expires on its own
-            log.warning("ReleaseKV %s on %s failed: %s", lease_id, prefill.address, e.code().name)
+            log.warning("ReleaseKV on %s failed: %s", prefill.address, e.code().name)
 
 
 def _pick(

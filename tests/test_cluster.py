@@ -260,7 +260,7 @@ def test_unread_kv_lease_expires(tiny_llama):
             assert reply.kv.lease_id and used_blocks(prefills[0]) > 0
             await wait_for_no_blocks(prefills, timeout=3)  # nobody read it: the lease expired
             released = await nodes_pb2_grpc.PrefillNodeStub(channel).ReleaseKV(
-                nodes_pb2.ReleaseKVRequest(lease_id=reply.kv.lease_id)
+                nodes_pb2.ReleaseKVRequest(lease_id=reply.kv.lease_id, access_key=reply.kv.access_key)
             )
             assert not released.released
             await channel.close()
@@ -283,14 +283,16 @@ def test_ending_a_lease_leaves_another_lease_on_the_same_cached_blocks_readable(
             )
             first, second = [await stub.Prefill(ask) for _ in range(2)]
             assert set(first.kv.block_ids[:4]) == set(second.kv.block_ids[:4])  # shared, cached blocks
-            await stub.ReleaseKV(nodes_pb2.ReleaseKVRequest(lease_id=first.kv.lease_id))
+            await stub.ReleaseKV(nodes_pb2.ReleaseKVRequest(lease_id=first.kv.lease_id, access_key=first.kv.access_key))
             dst = decodes[0].llm.kv_cache
             blocks = list(range(len(second.kv.block_ids)))
             await ShmReader().read(second.kv, dst, KVLayout.from_proto(second.kv.layout), blocks)
             src = prefills[0].llm.kv_cache
             n = second.kv.num_tokens
             assert torch.equal(dst.export_kv(blocks, n), src.export_kv(list(second.kv.block_ids), n))
-            await stub.ReleaseKV(nodes_pb2.ReleaseKVRequest(lease_id=second.kv.lease_id))
+            await stub.ReleaseKV(
+                nodes_pb2.ReleaseKVRequest(lease_id=second.kv.lease_id, access_key=second.kv.access_key)
+            )
             await channel.close()
 
     asyncio.run(scenario())
@@ -489,6 +491,10 @@ def test_layerwise_prefill_cancelled_or_finished_at_once_frees_both_sides(tiny_l
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
                 await wait_for_no_blocks(prefills + decodes)
+                for _ in range(3000):  # released while its read pinned it: gone once the read ends
+                    if not len(prefills[0].leases):
+                        break
+                    await asyncio.sleep(0.01)
                 assert len(prefills[0].leases) == 0 and decodes[0].num_active == 0
                 # the first token ends the request (max_tokens 1): the prefill node answers with no KV,
                 # and the decode node is not asked to read any

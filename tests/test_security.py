@@ -249,3 +249,63 @@ def test_shm_regions_outside_pdserve_are_never_opened():
     assert REGION_NAME.fullmatch("pdserve-kv-123-0a1b2c3d")
     for bad in ("../../etc/passwd", "pdserve-kv-1-0a1b2c3d/../../x", "sem.foo", "pdserve-kv-x-0a1b2c3d", ""):
         assert not REGION_NAME.fullmatch(bad)
+
+
+def test_a_lease_is_found_only_with_its_access_key_on_the_grpc_planes(tiny_llama):
+    """An attacker on the internal port who learned a lease id (logs, a shared router) but not its
+    access key can neither pull its KV over gRPC nor release it: NOT_FOUND, as for no lease; the
+    holder of the KVSource then reads it and releases it."""
+    from cluster import used_blocks
+
+    from kvtransfer.layout import KVLayout
+
+    async def scenario():
+        async with local_cluster(tiny_llama) as (router, prefills, decodes):
+            channel = grpc.aio.insecure_channel(prefills[0].address)
+            stub = nodes_pb2_grpc.PrefillNodeStub(channel)
+            reply = await stub.Prefill(
+                nodes_pb2.PrefillRequest(
+                    prompt_token_ids=[5, 6, 7, 8, 9], sampling=common_pb2.SamplingParams(max_tokens=3)
+                )
+            )
+            kv, plane = reply.kv, nodes_pb2_grpc.KVPlaneStub(channel)
+            expect = KVLayout.from_proto(kv.layout).to_proto()
+            for key in ("", "0" * 32):
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    async for _ in plane.PullKV(
+                        nodes_pb2.PullKVRequest(lease_id=kv.lease_id, expect=expect, access_key=key)
+                    ):
+                        pass
+                assert err.value.code() == grpc.StatusCode.NOT_FOUND
+                released = await stub.ReleaseKV(nodes_pb2.ReleaseKVRequest(lease_id=kv.lease_id, access_key=key))
+                assert not released.released and used_blocks(prefills[0]) > 0
+            pulled = [
+                c
+                async for c in plane.PullKV(
+                    nodes_pb2.PullKVRequest(lease_id=kv.lease_id, expect=expect, access_key=kv.access_key)
+                )
+            ]
+            assert sum(len(c.data) for c in pulled) == pulled[0].header.num_bytes
+            assert (
+                await stub.ReleaseKV(nodes_pb2.ReleaseKVRequest(lease_id=kv.lease_id, access_key=kv.access_key))
+            ).released
+            await wait_for_no_blocks(prefills)
+            await channel.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_release_while_a_read_pins_the_lease_frees_the_blocks_only_after_the_read():
+    """ReleaseKV racing a read in flight (the TCP plane's threads pin a lease while they send its
+    blocks): the lease takes no new read at once, and is handed back for freeing only once the
+    read unpins it, never under it."""
+    from kvtransfer.lease import LeaseTable
+
+    leases = LeaseTable(ttl_s=60)
+    lease = leases.add("r", [3, 4], 8, 0)
+    assert leases.pin(lease.lease_id, lease.access_key) is lease
+    assert leases.pop(lease.lease_id, lease.access_key) is None  # pinned: not freed yet
+    assert leases.pin(lease.lease_id, lease.access_key) is None  # but no new read
+    assert leases.pop_expired() == []
+    leases.unpin(lease)
+    assert leases.pop_expired() == [lease] and lease.released and len(leases) == 0
