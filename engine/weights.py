@@ -68,6 +68,28 @@ def _read_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """A tensor name's ending -> the shape its config.json makes it (the dense layers' linears,
+    fused or not, the embeddings, the layer norms): a checkpoint of another shape is refused by
+    name at load, not run with a layer silently cut or widened."""
+    h, q, kv, i = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+    return {
+        ".self_attn.q_proj.weight": (q, h),
+        ".self_attn.k_proj.weight": (kv, h),
+        ".self_attn.v_proj.weight": (kv, h),
+        ".self_attn.qkv_proj.weight": (q + 2 * kv, h),
+        ".self_attn.o_proj.weight": (h, q),
+        ".mlp.gate_proj.weight": (i, h),
+        ".mlp.up_proj.weight": (i, h),
+        ".mlp.gate_up_proj.weight": (2 * i, h),
+        ".mlp.down_proj.weight": (h, i),
+        ".input_layernorm.weight": (h,),
+        "model.embed_tokens.weight": (cfg.vocab_size, h),
+        "lm_head.weight": (cfg.vocab_size, h),
+        "model.norm.weight": (h,),
+    }
+
+
 def load_weights(
     model_dir: Path,
     cfg: ModelConfig,
@@ -103,17 +125,26 @@ def load_weights(
         """A MoE router or shared-expert gate: a few outputs that choose, kept in the model dtype."""
         return Linear(weight, None, kernel, "none")
 
-    def take(name: str) -> torch.Tensor:
+    shapes = expected_shapes(cfg)
+
+    def pop(name: str) -> torch.Tensor:
         if name not in raw:
             raise ValueError(f"model: checkpoint in {model_dir} lacks tensor {name!r}")
-        return raw.pop(name).to(device=device, dtype=dtype)
+        t = raw.pop(name)
+        want = next((shape for end, shape in shapes.items() if name.endswith(end)), None)
+        if want is not None and tuple(t.shape) != want:
+            raise ValueError(
+                f"model: tensor {name!r} in {model_dir} has shape {tuple(t.shape)}; its config.json makes it {want}"
+            )
+        return t
+
+    def take(name: str) -> torch.Tensor:
+        return pop(name).to(device=device, dtype=dtype)
 
     def norm(name: str) -> torch.Tensor:
         if not cfg.gemma_norms:
             return take(name)
-        if name not in raw:
-            raise ValueError(f"model: checkpoint in {model_dir} lacks tensor {name!r}")
-        return (1.0 + raw.pop(name).float()).to(device=device, dtype=dtype)
+        return (1.0 + pop(name).float()).to(device=device, dtype=dtype)
 
     def experts(p: str) -> MoEWeights:
         """Mixtral's block_sparse_moe.experts.{e}.w1/w3/w2, or Qwen-MoE's mlp.experts.{e}.gate/up/down_proj."""

@@ -6,13 +6,17 @@ A server adds its gRPC services and says what `num_open` and `busy` mean for it.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 from engine import LLMEngine
 from engine.async_engine import AsyncEngine
 from kvtransfer.security import Security
-from serving.grpc_server import GrpcServer
+from serving.grpc_server import LIVENESS, GrpcServer
 from serving.metrics import EngineExporter, Metrics
+
+log = logging.getLogger(__name__)
+WATCH_S = 0.1  # how often the engine's death is looked for
 
 
 class EngineServer:
@@ -34,6 +38,7 @@ class EngineServer:
         self.exporter = EngineExporter(self.metrics, self.role, self.engine, self.num_open)
         self._tasks: set[asyncio.Task] = set()
         self._finishing: set[asyncio.Task] = set()
+        self.dead = asyncio.Event()  # the engine's loop died: the process exits (serving/process.py)
 
     @property
     def address(self) -> str:
@@ -59,6 +64,17 @@ class EngineServer:
     async def start(self) -> None:
         await self.server.start()
         self.background(self.exporter.run())
+        self.background(self._watch_engine())
+
+    async def _watch_engine(self) -> None:
+        """An engine whose loop died (a step raised) serves nothing: health and liveness go
+        NOT_SERVING at once, so routers and probes drop the node (failing fast, it would look the
+        least loaded), and `dead` is set: the process exits, for `pdserve up` or Serve to restart it."""
+        while self.engine.error is None:
+            await asyncio.sleep(WATCH_S)
+        log.error("%s engine died (%s): health NOT_SERVING", self.role, self.engine.error)
+        await self.server.set_serving(False, self.server.service_names + ["", LIVENESS])
+        self.dead.set()
 
     async def drain(self, timeout_s: float, min_s: float = 2.0) -> None:
         """Stops taking work (health NOT_SERVING) and waits until nothing is in flight, at most

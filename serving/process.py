@@ -91,7 +91,7 @@ async def run_until_signalled(make_node, grace_s: float = 30.0, metrics_port: in
     """Builds a node with make_node() (inside the event loop, which grpc.aio servers need), starts it
     (anything with start/stop/address/metrics), serves its Prometheus metrics on metrics_port (if
     given; 0 picks one), prints 'READY <address> [metrics=<port>]' once it serves, and stops it
-    gracefully on SIGTERM or SIGINT."""
+    gracefully on SIGTERM or SIGINT. If its engine dies (node.dead) it stops and exits with status 1."""
     node = make_node()
     await node.start()
     extra = f" metrics={node.metrics.serve(metrics_port)}" if metrics_port is not None else ""
@@ -102,9 +102,16 @@ async def run_until_signalled(make_node, grace_s: float = 30.0, metrics_port: in
         loop.add_signal_handler(sig, stop.set)
     parent = os.environ.pop(PARENT_ENV, None)
     watch = asyncio.create_task(_stop_when_gone(int(parent), stop)) if parent else None
-    await stop.wait()
-    if watch:
-        watch.cancel()
+    dead = getattr(node, "dead", None)  # an engine server's engine died
+    waits = [asyncio.create_task(e.wait()) for e in (stop, dead) if e is not None]
+    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    for task in [watch, *waits]:
+        if task:
+            task.cancel()
+    if dead is not None and dead.is_set():
+        log.error("the engine died: exiting with status 1, to be restarted")
+        await node.stop(1.0)
+        raise SystemExit(1)
     if hasattr(node, "drain"):  # finish what is in flight first
         await node.drain(grace_s)
     await node.stop(grace_s)

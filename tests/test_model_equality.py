@@ -74,10 +74,13 @@ def test_llama_prefill_and_decode_match_transformers(tiny_llama, cpu_kernels, li
 def test_the_linear_kernel_is_the_one_asked_for_and_a_wrong_one_is_named(tiny_llama):
     ordered = make_engine(tiny_llama, linear_kernel="ordered").runner.model.w.layers[0].qkv
     onednn = make_engine(tiny_llama, linear_kernel="onednn").runner.model.w.layers[0].qkv
-    assert ordered.panels is not None and onednn.panels is None
+    chunks = make_engine(tiny_llama, linear_kernel="onednn_chunks").runner.model.w.layers[0].qkv
+    assert ordered.panels is not None and onednn.panels is None and not onednn.chunk_rows
+    assert chunks.panels is None and chunks.chunk_rows == 32
     with pytest.raises(ValueError, match=r"linear_kernel ordered: needs the C\+\+ CPU kernels.*cpu_kernels False"):
         make_engine(tiny_llama, linear_kernel="ordered", cpu_kernels=False)
-    with pytest.raises(ValueError, match=r"linear_kernel must be one of \('auto', 'ordered', 'onednn'\), got 'mkl'"):
+    choices = r"\('auto', 'ordered', 'onednn', 'onednn_chunks'\)"
+    with pytest.raises(ValueError, match=rf"linear_kernel must be one of {choices}, got 'mkl'"):
         make_engine(tiny_llama, linear_kernel="mkl")
 
 

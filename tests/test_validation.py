@@ -121,3 +121,28 @@ def test_chat_messages_are_checked(tiny_llama):
         llm.chat([{"role": "wizard", "content": "hi"}])
     out = llm.chat([{"role": "user", "content": "Hello world"}], SamplingParams(max_tokens=2))
     assert len(out[0].token_ids) == 2
+
+
+@pytest.mark.parametrize(
+    "key, change, tensor",
+    [
+        ("intermediate_size", 8, "model.layers.0.mlp.gate_proj.weight"),
+        ("num_key_value_heads", -1, "model.layers.0.self_attn.k_proj.weight"),
+        ("vocab_size", 5, "model.embed_tokens.weight"),
+    ],
+)
+def test_a_checkpoint_whose_tensors_its_config_does_not_make_is_refused_by_name(
+    tiny_llama, tmp_path, key, change, tensor
+):
+    """Without the check a wider MLP or fewer KV heads in config.json than in the weights would
+    load and run, silently another model."""
+    import json
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_llama, model)
+    config = json.loads((model / "config.json").read_text())
+    config[key] += change
+    (model / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=f"tensor '{tensor}' in .* has shape .*; its config.json makes it"):
+        make_engine(model)
