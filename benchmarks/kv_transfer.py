@@ -234,7 +234,9 @@ async def bench_transports(args, prefill_addr: str, model_dir, prompt: list[int]
             results["tcp_s"].append(time.perf_counter() - t)
     results["grpc_s"] = await bench_reader(grpc_reader, source, kv_cache, layout, args.repeat)
     await grpc_reader.close()
-    await nodes_pb2_grpc.PrefillNodeStub(channel).ReleaseKV(nodes_pb2.ReleaseKVRequest(lease_id=source.lease_id))
+    await nodes_pb2_grpc.PrefillNodeStub(channel).ReleaseKV(
+        nodes_pb2.ReleaseKVRequest(lease_id=source.lease_id, access_key=source.access_key)
+    )
     await channel.close()
     return results
 

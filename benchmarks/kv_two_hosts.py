@@ -90,7 +90,9 @@ async def reader(prefill: str, raw: str, tokens: int, repeat: int) -> dict:
                 times.append(time.perf_counter() - t)
             seconds[name] = times
             await r.close()
-        await nodes_pb2_grpc.PrefillNodeStub(channel).ReleaseKV(nodes_pb2.ReleaseKVRequest(lease_id=source.lease_id))
+        await nodes_pb2_grpc.PrefillNodeStub(channel).ReleaseKV(
+            nodes_pb2.ReleaseKVRequest(lease_id=source.lease_id, access_key=source.access_key)
+        )
     seconds["tcp_raw"] = raw_receive(raw, source.num_bytes, repeat)
     return {
         "num_bytes": source.num_bytes,
@@ -192,7 +194,9 @@ async def size_of(prefill: str, tokens: int) -> int:
                 sampling=common_pb2.SamplingParams(max_tokens=2),
             )
         )
-        await nodes_pb2_grpc.PrefillNodeStub(channel).ReleaseKV(nodes_pb2.ReleaseKVRequest(lease_id=reply.kv.lease_id))
+        await nodes_pb2_grpc.PrefillNodeStub(channel).ReleaseKV(
+            nodes_pb2.ReleaseKVRequest(lease_id=reply.kv.lease_id, access_key=reply.kv.access_key)
+        )
     return reply.kv.num_bytes
 
 

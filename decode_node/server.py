@@ -263,6 +263,8 @@ class DecodeNode(EngineServer, nodes_pb2_grpc.DecodeNodeServicer):
                     first = False
                 yield msg
         except ValueError as e:  # refused at admission (e.g. the request id is in use)
+            if not admitted:  # refused before admit ran (a live id): the blocks are still ours to give back
+                reserved.owned = True
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
     async def _prefill_here(self, request: nodes_pb2.DecodeRequest, params, context):

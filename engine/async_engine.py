@@ -75,6 +75,8 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue = asyncio.Queue()
 
+        registered = []
+
         def register_and_add():
             if request_id in self._streams:  # checked first: registering would orphan the live stream
                 raise ValueError(f"request_id {request_id!r} is already running")
@@ -84,6 +86,11 @@ class AsyncEngine:
             except BaseException:
                 del self._streams[request_id]
                 raise
+            registered.append(True)
+
+        def abort_if_ours():  # runs after register_and_add (commands run in order): never a live twin's
+            if registered:
+                self._abort(request_id)
 
         # The add is queued at once; if we are cancelled while it waits its turn it still runs, so
         # an abort is queued behind it: the request can never be left running unwatched.
@@ -91,7 +98,7 @@ class AsyncEngine:
         try:
             await asyncio.shield(added)
         except asyncio.CancelledError:
-            await asyncio.shield(self.call(self._abort, request_id))
+            await asyncio.shield(self.call(abort_if_ours))
             raise
         finished = False
         try:

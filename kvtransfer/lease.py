@@ -56,7 +56,9 @@ class LeaseTable:
         return lease
 
     def start_clock(self, lease: Lease) -> None:
-        lease.expires_at = time.time() + self.ttl_s
+        with self._lock:
+            if not lease.released:  # released while pinned: it stays ended
+                lease.expires_at = time.time() + self.ttl_s
 
     def get(self, lease_id: str, key: str | None = None) -> Lease | None:
         """key: the caller's access key, for a caller outside this node (None: the node's own)."""

@@ -188,7 +188,9 @@ class Router(Frontend):
                 if e.code != grpc.StatusCode.UNAVAILABLE or attempt == MIGRATIONS or stuck or r.past_deadline():
                     more = f" ({self.prefill_pool.no_healthy_node()})" if stuck else ""
                     raise RequestError(e.code, f"prefill: {e.details}{more}") from None
-                log.warning("request %s: prefill on %s failed (%s); retrying", r.rid, e.node.address, e.details)
+                log.warning(
+                    "request %s (%s): prefill on %s failed (%s); retrying", r.rid, r.label, e.node.address, e.details
+                )
                 e.node.healthy = False  # until a health check passes again
             except grpc.aio.AioRpcError as e:
                 await self._migrate(r, attempt, decode, e)
@@ -282,8 +284,9 @@ class Router(Frontend):
         if e.code() not in MIGRATE_ON or attempt == MIGRATIONS or r.past_deadline():
             raise RequestError(e.code(), f"decode: {e.details()}") from None
         log.warning(
-            "request %s: decode on %s failed (%s: %s) after %d tokens; migrating",
+            "request %s (%s): decode on %s failed (%s: %s) after %d tokens; migrating",
             r.rid,
+            r.label,
             decode.address,
             e.code().name,
             e.details(),

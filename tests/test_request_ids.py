@@ -59,3 +59,73 @@ def test_two_clients_with_the_same_request_id_each_get_their_own_answer(tiny_lla
     alone, both = asyncio.run(asyncio.wait_for(scenario(), HANG_S))
     assert [c.token_ids for c in both] == [c.token_ids for c in alone]
     assert {c.request_id for c in both} == {"same"}
+
+
+def test_a_cancelled_second_stream_under_a_live_id_leaves_the_first_alone(tiny_llama):
+    """Cancelled while its add waits its turn: the abort queued behind it is for its own request
+    only, and its add was refused, so the live request goes on to the end."""
+    engine = make_engine(tiny_llama)
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+
+    async def scenario():
+        first = aengine.stream("same", lambda: engine.add_request("same", [1, 2, 3], params))
+        tokens = list((await anext(first)).new_token_ids)
+        second = asyncio.ensure_future(anext(aengine.stream("same", lambda: engine.add_request("same", [4], params))))
+        await asyncio.sleep(0)  # its add is queued
+        second.cancel()
+        with pytest.raises((asyncio.CancelledError, ValueError)):
+            await second
+        async for out in first:
+            tokens += out.new_token_ids
+        return tokens
+
+    aengine = AsyncEngine(engine)
+    try:
+        tokens = asyncio.run(asyncio.wait_for(scenario(), HANG_S))
+    finally:
+        aengine.stop()
+    assert len(tokens) == 24
+
+
+def test_a_decode_call_under_a_live_id_is_refused_and_its_blocks_go_back(tiny_llama):
+    """On a decode node's internal port: the second Decode's KV was read into blocks reserved for
+    it; refused as the id is live, those blocks return, and the first request ends whole."""
+    import grpc
+
+    from pdserve_api import common_pb2, nodes_pb2, nodes_pb2_grpc
+
+    async def scenario():
+        async with local_cluster(tiny_llama) as (router, prefills, decodes):
+            async with (
+                grpc.aio.insecure_channel(prefills[0].address) as p,
+                grpc.aio.insecure_channel(decodes[0].address) as d,
+            ):
+                prompt, sampling = [1, 2, 3, 4, 5], common_pb2.SamplingParams(max_tokens=30, ignore_eos=True)
+                prefill = nodes_pb2_grpc.PrefillNodeStub(p)
+                ask = nodes_pb2.PrefillRequest(prompt_token_ids=prompt, sampling=sampling)
+                replies = [await prefill.Prefill(ask) for _ in range(2)]
+                decode = nodes_pb2_grpc.DecodeNodeStub(d)
+
+                def call(reply):
+                    ask = nodes_pb2.DecodeRequest(
+                        request_id="dup",
+                        prompt_token_ids=prompt,
+                        output_token_ids=[reply.first_token_id],
+                        sampling=sampling,
+                        kv=reply.kv,
+                    )
+                    return decode.Decode(ask)
+
+                first = call(replies[0])
+                tokens = [replies[0].first_token_id, *(await first.read()).token_ids]
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    async for _ in call(replies[1]):
+                        pass
+                assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert "request_id 'dup' is already running" in err.value.details()
+                while (part := await first.read()) is not grpc.aio.EOF:
+                    tokens += part.token_ids
+                assert len(tokens) == 30
+            await wait_for_no_blocks(prefills + decodes)
+
+    asyncio.run(asyncio.wait_for(scenario(), HANG_S))
