@@ -11,32 +11,43 @@ import pytest
 from cluster import local_cluster, wait_for_no_blocks
 from conftest import make_engine
 
-from engine import SamplingParams
+from engine import LLMEngine, SamplingParams
 from engine.async_engine import AsyncEngine
 from router.client import AsyncClient
 
 HANG_S = 300  # a guard against a hang, far above a slow machine's time
 
 
-def test_a_second_stream_under_a_live_id_is_refused_and_the_first_goes_on(tiny_llama):
-    engine = make_engine(tiny_llama)
-    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+PARAMS = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+
+
+def live_and_second(model, second) -> tuple[list[int], LLMEngine]:
+    """A live stream under "same" on an AsyncEngine, second(aengine, add) meanwhile (add: what a
+    second "same" request would add); returns the live stream's tokens, all of them."""
+    engine = make_engine(model)
+    aengine = AsyncEngine(engine)
 
     async def scenario():
-        first = aengine.stream("same", lambda: engine.add_request("same", [1, 2, 3], params))
+        first = aengine.stream("same", lambda: engine.add_request("same", [1, 2, 3], PARAMS))
         tokens = list((await anext(first)).new_token_ids)
-        with pytest.raises(ValueError, match="request_id 'same' is already running"):
-            async for _ in aengine.stream("same", lambda: engine.add_request("same", [4, 5], params)):
-                pass
+        await second(aengine, lambda: engine.add_request("same", [4, 5], PARAMS))
         async for out in first:
             tokens += out.new_token_ids
         return tokens
 
-    aengine = AsyncEngine(engine)
     try:
-        tokens = asyncio.run(asyncio.wait_for(scenario(), HANG_S))
+        return asyncio.run(asyncio.wait_for(scenario(), HANG_S)), engine
     finally:
         aengine.stop()
+
+
+def test_a_second_stream_under_a_live_id_is_refused_and_the_first_goes_on(tiny_llama):
+    async def second(aengine, add):
+        with pytest.raises(ValueError, match="request_id 'same' is already running"):
+            async for _ in aengine.stream("same", add):
+                pass
+
+    tokens, engine = live_and_second(tiny_llama, second)
     assert len(tokens) == 24
     assert not engine.has_unfinished()
 
@@ -64,26 +75,15 @@ def test_two_clients_with_the_same_request_id_each_get_their_own_answer(tiny_lla
 def test_a_cancelled_second_stream_under_a_live_id_leaves_the_first_alone(tiny_llama):
     """Cancelled while its add waits its turn: the abort queued behind it is for its own request
     only, and its add was refused, so the live request goes on to the end."""
-    engine = make_engine(tiny_llama)
-    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 
-    async def scenario():
-        first = aengine.stream("same", lambda: engine.add_request("same", [1, 2, 3], params))
-        tokens = list((await anext(first)).new_token_ids)
-        second = asyncio.ensure_future(anext(aengine.stream("same", lambda: engine.add_request("same", [4], params))))
+    async def second(aengine, add):
+        call = asyncio.ensure_future(anext(aengine.stream("same", add)))
         await asyncio.sleep(0)  # its add is queued
-        second.cancel()
+        call.cancel()
         with pytest.raises((asyncio.CancelledError, ValueError)):
-            await second
-        async for out in first:
-            tokens += out.new_token_ids
-        return tokens
+            await call
 
-    aengine = AsyncEngine(engine)
-    try:
-        tokens = asyncio.run(asyncio.wait_for(scenario(), HANG_S))
-    finally:
-        aengine.stop()
+    tokens, _ = live_and_second(tiny_llama, second)
     assert len(tokens) == 24
 
 
